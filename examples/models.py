@@ -1,0 +1,188 @@
+"""Example Flax NNX models that the plans in plans/ are written for.
+
+- ``GPT``: token (+ learned position) embedding, causal self-attention with
+  query/key/value/out projections (grouped KV heads allowed), SwiGLU MLP (up, gate,
+  down), pre-norm (LayerNorm or RMSNorm), tied or untied head.
+- ``MLP``: a stack of Linear layers.
+
+Param paths (what plan regexes match): ``embed/embedding``, ``pos_embed/embedding``,
+``blocks/<i>/attn/(query|key|value|out)/kernel``, ``blocks/<i>/mlp/(up|gate|down)/kernel``,
+``blocks/<i>/(ln1|ln2)/scale``, ``ln_f/scale``, ``head/kernel`` (untied only).
+
+Factories with no required arguments (``gpt_tiny``, ``gpt_small``, ``mlp_small``,
+``llama2_70b``) are what ``shardplan check --model examples/models.py:FACTORY`` calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 64
+    d_model: int = 32
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: as many as n_heads
+    d_ff: int = 64
+    n_layers: int = 2
+    max_len: int = 16
+    tied: bool = False
+    norm: str = "layer"  # "layer" or "rms"
+    learned_pos: bool = True
+    use_bias: bool = False
+    annotate: bool = False  # carry Flax logical-axis annotations (nnx.with_partitioning)
+    dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+
+def _init(cfg: GPTConfig, base, names):
+    return nnx.with_partitioning(base, names) if cfg.annotate else base
+
+
+def _linear(cfg: GPTConfig, din: int, dout: int, names, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=cfg.use_bias, rngs=rngs, param_dtype=jnp.dtype(cfg.dtype),
+                      kernel_init=_init(cfg, nnx.initializers.normal(0.02), names))
+
+
+def _norm(cfg: GPTConfig, rngs: nnx.Rngs):
+    init = _init(cfg, nnx.initializers.ones_init(), ("embed",))
+    if cfg.norm == "rms":
+        return nnx.RMSNorm(cfg.d_model, rngs=rngs, scale_init=init, param_dtype=jnp.dtype(cfg.dtype))
+    return nnx.LayerNorm(cfg.d_model, rngs=rngs, scale_init=init, use_bias=cfg.use_bias,
+                         param_dtype=jnp.dtype(cfg.dtype))
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.query = _linear(cfg, cfg.d_model, cfg.n_heads * hd, ("embed", "heads"), rngs)
+        self.key = _linear(cfg, cfg.d_model, cfg.kv_heads * hd, ("embed", "kv_heads"), rngs)
+        self.value = _linear(cfg, cfg.d_model, cfg.kv_heads * hd, ("embed", "kv_heads"), rngs)
+        self.out = _linear(cfg, cfg.n_heads * hd, cfg.d_model, ("heads", "embed"), rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.query(x).reshape(b, t, cfg.n_heads, cfg.head_dim)
+        k = self.key(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        v = self.value(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        rep = cfg.n_heads // cfg.kv_heads
+        if rep > 1:
+            k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(cfg.head_dim).astype(x.dtype)
+        scores = jnp.where(mask[:, None, :, :], scores, jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.n_heads * cfg.head_dim)
+        return self.out(y)
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.up = _linear(cfg, cfg.d_model, cfg.d_ff, ("embed", "mlp"), rngs)
+        self.gate = _linear(cfg, cfg.d_model, cfg.d_ff, ("embed", "mlp"), rngs)
+        self.down = _linear(cfg, cfg.d_ff, cfg.d_model, ("mlp", "embed"), rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(nnx.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.ln1 = _norm(cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.ln2 = _norm(cfg, rngs)
+        self.mlp = SwiGLU(cfg, rngs)
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        x = x + self.attn(self.ln1(x), mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nnx.Module):
+    """A small GPT-style causal LM: ``model(tokens) -> logits``."""
+
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt = jnp.dtype(cfg.dtype)
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs, param_dtype=dt,
+                               embedding_init=_init(cfg, nnx.initializers.normal(0.02), ("vocab", "embed")))
+        if cfg.learned_pos:
+            self.pos_embed = nnx.Embed(cfg.max_len, cfg.d_model, rngs=rngs, param_dtype=dt,
+                                       embedding_init=_init(cfg, nnx.initializers.normal(0.02),
+                                                            (None, "embed")))
+        self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.ln_f = _norm(cfg, rngs)
+        if not cfg.tied:
+            self.head = _linear(cfg, cfg.d_model, cfg.vocab, ("embed", "vocab"), rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 mask: jax.Array | None = None) -> jax.Array:
+        b, t = tokens.shape
+        x = self.embed(tokens)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        if self.cfg.learned_pos:
+            x = x + self.pos_embed(positions)
+        if mask is None:
+            mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+        for block in self.blocks:
+            x = block(x, mask)
+        x = self.ln_f(x)
+        return self.embed.attend(x) if self.cfg.tied else self.head(x)
+
+
+class MLP(nnx.Module):
+    """A plain MLP: ``layers/<i>/kernel`` and ``layers/<i>/bias``."""
+
+    def __init__(self, sizes: tuple[int, ...], rngs: nnx.Rngs):
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = nnx.relu(x)
+        return x
+
+
+TINY = GPTConfig()
+SMALL = GPTConfig(vocab=256, d_model=128, n_heads=8, d_ff=512, n_layers=4, max_len=64)
+LLAMA2_70B = GPTConfig(vocab=32000, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672, n_layers=80,
+                       max_len=4096, norm="rms", learned_pos=False, tied=False)
+
+
+def gpt_tiny(seed: int = 0) -> GPT:
+    return GPT(TINY, nnx.Rngs(seed))
+
+
+def gpt_tiny_annotated(seed: int = 0) -> GPT:
+    return GPT(GPTConfig(annotate=True), nnx.Rngs(seed))
+
+
+def gpt_small(seed: int = 0) -> GPT:
+    return GPT(SMALL, nnx.Rngs(seed))
+
+
+def mlp_small(seed: int = 0) -> MLP:
+    return MLP((64, 256, 256, 16), nnx.Rngs(seed))
+
+
+def llama2_70b(seed: int = 0) -> GPT:
+    """Llama-2-70B shapes (80 layers, d_model 8192, 64/8 heads, SwiGLU 28672, vocab 32000).
+
+    Build it abstractly only: ``nnx.eval_shape(llama2_70b)`` (or ``shardplan check``).
+    """
+    return GPT(LLAMA2_70B, nnx.Rngs(seed))

@@ -1,0 +1,1 @@
+"""The .splan grammar, shipped inside the wheel as shardplan.grammar."""

@@ -1,0 +1,161 @@
+"""The ``shardplan`` command line. Errors print as located diagnostics, never tracebacks.
+
+Exit codes: 0 clean, 1 errors (or warnings with --strict), 2 usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from rich.console import Console
+
+from shardplan.errors import ShardPlanError, error
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _simulate_devices(n: int | None) -> None:
+    """Simulated CPU devices: must run before jax is imported."""
+    if n:
+        if "jax" in sys.modules:
+            raise _UsageError("--simulate-devices must be set before jax is imported")
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _bytes_arg(text: str | None) -> int | None:
+    from shardplan.report import parse_bytes
+
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise _UsageError(str(e)) from None
+
+
+def cmd_check(args, out: Console, err: Console) -> int:
+    from shardplan import loader, report, shapes
+    from shardplan.resolve import resolve_leaves
+
+    budget = _bytes_arg(args.device_memory)
+    threshold = _bytes_arg(args.replicated_threshold)
+    if args.model and args.shapes:
+        raise _UsageError("give --model or --shapes, not both")
+    mesh = loader.parse_mesh_arg(args.mesh) if args.mesh else None
+    plan = loader.load(args.plan, mesh=mesh)
+    diagnostics = list(plan.warnings)
+    res = None
+    if args.model or args.shapes:
+        if args.shapes:
+            params, opt = shapes.load_shapes(args.shapes)
+        else:
+            from shardplan import tree
+
+            model = shapes.abstract_model(shapes.load_factory(args.model))
+            params, opt = tree.flatten(model)[0], None
+        if args.optimizer == "recorded":
+            if opt is None:
+                raise _UsageError("--optimizer recorded: the shapes file records no optimizer state")
+        else:
+            opt = shapes.optimizer_leaves(params, args.optimizer)
+        devices = args.devices
+        if devices is None and any(a.size is None for a in plan.mesh):
+            from shardplan import tree
+
+            devices = tree.device_count()
+            err.print(f"[dim]note: mesh '*' resolved with {devices} local device(s); pass --devices N "
+                      "or --mesh to check another size[/]")
+        mesh_shape = plan.mesh_shape(devices)
+        res = resolve_leaves(plan, mesh_shape, params, opt, threshold or 64 * 2**20)
+        diagnostics = list(res.warnings)
+    elif args.devices is not None:
+        plan.mesh_shape(args.devices)
+    if args.format == "json":
+        out.print_json(json.dumps(report.to_json(plan, res, diagnostics, budget)))
+    else:
+        if res is not None:
+            report.print_text(out, plan, res, expand=args.expand, show_opt=args.show_opt, budget=budget)
+        report.print_diagnostics(err, diagnostics)
+        if res is None:
+            axes = ", ".join(f"{a.name}={a.size if a.size is not None else '*'}" for a in plan.mesh)
+            out.print(f"plan {plan.name or args.plan}: ok (mesh {axes}; {len(plan.params)} param rules, "
+                      f"{len(plan.axes)} axis rules). Pass --model or --shapes to check against a model.")
+    if budget is not None and res is not None and report.summary(res)["total_bytes_per_device"] > budget:
+        return EXIT_ERRORS
+    if args.strict and diagnostics:
+        return EXIT_ERRORS
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardplan", description="Sharding plans for Flax NNX models.")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command")
+
+    c = sub.add_parser("check", help="check a plan offline, alone or against a model's shapes",
+                       description="Check a plan offline (no devices, abstract shapes).")
+    c.add_argument("plan", help="the .splan file")
+    c.add_argument("--mesh", help="axis sizes replacing the plan's mesh, e.g. data=32,model=8")
+    c.add_argument("--devices", type=int, help="device count for a '*' mesh axis (default: local devices)")
+    src = c.add_argument_group("model (one of)")
+    src.add_argument("--model", help="FILE.py:FACTORY or package.module:FACTORY; built with nnx.eval_shape")
+    src.add_argument("--shapes", help="a shapes JSON written by shardplan.dump_shapes")
+    c.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "none", "recorded"), default="adam",
+                   help="optimizer state to account for (default adam; 'recorded': the shapes file's)")
+    c.add_argument("--format", choices=("text", "json"), default="text")
+    c.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
+    c.add_argument("--device-memory", help="per-device memory budget, e.g. 80GB or 16GiB")
+    c.add_argument("--replicated-threshold", help="warn for replicated tensors above this (default 64MiB)")
+    c.add_argument("--expand", action="store_true", help="one row per layer instead of grouping x N")
+    c.add_argument("--show-opt", action="store_true", help="list optimizer-state leaves too")
+    c.set_defaults(func=cmd_check)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Wide tables when piped (rich assumes 80 columns without a terminal).
+    out = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+    err = Console(stderr=True)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from shardplan import __version__
+
+        out.print(f"shardplan {__version__}")
+        return EXIT_OK
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        _simulate_devices(getattr(args, "simulate_devices", None))
+        return args.func(args, out, err)
+    except _UsageError as e:
+        err.print(f"shardplan {args.command}: error: {e}", highlight=False)
+        return EXIT_USAGE
+    except ShardPlanError as e:
+        from shardplan.report import print_diagnostics
+
+        print_diagnostics(err, e.diagnostics)
+        n = len(e.errors)
+        err.print(f"[red]{n} error{'s' if n != 1 else ''}[/]")
+        return EXIT_ERRORS
+    except KeyboardInterrupt:
+        return 130
+
+
+def _entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    _entry()

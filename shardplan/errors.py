@@ -1,0 +1,129 @@
+"""Diagnostics and the one error root of shardplan.
+
+Every problem shardplan finds is a :class:`Diagnostic`: where (a source span or a
+parameter path), what is wrong, and what to change. Errors are raised together as one
+:class:`ShardPlanError`; warnings travel as data on results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Severity = Literal["error", "warning"]
+
+MAX_SHOWN = 20
+
+
+@dataclass(frozen=True)
+class Span:
+    """A region of a source file: 1-based line and column, end exclusive."""
+
+    file: str
+    line: int
+    column: int
+    end_line: int
+    end_column: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One problem: severity, a short code, a message, a hint and a location.
+
+    ``span`` points into a plan file; ``path`` names a parameter (for problems found
+    against a model). ``source_line`` is the text of the span's line, kept so the
+    diagnostic renders with a caret without the source at hand.
+    """
+
+    severity: Severity
+    code: str
+    message: str
+    hint: str = ""
+    span: Span | None = None
+    path: str | None = None
+    source_line: str | None = None
+
+    @property
+    def location(self) -> str:
+        if self.span is not None:
+            where = str(self.span)
+            return f"{where} ({self.path})" if self.path else where
+        return self.path or "<plan>"
+
+    def render(self) -> str:
+        """file:line:col: severity[code]: message, then the line, a caret and the hint."""
+        out = [f"{self.location}: {self.severity}[{self.code}]: {self.message}"]
+        if self.span is not None and self.source_line is not None:
+            col = max(self.span.column, 1)
+            if self.span.end_line == self.span.line:
+                width = max(self.span.end_column - col, 1)
+            else:
+                width = max(len(self.source_line) - col + 1, 1)
+            out.append(f"    {self.source_line}")
+            out.append("    " + " " * (col - 1) + "^" * width)
+        if self.hint:
+            out.append(f"  hint: {self.hint}")
+        return "\n".join(out)
+
+    def to_json(self) -> dict:
+        d: dict = {
+            "severity": self.severity,
+            "code": self.code,
+            "message": self.message,
+            "hint": self.hint,
+        }
+        if self.span is not None:
+            d.update(file=self.span.file, line=self.span.line, column=self.span.column,
+                     end_line=self.span.end_line, end_column=self.span.end_column)
+        if self.path is not None:
+            d["path"] = self.path
+        return d
+
+
+def render_all(diagnostics: tuple[Diagnostic, ...] | list[Diagnostic], limit: int = MAX_SHOWN) -> str:
+    shown = [d.render() for d in diagnostics[:limit]]
+    if len(diagnostics) > limit:
+        shown.append(f"... and {len(diagnostics) - limit} more")
+    return "\n".join(shown)
+
+
+class ShardPlanError(Exception):
+    """The root of every error shardplan raises on bad input.
+
+    Carries all diagnostics found, not only the first.
+    """
+
+    def __init__(self, diagnostics: tuple[Diagnostic, ...] | list[Diagnostic] | str):
+        if isinstance(diagnostics, str):
+            diagnostics = (Diagnostic("error", "error", diagnostics),)
+        self.diagnostics: tuple[Diagnostic, ...] = tuple(diagnostics)
+        super().__init__(render_all(self.diagnostics))
+
+    @property
+    def errors(self) -> tuple[Diagnostic, ...]:
+        return tuple(d for d in self.diagnostics if d.severity == "error")
+
+
+class PlanSyntaxError(ShardPlanError):
+    """The plan text does not parse."""
+
+
+class PlanCheckError(ShardPlanError):
+    """The plan parses but is inconsistent, or does not fit a model or mesh."""
+
+
+class PlanApplyError(ShardPlanError):
+    """Applying a plan to live devices, arrays or models failed."""
+
+
+def error(code: str, message: str, hint: str = "", *, span: Span | None = None,
+          path: str | None = None, source_line: str | None = None) -> Diagnostic:
+    return Diagnostic("error", code, message, hint, span, path, source_line)
+
+
+def warning(code: str, message: str, hint: str = "", *, span: Span | None = None,
+            path: str | None = None, source_line: str | None = None) -> Diagnostic:
+    return Diagnostic("warning", code, message, hint, span, path, source_line)

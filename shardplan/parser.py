@@ -1,0 +1,205 @@
+"""Stage 1: source text -> AST, with Lark's LALR parser and positions."""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from pathlib import Path
+
+import lark
+from lark import Lark, Token, Transformer, v_args
+
+from shardplan import ast
+from shardplan.errors import PlanSyntaxError, Span, error
+
+# Common mistakes, recognised with Lark's match_examples: label -> (examples, hint).
+_EXAMPLES: dict[str, tuple[list[str], str]] = {
+    "unquoted-regex": (
+        ['param blocks/.* (model, _)', 'param .* replicated', 'opt mu (data)',
+         'input labels (data)', 'param blocks (model)'],
+        'a rule\'s regex goes in double quotes: param "blocks/.*/kernel" (model, _)',
+    ),
+    "mesh-missing-equals": (
+        ["mesh data 8", "mesh data = 8, model 2", "mesh data: 8"],
+        "write each mesh axis as name = size, comma-separated: mesh data = *, model = 2",
+    ),
+    "mesh-bad-size": (
+        ["mesh data = two", "mesh data = -1", 'mesh data = "8"'],
+        "a mesh size is a positive integer, or * for the remaining devices",
+    ),
+    "spec-without-parens": (
+        ['param "x" model', 'param "x" model, _', "batch data", 'input "x" data', "default _"],
+        "a spec is a parenthesised list of dims, e.g. (data, _), or the word replicated",
+    ),
+    "axis-missing-arrow": (
+        ["axis embed model", "axis embed = model", "axis embed: model"],
+        "map a logical axis with an arrow: axis embed -> model",
+    ),
+}
+
+_FRIENDLY = {
+    "STRING": 'a quoted string ("...")',
+    "NAME": "a name",
+    "INT": "a number",
+    "STAR": "'*'",
+    "$END": "end of file",
+}
+
+
+def _grammar_text() -> str:
+    try:
+        return resources.files("shardplan.grammar").joinpath("splan.lark").read_text()
+    except (ModuleNotFoundError, FileNotFoundError):
+        # Running from a source tree without installing: grammar/ sits beside shardplan/.
+        return (Path(__file__).resolve().parent.parent / "grammar" / "splan.lark").read_text()
+
+
+@functools.cache
+def _parser() -> Lark:
+    return Lark(_grammar_text(), parser="lalr", propagate_positions=True, maybe_placeholders=False)
+
+
+def _span(file: str, meta) -> Span:
+    return Span(file, meta.line, meta.column, meta.end_line, meta.end_column)
+
+
+def _tok_span(file: str, tok: Token) -> Span:
+    return Span(file, tok.line, tok.column, tok.end_line, tok.end_column)
+
+
+@v_args(meta=True)
+class _ToAst(Transformer):
+    def __init__(self, file: str):
+        super().__init__()
+        self.file = file
+
+    def _s(self, meta) -> Span:
+        return _span(self.file, meta)
+
+    def start(self, meta, children):
+        return tuple(children)
+
+    def plan_stmt(self, meta, c):
+        return ast.PlanName(c[0][1:-1], self._s(meta))
+
+    def extends_stmt(self, meta, c):
+        return ast.Extends(c[0][1:-1], self._s(meta))
+
+    def mesh_axis(self, meta, c):
+        name, size = c
+        value = None if size.type == "STAR" else int(size)
+        return ast.MeshAxisNode(str(name), value, self._s(meta), _tok_span(self.file, name))
+
+    def mesh_stmt(self, meta, c):
+        return ast.MeshNode(tuple(c), self._s(meta))
+
+    def backend_stmt(self, meta, c):
+        return ast.BackendNode(str(c[0]), self._s(meta))
+
+    def batch_stmt(self, meta, c):
+        return ast.BatchNode(c[0], self._s(meta))
+
+    def _rule(self, kind, meta, c):
+        tok, spec = c
+        inner = Span(self.file, tok.line, tok.column + 1, tok.end_line, tok.end_column - 1)
+        return ast.RuleNode(kind, tok[1:-1], inner, spec, self._s(meta))
+
+    def param_stmt(self, meta, c):
+        return self._rule("param", meta, c)
+
+    def opt_stmt(self, meta, c):
+        return self._rule("opt", meta, c)
+
+    def input_stmt(self, meta, c):
+        return self._rule("input", meta, c)
+
+    def axis_stmt(self, meta, c):
+        name, dim = c
+        logical = name[1:-1] if name.type == "STRING" else str(name)
+        return ast.AxisNode(logical, dim, self._s(meta))
+
+    def default_stmt(self, meta, c):
+        return ast.DefaultNode(c[0], self._s(meta))
+
+    def spec_dims(self, meta, c):
+        return ast.SpecNode(tuple(c), self._s(meta))
+
+    def spec_replicated(self, meta, c):
+        return ast.SpecNode((), self._s(meta))
+
+    def dim_one(self, meta, c):
+        name = str(c[0])
+        return ast.Dim(() if name == "_" else (name,), self._s(meta))
+
+    def dim_many(self, meta, c):
+        return ast.Dim(tuple(str(t) for t in c), self._s(meta))
+
+
+def _describe_expected(parser: Lark, names) -> str:
+    out = set()
+    for n in names:
+        if n in _FRIENDLY:
+            out.add(_FRIENDLY[n])
+            continue
+        try:
+            pat = parser.get_terminal(n).pattern
+            out.add(f"'{pat.value}'" if isinstance(pat, lark.lexer.PatternStr) else n)
+        except KeyError:
+            out.add(n)
+    return ", ".join(sorted(out))
+
+
+def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) -> PlanSyntaxError:
+    parser = _parser()
+    lines = text.splitlines()
+    line = max(getattr(exc, "line", 1) or 1, 1)
+    col = max(getattr(exc, "column", 1) or 1, 1)
+    label = None
+    try:
+        label = exc.match_examples(parser.parse, {k: v[0] for k, v in _EXAMPLES.items()},
+                                   use_accepts=True)
+    except Exception:  # match_examples re-parses examples; a failure there only loses the label
+        label = None
+    if isinstance(exc, lark.exceptions.UnexpectedToken):
+        tok = exc.token
+        if tok.type == "$END":
+            # Point just past the last character of the file.
+            line = max(len(lines), 1)
+            col = len(lines[-1]) + 1 if lines else 1
+            found = "end of file"
+            width = 1
+        else:
+            found = f"'{tok}'"
+            width = max(len(str(tok)), 1)
+        expected = _describe_expected(parser, exc.accepts or exc.expected)
+        message = f"unexpected {found}; expected {expected}"
+    elif isinstance(exc, lark.exceptions.UnexpectedCharacters):
+        ch = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
+        width = 1
+        if ch == '"':
+            message = "unterminated string: a string must close with '\"' on the same line"
+        else:
+            message = f"unexpected character {ch!r}; expected {_describe_expected(parser, exc.allowed)}"
+    else:  # UnexpectedEOF
+        line = max(len(lines), 1)
+        col = len(lines[-1]) + 1 if lines else 1
+        width = 1
+        message = "unexpected end of file"
+    hint = _EXAMPLES[label][1] if label else "see docs/language.md for the statements a plan may contain"
+    source_line = lines[line - 1] if 0 < line <= len(lines) else ""
+    span = Span(file, line, col, line, col + width)
+    return PlanSyntaxError([error("syntax", message, hint, span=span, source_line=source_line)])
+
+
+def parse(text: str, file: str = "<string>") -> ast.Module:
+    """Parse plan text into an :class:`ast.Module`.
+
+    Raises:
+        PlanSyntaxError: the text does not follow the grammar.
+    """
+    try:
+        tree = _parser().parse(text)
+    except lark.exceptions.UnexpectedInput as exc:
+        raise _syntax_error(text, file, exc) from None
+    statements = _ToAst(file).transform(tree)
+    return ast.Module(file, text, statements)
