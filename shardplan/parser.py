@@ -135,6 +135,38 @@ class _ToAst(Transformer):
         return ast.Dim(tuple(str(t) for t in c), self._s(meta))
 
 
+@functools.cache
+def _example_states() -> tuple[tuple[str, int, str], ...]:
+    """(label, LALR state, token type) of each example mistake."""
+    out = []
+    for label, (examples, _) in _EXAMPLES.items():
+        for text in examples:
+            try:
+                _parser().parse(text)
+            except lark.exceptions.UnexpectedInput as e:
+                state = getattr(getattr(e, "state", None), "position", None)
+                tok = getattr(getattr(e, "token", None), "type", None)
+                out.append((label, state, tok or type(e).__name__))
+    return tuple(out)
+
+
+def _label(exc: lark.exceptions.UnexpectedInput) -> str | None:
+    """Which common mistake this error looks like. Lark's match_examples also compares the
+    parse stack depth, so it misses mistakes after the first statement; the LALR state and
+    the offending token type alone identify them."""
+    state = getattr(getattr(exc, "state", None), "position", None)
+    if state is None:
+        return None
+    tok = getattr(getattr(exc, "token", None), "type", None) or type(exc).__name__
+    fallback = None
+    for label, s, t in _example_states():
+        if s == state:
+            if t == tok:
+                return label
+            fallback = fallback or label
+    return fallback
+
+
 def _describe_expected(parser: Lark, names) -> str:
     out = set()
     for n in names:
@@ -154,12 +186,7 @@ def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) ->
     lines = text.splitlines()
     line = max(getattr(exc, "line", 1) or 1, 1)
     col = max(getattr(exc, "column", 1) or 1, 1)
-    label = None
-    try:
-        label = exc.match_examples(parser.parse, {k: v[0] for k, v in _EXAMPLES.items()},
-                                   use_accepts=True)
-    except Exception:  # match_examples re-parses examples; a failure there only loses the label
-        label = None
+    label = _label(exc)
     if isinstance(exc, lark.exceptions.UnexpectedToken):
         tok = exc.token
         if tok.type == "$END":
@@ -178,6 +205,7 @@ def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) ->
         width = 1
         if ch == '"':
             message = "unterminated string: a string must close with '\"' on the same line"
+            label = None
         else:
             message = f"unexpected character {ch!r}; expected {_describe_expected(parser, exc.allowed)}"
     else:  # UnexpectedEOF
@@ -186,6 +214,8 @@ def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) ->
         width = 1
         message = "unexpected end of file"
     hint = _EXAMPLES[label][1] if label else "see docs/language.md for the statements a plan may contain"
+    if isinstance(exc, lark.exceptions.UnexpectedCharacters) and text[exc.pos_in_stream:][:1] == '"':
+        hint = "close the string with '\"' before the end of the line"
     source_line = lines[line - 1] if 0 < line <= len(lines) else ""
     span = Span(file, line, col, line, col + width)
     return PlanSyntaxError([error("syntax", message, hint, span=span, source_line=source_line)])

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from shardplan.errors import Diagnostic
 from shardplan.plan import Plan
@@ -111,12 +112,12 @@ def print_text(console: Console, plan: Plan, res: Resolution, *, expand: bool = 
 
 def print_diagnostics(console: Console, diagnostics: tuple[Diagnostic, ...] | list[Diagnostic],
                       limit: int = 20) -> None:
+    """Diagnostics as plain text (no markup, no wrapping: the caret must stay under its column)."""
     for d in list(diagnostics)[:limit]:
-        style = "red" if d.severity == "error" else "yellow"
         head, _, rest = d.render().partition("\n")
-        console.print(f"[{style}]{head}[/]", highlight=False, markup=True)
+        console.print(Text(head, style="red" if d.severity == "error" else "yellow"), soft_wrap=True)
         if rest:
-            console.print(rest, highlight=False, markup=False)
+            console.print(Text(rest), soft_wrap=True)
     if len(diagnostics) > limit:
         console.print(f"... and {len(diagnostics) - limit} more")
 

@@ -1,0 +1,20 @@
+"""Small shared helpers for tests."""
+
+from __future__ import annotations
+
+import pytest
+
+import shardplan
+from shardplan.errors import Diagnostic
+
+
+def diags_of(fn, *args, **kwargs) -> tuple[Diagnostic, ...]:
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        fn(*args, **kwargs)
+    return info.value.diagnostics
+
+
+def only(diags, code: str) -> Diagnostic:
+    found = [d for d in diags if d.code == code]
+    assert len(found) == 1, [d.render() for d in diags]
+    return found[0]
