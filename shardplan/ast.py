@@ -105,5 +105,5 @@ class Module:
     statements: tuple[Statement, ...]
 
     def line(self, n: int) -> str:
-        lines = self.text.splitlines()
+        lines = self.text.split("\n")
         return lines[n - 1] if 0 < n <= len(lines) else ""

@@ -29,7 +29,7 @@ class _Checker:
     def __init__(self, modules: tuple[ast.Module, ...]):
         self.modules = modules
         self.diags: list[Diagnostic] = []
-        self._lines = {m.file: m.text.splitlines() for m in modules}
+        self._lines = {m.file: m.text.split("\n") for m in modules}
 
     def line(self, span: Span) -> str:
         lines = self._lines.get(span.file, [])

@@ -183,7 +183,7 @@ def _describe_expected(parser: Lark, names) -> str:
 
 def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) -> PlanSyntaxError:
     parser = _parser()
-    lines = text.splitlines()
+    lines = text.split("\n")
     line = max(getattr(exc, "line", 1) or 1, 1)
     col = max(getattr(exc, "column", 1) or 1, 1)
     label = _label(exc)
