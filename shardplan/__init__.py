@@ -22,6 +22,32 @@ from shardplan.resolve import resolve_leaves as resolve_leaves
 from shardplan.shapes import dump_shapes as dump_shapes
 from shardplan.shapes import load_shapes as load_shapes
 
+# Names whose modules import jax load on first use, so `import shardplan` (and
+# `shardplan check --shapes`) stays fast and device-free.
+_LAZY = {
+    "Placement": "shardplan.apply",
+    "init_sharded": "shardplan.apply",
+    "shard_batch": "shardplan.apply",
+    "shard_model": "shardplan.apply",
+    "make_mesh": "shardplan.mesh",
+    "TrainStep": "shardplan.step",
+    "train_step": "shardplan.step",
+    "live_leaves": "shardplan.live",
+    "show": "shardplan.live",
+    "verify": "shardplan.live",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shardplan' has no attribute '{name}'")
+
+
 try:
     __version__ = version("shardplan")
 except PackageNotFoundError:  # running from a source tree
@@ -29,6 +55,8 @@ except PackageNotFoundError:  # running from a source tree
 
 __all__ = [
     "Decision",
+    "Placement",
+    "TrainStep",
     "Diagnostic",
     "Leaf",
     "Plan",
@@ -41,9 +69,17 @@ __all__ = [
     "Spec",
     "__version__",
     "dump_shapes",
+    "init_sharded",
+    "live_leaves",
     "load",
     "load_shapes",
     "loads",
+    "make_mesh",
     "parse_mesh_arg",
     "resolve_leaves",
+    "shard_batch",
+    "shard_model",
+    "show",
+    "train_step",
+    "verify",
 ]

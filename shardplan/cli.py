@@ -97,6 +97,48 @@ def cmd_check(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
+def _batch_arg(items: list[str]) -> dict:
+    """``tokens=8x16:int32`` -> {"tokens": zeros((8, 16), int32)}."""
+    import numpy as np
+
+    out = {}
+    for item in items or []:
+        name, eq, rest = item.partition("=")
+        dims, _, dtype = rest.partition(":")
+        try:
+            shape = tuple(int(d) for d in dims.split("x"))
+            out[name] = np.zeros(shape, np.dtype(dtype or "float32"))
+        except (ValueError, TypeError):
+            raise _UsageError(f"cannot read --batch '{item}' (write NAME=8x16:int32)") from None
+        if not eq or not name:
+            raise _UsageError(f"cannot read --batch '{item}' (write NAME=8x16:int32)")
+    return out
+
+
+def cmd_show(args, out: Console, err: Console) -> int:
+    import optax
+
+    from shardplan import apply, live, loader, mesh as mesh_mod, shapes
+
+    plan = loader.load(args.plan, mesh=loader.parse_mesh_arg(args.mesh) if args.mesh else None)
+    factory = shapes.load_factory(args.model)
+    txs = {"adam": optax.adam(1e-3), "adamw": optax.adamw(1e-3), "sgd": optax.sgd(1e-3), "none": None}
+    mesh = mesh_mod.make_mesh(plan, axis_types=args.axis_types)
+    model, optimizer, placement = apply.init_sharded(plan, factory, txs[args.optimizer], mesh=mesh)
+    out.print(f"[bold]{plan.name or args.plan}[/] mesh {placement.mesh_shape} over {mesh.devices.size} "
+              f"{mesh.devices.flat[0].platform} devices")
+    live.show(model, console=out, title="params", expand=args.expand, max_visualize=args.visualize)
+    if optimizer is not None:
+        live.show(optimizer, console=out, title="optimizer state", expand=args.expand, visualize=False)
+    batch = _batch_arg(args.batch)
+    placed = placement.shard_batch(batch) if batch else None
+    if placed is not None:
+        live.show(placed, console=out, title="batch", expand=True, max_visualize=args.visualize)
+    live.verify(placement, model, optimizer, placed)
+    out.print("[green]every array lives where the plan says[/]")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardplan", description="Sharding plans for Flax NNX models.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -119,6 +161,20 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--expand", action="store_true", help="one row per layer instead of grouping x N")
     c.add_argument("--show-opt", action="store_true", help="list optimizer-state leaves too")
     c.set_defaults(func=cmd_check)
+
+    v = sub.add_parser("show", help="build a model sharded per a plan and show where every array lives",
+                       description="Initialise a model directly sharded per the plan, print per-device "
+                       "shards (and jax.debug.visualize_array_sharding), and check them against the plan.")
+    v.add_argument("plan")
+    v.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY")
+    v.add_argument("--mesh", help="axis sizes replacing the plan's mesh")
+    v.add_argument("--optimizer", choices=("adam", "adamw", "sgd", "none"), default="adam")
+    v.add_argument("--batch", action="append", help="an input leaf to place, NAME=8x16:int32 (repeatable)")
+    v.add_argument("--simulate-devices", type=int, help="simulated CPU devices (e.g. 8)")
+    v.add_argument("--axis-types", choices=("auto", "explicit"), default="auto")
+    v.add_argument("--expand", action="store_true", help="one row per layer")
+    v.add_argument("--visualize", type=int, default=4, help="how many arrays to draw (default 4)")
+    v.set_defaults(func=cmd_show)
     return p
 
 

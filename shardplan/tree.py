@@ -59,6 +59,8 @@ def _leaf(path: str, x) -> Leaf:
         raise PlanApplyError([error(
             "not-an-array", f"the leaf at '{path or '<root>'}' is a {type(x).__name__}, not an array or shape",
             "pass an NNX Module or State, or a pytree of arrays / jax.ShapeDtypeStruct", path=path or "<root>")])
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # typed PRNG keys (nnx.Rngs state)
+        return Leaf(path, tuple(int(s) for s in shape), str(dtype), 8, names)
     dt = np.dtype(dtype)
     return Leaf(path, tuple(int(s) for s in shape), dt.name, dt.itemsize, names)
 

@@ -1,0 +1,162 @@
+"""Train an example model under a plan, on simulated CPU devices or real ones.
+
+    python examples/train.py --plan plans/gpt_tp.splan            # 8 simulated CPU devices
+    python examples/train.py --plan plans/fsdp.splan --model mlp_small --steps 50
+    python examples/train.py --plan plans/dp.splan --simulate-devices 0   # the real devices
+
+The step is the single-device step (loss_fn below); only the plan decides placement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", required=True, help="the .splan file")
+    p.add_argument("--model", default="gpt_tiny", help="factory in examples/models.py (gpt_tiny, gpt_small, "
+                   "mlp_small, ...)")
+    p.add_argument("--mesh", help="axis sizes replacing the plan's mesh, e.g. data=4,model=2")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=16)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", choices=("auto", "shard_map"), help="default: the plan's backend")
+    p.add_argument("--axis-types", choices=("auto", "explicit"), default="auto")
+    p.add_argument("--simulate-devices", type=int, default=8,
+                   help="simulated CPU devices (set before jax loads); 0 uses the real devices")
+    p.add_argument("--no-show", action="store_true", help="skip the sharding view")
+    p.add_argument("--checkpoint-dir", help="save Orbax checkpoints here")
+    p.add_argument("--save-every", type=int, default=0, help="save every N steps (default: at the end)")
+    p.add_argument("--resume", action="store_true", help="restore the latest checkpoint first")
+    return p.parse_args(argv)
+
+
+def setup_devices(n: int) -> None:
+    if n:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={n}").strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def synthetic_batch(rng, vocab: int, batch: int, seq: int):
+    """Sequences that follow x[t+1] = (3 x[t] + 1) mod vocab from a random start: learnable."""
+    import numpy as np
+
+    start = rng.integers(0, vocab, size=(batch, 1))
+    seqs = start.copy()
+    for _ in range(seq):
+        seqs = np.concatenate([seqs, (3 * seqs[:, -1:] + 1) % vocab], axis=1)
+    return {"tokens": seqs[:, :-1].astype(np.int32), "labels": seqs[:, 1:].astype(np.int32)}
+
+
+def synthetic_regression(rng, batch: int, din: int, dout: int):
+    import numpy as np
+
+    x = rng.standard_normal((batch, din)).astype(np.float32)
+    w = np.linspace(-1, 1, din * dout, dtype=np.float32).reshape(din, dout)
+    return {"x": x, "y": np.tanh(x @ w)}
+
+
+def lm_loss(model, batch):
+    import optax
+
+    logits = model(batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+
+def mse_loss(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def make_data(model_name: str, model, seed: int, batch: int, seq: int):
+    """A batch generator and the loss for the chosen example model."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    if model_name.startswith("mlp"):
+        din = model.layers[0].in_features
+        dout = model.layers[-1].out_features
+        return (lambda: synthetic_regression(rng, batch, din, dout)), mse_loss
+    return (lambda: synthetic_batch(rng, model.cfg.vocab, batch, seq)), lm_loss
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    setup_devices(args.simulate_devices)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+    import jax
+    import optax
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    import models
+    import shardplan
+    from shardplan.report import print_diagnostics
+
+    console = Console()
+    try:
+        mesh_arg = shardplan.parse_mesh_arg(args.mesh) if args.mesh else None
+        plan = shardplan.load(args.plan, mesh=mesh_arg)
+        factory = getattr(models, args.model, None)
+        if factory is None:
+            console.print(f"[red]no model factory '{args.model}' in examples/models.py[/]")
+            return 2
+        mesh = shardplan.make_mesh(plan, axis_types=args.axis_types)
+        tx = optax.adamw(args.lr)
+        model, optimizer, placement = shardplan.init_sharded(plan, lambda: factory(args.seed), tx, mesh=mesh)
+        ckpt = None
+        if args.checkpoint_dir:
+            from shardplan import checkpoint
+
+            ckpt = checkpoint.Checkpointer(args.checkpoint_dir, placement)
+            if args.resume and ckpt.latest_step() is not None:
+                step0 = ckpt.restore(model, optimizer)
+                console.print(f"resumed from step {step0} in {args.checkpoint_dir}")
+        next_batch, loss_fn = make_data(args.model, model, args.seed, args.batch_size, args.seq_len)
+        step = shardplan.train_step(placement, loss_fn, model, optimizer, backend=args.backend)
+        batch = next_batch()
+        console.print(f"[bold]{plan.name or args.plan}[/] on {len(jax.devices())} {jax.devices()[0].platform} "
+                      f"devices, mesh {placement.mesh_shape}, backend {step.backend}")
+        print_diagnostics(console, placement.params.warnings)
+        if not args.no_show:
+            shardplan.show(model, console=console, title="params", max_visualize=2)
+            shardplan.show(placement.shard_batch(batch), console=console, title="batch", max_visualize=1)
+        shardplan.verify(placement, model, optimizer, placement.shard_batch(batch))
+
+        start = int(optimizer.step[...])
+        losses = []
+        with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[ms]} ms/step"),
+                      TimeElapsedColumn(), console=console) as progress:
+            task = progress.add_task("train", total=args.steps, loss="-", ms="-")
+            for i in range(args.steps):
+                t0 = time.perf_counter()
+                loss = float(step(model, optimizer, batch))
+                dt = time.perf_counter() - t0
+                losses.append(loss)
+                progress.update(task, advance=1, loss=f"{loss:.4f}", ms=f"{1000 * dt:.1f}")
+                batch = next_batch()
+                if ckpt and args.save_every and (start + i + 1) % args.save_every == 0:
+                    ckpt.save(start + i + 1, model, optimizer)
+        if ckpt:
+            ckpt.save(start + args.steps, model, optimizer)
+            ckpt.wait()
+        shardplan.verify(placement, model, optimizer)
+        console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps "
+                      f"(step {start} -> {start + args.steps})")
+        return 0
+    except shardplan.ShardPlanError as e:
+        print_diagnostics(Console(stderr=True), e.diagnostics)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Stage 5 (live): resolved specs -> arrays placed on a mesh.
+
+Shard an existing NNX model and optimizer in place, build them directly sharded, and
+shard input batches. Both backends start from the :class:`Placement` made here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardplan.errors import PlanApplyError, PlanCheckError, ShardPlanError, error
+from shardplan.mesh import AxisTypes, make_mesh, mesh_shape_of
+from shardplan.plan import Plan
+from shardplan.resolve import Resolution
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A plan bound to a mesh, with the resolved specs of a model (and its optimizer)."""
+
+    plan: Plan
+    mesh: Mesh
+    params: Resolution
+    opt: Resolution | None = None
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        return mesh_shape_of(self.mesh)
+
+    def model_shardings(self):
+        return self.params.shardings(self.mesh)
+
+    def opt_shardings(self):
+        return self.opt.shardings(self.mesh) if self.opt is not None else None
+
+    def batch_shardings(self, batch: Any):
+        """NamedShardings for an input batch (checked: split dims must divide)."""
+        return _as_apply(lambda: self.plan.resolve_batch(batch, mesh=self.mesh_shape)).shardings(self.mesh)
+
+    def shard_batch(self, batch: Any) -> Any:
+        return shard_batch(self.plan, batch, self.mesh)
+
+
+def _as_apply(fn: Callable):
+    """Problems found while applying are PlanApplyErrors (same diagnostics)."""
+    try:
+        return fn()
+    except PlanCheckError as e:
+        raise PlanApplyError(e.diagnostics) from None
+
+
+def _ensure_mesh(plan: Plan, mesh: Mesh | None, axis_types: AxisTypes) -> Mesh:
+    if mesh is None:
+        return make_mesh(plan, axis_types=axis_types)
+    missing = [a for a in plan.axis_names if a not in mesh.axis_names]
+    if missing:
+        raise PlanApplyError([error("mesh-mismatch", f"the mesh has axes {list(mesh.axis_names)}; the plan "
+                                    f"needs {list(plan.axis_names)}", "build the mesh with "
+                                    "shardplan.make_mesh(plan), or use plan.with_mesh(...)", path="mesh")])
+    return mesh
+
+
+def _check_model(model: Any, what: str) -> None:
+    if not isinstance(model, (nnx.Module, nnx.Pytree, nnx.State, dict, list, tuple)):
+        raise PlanApplyError([error("not-a-model", f"{what} is a {type(model).__name__}, not an NNX "
+                                    "Module, State or pytree", f"pass the {what} object itself (an "
+                                    "nnx.Module / nnx.Optimizer) or nnx.state(...)", path=what)])
+
+
+def resolve_model(plan: Plan, model: Any, optimizer: Any = None, *, mesh: Mesh) -> Placement:
+    """Resolve specs for a model (and optimizer) on ``mesh``; moves nothing."""
+    _check_model(model, "model")
+    shape = mesh_shape_of(mesh)
+    params = plan.resolve(model, mesh=shape)
+    opt = None
+    if optimizer is not None:
+        _check_model(optimizer, "optimizer")
+        opt = plan.resolve(optimizer, params=model, mesh=shape)
+    return Placement(plan, mesh, params, opt)
+
+
+def shard_model(plan: Plan, model: Any, optimizer: Any = None, *, mesh: Mesh | None = None,
+                axis_types: AxisTypes = "auto") -> Placement:
+    """Place an existing NNX model (and ``nnx.Optimizer``) per the plan, in place.
+
+    nnx.state -> NamedSharding tree -> jax.device_put -> nnx.update, for the model's
+    state and the optimizer's (which mirrors the params).
+
+    Raises:
+        ShardPlanError: the plan does not fit the model or the devices.
+    """
+    mesh = _ensure_mesh(plan, mesh, axis_types)
+    placement = _as_apply(lambda: resolve_model(plan, model, optimizer, mesh=mesh))
+    for obj, res in ((model, placement.params), (optimizer, placement.opt)):
+        if obj is None:
+            continue
+        state = nnx.state(obj)
+        nnx.update(obj, jax.device_put(state, res.shardings(mesh)))
+    return placement
+
+
+def init_sharded(plan: Plan, factory: Callable[[], Any], tx: optax.GradientTransformation | None = None, *,
+                 wrt=nnx.Param, mesh: Mesh | None = None,
+                 axis_types: AxisTypes = "auto") -> tuple[Any, Any, Placement]:
+    """Build a model (and its ``nnx.Optimizer``) directly sharded: no device ever holds a
+    whole array that the plan shards.
+
+    The model is first built abstractly (``nnx.eval_shape``) to resolve the plan, then
+    initialised under ``jax.jit`` with ``out_shardings`` from the plan, so XLA computes
+    each shard on its own device.
+
+    Args:
+        plan: the plan.
+        factory: builds the model with no arguments (fixed seeds inside).
+        tx: an optax transformation; when given, an ``nnx.Optimizer`` is built too.
+        wrt: the optimizer's variable filter.
+        mesh: the mesh (default: ``make_mesh(plan, axis_types=axis_types)``).
+
+    Returns:
+        (model, optimizer or None, placement)
+    """
+    mesh = _ensure_mesh(plan, mesh, axis_types)
+
+    def build():
+        model = factory()
+        return model, (nnx.Optimizer(model, tx, wrt=wrt) if tx is not None else None)
+
+    # Eager sharding off: annotated variables would otherwise need a mesh with their
+    # *logical* names; placement comes from the plan's out_shardings instead.
+    with nnx.use_eager_sharding(False):
+        try:
+            abs_model, abs_opt = nnx.eval_shape(build)
+        except ShardPlanError:
+            raise
+        except Exception as e:
+            raise PlanApplyError([error("model-build", f"building the model failed: {type(e).__name__}: {e}",
+                                        "the factory must build an nnx.Module with no arguments",
+                                        path="factory")]) from None
+        placement = _as_apply(lambda: resolve_model(plan, abs_model, abs_opt, mesh=mesh))
+        gm, _ = nnx.split(abs_model)
+        go = nnx.split(abs_opt)[0] if abs_opt is not None else None
+        out_sh = (placement.model_shardings(), placement.opt_shardings())
+
+        def _init():
+            m, o = build()
+            return nnx.state(m), (nnx.state(o) if o is not None else None)
+
+        init = jax.jit(_init, out_shardings=out_sh)
+        sm, so = init()
+    model = nnx.merge(gm, sm)
+    optimizer = nnx.merge(go, so) if go is not None else None
+    return model, optimizer, placement
+
+
+def shard_batch(plan: Plan, batch: Any, mesh: Mesh) -> Any:
+    """Place an input batch (any pytree of arrays) per the plan's ``batch``/``input`` rules.
+
+    Under ``jax.distributed`` each process passes its local part; the global array is
+    assembled with ``jax.make_array_from_process_local_data``.
+
+    Raises:
+        PlanApplyError: a split dimension does not divide over its mesh axes.
+    """
+    shape = mesh_shape_of(mesh)
+    nproc = jax.process_count()
+    if nproc > 1:
+        local_leaves, treedef = jax.tree.flatten(batch)
+        global_tree = jax.tree.unflatten(treedef, [
+            jax.ShapeDtypeStruct((x.shape[0] * nproc, *x.shape[1:]), x.dtype) for x in local_leaves])
+        res = _as_apply(lambda: plan.resolve_batch(global_tree, mesh=shape))
+        shardings = jax.tree.leaves(res.shardings(mesh), is_leaf=lambda s: isinstance(s, NamedSharding))
+        arrays = [jax.make_array_from_process_local_data(s, x, g.shape)
+                  for s, x, g in zip(shardings, local_leaves, jax.tree.leaves(global_tree))]
+        return jax.tree.unflatten(treedef, arrays)
+    res = _as_apply(lambda: plan.resolve_batch(batch, mesh=shape))
+    return jax.device_put(batch, res.shardings(mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
