@@ -139,6 +139,88 @@ def cmd_show(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
+_TXS = ("adam", "adamw", "sgd")
+
+
+def _tx(name: str):
+    import optax
+
+    return {"adam": optax.adam, "adamw": optax.adamw, "sgd": optax.sgd}[name](1e-3)
+
+
+def cmd_lower(args, out: Console, err: Console) -> int:
+    from pathlib import Path
+
+    from flax import nnx
+
+    from shardplan import apply, collectives, emit, loader, lowering, mesh as mesh_mod, shapes, tree
+
+    plan = loader.load(args.plan, mesh=loader.parse_mesh_arg(args.mesh) if args.mesh else None)
+    factory = shapes.load_factory(args.model)
+    tx = _tx(args.optimizer)
+    devices = args.devices or (None if all(a.size for a in plan.mesh) else tree.device_count())
+    mesh_shape = plan.mesh_shape(devices)
+    with nnx.use_eager_sharding(False):
+        abs_model, abs_opt = shapes.abstract_model(lambda: (lambda m: (m, nnx.Optimizer(m, tx, wrt=nnx.Param)))(
+            factory()))
+    params = plan.resolve(abs_model, mesh=mesh_shape)
+    opt = plan.resolve(abs_opt, params=abs_model, mesh=mesh_shape)
+    batch = _batch_arg(args.batch)
+    if not batch:  # the batch axes are all the lowering needs: one leaf under the batch spec
+        import numpy as np
+
+        n = 1
+        for axes in (plan.batch.dims[:1] if plan.batch else ()):
+            for a in axes:
+                n *= mesh_shape[a]
+        batch = {"inputs": np.zeros((n, 1), np.int32)}
+    inputs = plan.resolve_batch(batch, mesh=mesh_shape)
+    low = lowering.lower(plan, params, inputs)
+    source = emit.emit(plan, params, opt, low, args.backend)
+    if args.output:
+        Path(args.output).write_text(source)
+        err.print(f"wrote {args.output} ({len(source.splitlines())} lines, backend {args.backend})")
+    elif not args.report:
+        out.print(source, markup=False, highlight=False, soft_wrap=True)
+    if args.report:
+        from rich.table import Table
+
+        from shardplan import step as step_mod
+
+        mesh = mesh_mod.make_mesh(plan)
+        table = Table(title=f"collectives per step, per device ({plan.name or args.plan}, mesh {mesh_shape})")
+        for col in ("backend", "kind", "count", "bytes"):
+            table.add_column(col, justify="right" if col in ("count", "bytes") else "left")
+        loss = shapes.load_factory(args.loss) if args.loss else _default_loss(batch)
+        for backend in ("auto", "shard_map"):
+            model, optimizer, placement = apply.init_sharded(plan, factory, tx, mesh=mesh)
+            st = step_mod.train_step(placement, loss, model, optimizer, backend=backend)
+            summary = collectives.report(st.lower(model, optimizer, batch).compile())
+            for kind, v in summary.items():
+                if v["count"]:
+                    table.add_row(backend, kind, str(v["count"]), f"{v['bytes']:,}")
+        out.print(table)
+        predicted = lowering.predict(low)
+        out.print("shard_map, predicted from the plan: " + ", ".join(
+            f"{k} {v['bytes']:,} B" for k, v in predicted.items() if v["bytes"]))
+    return EXIT_OK
+
+
+def _default_loss(batch):
+    if "tokens" in batch:
+        def lm(model, b):
+            import optax
+
+            logits = model(b["tokens"])
+            labels = b.get("labels", b["tokens"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return lm
+    def mse(model, b):
+        x = next(iter(b.values()))
+        return (model(x) ** 2).mean()
+    return mse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardplan", description="Sharding plans for Flax NNX models.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -175,6 +257,24 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--expand", action="store_true", help="one row per layer")
     v.add_argument("--visualize", type=int, default=4, help="how many arrays to draw (default 4)")
     v.set_defaults(func=cmd_show)
+
+    lo = sub.add_parser("lower", help="emit a standalone step module for a backend; --report: its collectives",
+                        description="Lower a plan to a standalone Python module (jax, flax, optax only) for the "
+                        "shard_map or auto backend, and/or report the collectives in each backend's compiled step.")
+    lo.add_argument("plan")
+    lo.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY")
+    lo.add_argument("--backend", choices=("shard_map", "auto"), default="shard_map")
+    lo.add_argument("-o", "--output", help="write the module here (default: print it)")
+    lo.add_argument("--mesh", help="axis sizes replacing the plan's mesh")
+    lo.add_argument("--devices", type=int, help="device count for a '*' axis (default: local devices)")
+    lo.add_argument("--optimizer", choices=_TXS, default="adamw")
+    lo.add_argument("--batch", action="append", help="an input leaf NAME=16x16:int32 (repeatable)")
+    lo.add_argument("--report", action="store_true",
+                    help="compile both backends' steps and list their collectives (kind, count, bytes)")
+    lo.add_argument("--loss", help="FILE.py:FUNC loss_fn(model, batch) for --report (default: LM loss on "
+                    "'tokens', else mean square)")
+    lo.add_argument("--simulate-devices", type=int, help="simulated CPU devices (e.g. 8)")
+    lo.set_defaults(func=cmd_lower)
     return p
 
 

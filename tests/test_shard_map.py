@@ -1,0 +1,225 @@
+"""The shard_map backend: equivalence with auto and 1 device, emitted modules, and the
+collectives each plan's compiled step really issues."""
+
+import importlib.util
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import models
+import shardplan
+import train as example
+from conftest import PLANS, ROOT
+from shardplan import collectives, emit, lowering
+
+PLAN_MODELS = {"dp.splan": "gpt_tiny", "fsdp.splan": "gpt_tiny", "gpt_tp.splan": "gpt_tiny",
+               "gpt_2d.splan": "gpt_tiny", "gpt_logical.splan": "gpt_tiny_annotated"}
+# As in test_apply: float32 round-off differs with the reduction order; AdamW eps=1e-5.
+# clip_by_global_norm runs outside shard_map on global arrays: it must see the global norm.
+LOSS_RTOL = 1e-5
+PARAM_RTOL, PARAM_ATOL = 1e-4, 5e-6
+
+
+def tx():
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, eps=1e-5))
+
+
+def batches(n=5):
+    rng = np.random.default_rng(3)
+    return [example.synthetic_batch(rng, 64, 16, 16) for _ in range(n)]
+
+
+def run(plan_name, backend, devices=None):
+    plan = shardplan.load(PLANS / plan_name)
+    if devices is not None:
+        plan = plan.with_mesh({a: 1 for a in plan.axis_names})
+    mesh = shardplan.make_mesh(plan, devices=devices)
+    model, optimizer, placement = shardplan.init_sharded(plan, getattr(models, PLAN_MODELS[plan_name]), tx(),
+                                                         mesh=mesh)
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend=backend)
+    losses = [float(step(model, optimizer, b)) for b in batches()]
+    if devices is None:
+        shardplan.verify(placement, model, optimizer)
+    params = {leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)}
+    return losses, params
+
+
+def assert_same(a, b):
+    np.testing.assert_allclose(a[0], b[0], rtol=LOSS_RTOL)
+    for path in a[1]:
+        np.testing.assert_allclose(a[1][path], b[1][path], rtol=PARAM_RTOL, atol=PARAM_ATOL, err_msg=path)
+
+
+@pytest.mark.parametrize("plan_name", ["dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan"])
+def test_shard_map_matches_auto_and_one_device(plan_name):
+    sm = run(plan_name, "shard_map")
+    assert_same(sm, run(plan_name, "auto"))
+    assert_same(sm, run(plan_name, "auto", devices=jax.devices()[:1]))
+    assert sm[0][-1] < sm[0][0]
+
+
+def _emitted(plan_name, backend, tmp_path):
+    plan = shardplan.load(PLANS / plan_name)
+    factory = getattr(models, PLAN_MODELS[plan_name])
+    with nnx.use_eager_sharding(False):
+        m, o = nnx.eval_shape(lambda: (lambda m: (m, nnx.Optimizer(m, tx(), wrt=nnx.Param)))(factory()))
+    params = plan.resolve(m, devices=8)
+    opt = plan.resolve(o, params=m, devices=8)
+    low = lowering.lower(plan, params, plan.resolve_batch(batches(1)[0], devices=8))
+    path = tmp_path / f"step_{backend}.py"
+    path.write_text(emit.emit(plan, params, opt, low, backend))
+    spec = importlib.util.spec_from_file_location(f"emitted_{backend}_{plan_name[:-6]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, path
+
+
+@pytest.mark.parametrize("plan_name", sorted(PLAN_MODELS))
+def test_emitted_shard_map_module_runs_and_matches(plan_name, tmp_path):
+    module, path = _emitted(plan_name, "shard_map", tmp_path)
+    imports = {line.split()[1].split(".")[0] for line in path.read_text().splitlines()
+               if line.startswith(("import ", "from "))}
+    assert imports <= {"__future__", "re", "jax", "flax", "optax"}
+    with nnx.use_eager_sharding(False):
+        model = getattr(models, PLAN_MODELS[plan_name])()
+    optimizer = nnx.Optimizer(model, tx(), wrt=nnx.Param)
+    mesh = module.make_mesh()
+    module.place(model, optimizer, mesh)
+    step = module.make_train_step(model, optimizer, example.lm_loss, mesh)
+    losses = [float(step(model, optimizer, b)) for b in batches()]
+    params = {leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)}
+    assert_same((losses, params), run(plan_name, "shard_map"))
+
+
+def test_emitted_auto_module_runs_and_matches(tmp_path):
+    module, _ = _emitted("gpt_tp.splan", "auto", tmp_path)
+    model = models.gpt_tiny()
+    optimizer = nnx.Optimizer(model, tx(), wrt=nnx.Param)
+    mesh = module.make_mesh()
+    module.place(model, optimizer, mesh)
+    step = module.make_train_step(model, optimizer, example.lm_loss, mesh)
+    losses = [float(step(model, optimizer, b)) for b in batches()]
+    params = {leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)}
+    assert_same((losses, params), run("gpt_tp.splan", "auto"))
+
+
+def _compiled_collectives(plan_name, backend="shard_map"):
+    plan = shardplan.load(PLANS / plan_name)
+    model, optimizer, placement = shardplan.init_sharded(plan, getattr(models, PLAN_MODELS[plan_name]),
+                                                         optax.adamw(1e-3))
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend=backend)
+    b = batches(1)[0]
+    got = collectives.report(step.lower(model, optimizer, b).compile())
+    low = step.fn.lowering(step.place(b)) if backend == "shard_map" else None
+    return got, low, placement
+
+
+@pytest.mark.parametrize("plan_name", sorted(PLAN_MODELS))
+def test_shard_map_collectives_are_the_plans(plan_name):
+    got, low, placement = _compiled_collectives(plan_name)
+    want = lowering.predict(low)
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert got[kind]["bytes"] == want[kind]["bytes"], kind
+    assert got["all-gather"]["count"] == want["all-gather"]["count"]
+    assert got["reduce-scatter"]["count"] == want["reduce-scatter"]["count"]
+    # XLA's combiner may merge all-reduces; never more than one per reduced param + the loss.
+    assert 1 <= got["all-reduce"]["count"] <= want["all-reduce"]["count"]
+    assert got["all-to-all"]["count"] == got["collective-permute"]["count"] == 0
+
+
+def test_data_parallel_all_reduces_exactly_the_gradient_bytes():
+    got, low, placement = _compiled_collectives("dp.splan")
+    grad_bytes = sum(d.nbytes for d in placement.params.decisions)
+    assert grad_bytes == 4 * sum(int(np.prod(d.shape)) for d in placement.params.decisions)
+    assert grad_bytes <= got["all-reduce"]["bytes"] <= grad_bytes + 4  # plus at most the scalar loss
+    assert got["all-gather"]["count"] == got["reduce-scatter"]["count"] == 0
+
+
+def test_lowering_picks_collectives_by_axis_role():
+    plan = shardplan.load(PLANS / "gpt_2d.splan")
+    with nnx.use_eager_sharding(False):
+        m = nnx.eval_shape(models.gpt_tiny)
+    params = plan.resolve(m, devices=8)
+    low = lowering.lower(plan, params, plan.resolve_batch(batches(1)[0], devices=8))
+    by = {p.path: p for p in low.params}
+    q = by["blocks/0/attn/query/kernel"]  # (data, model)
+    assert [(c.kind, c.axes, c.dim) for c in q.gather] == [("all_gather", ("data",), 0), ("all_gather", ("model",), 1)]
+    assert [(c.kind, c.axes, c.dim) for c in q.reduce] == [("slice", ("model",), 1), ("psum_scatter", ("data",), 0)]
+    ln = by["blocks/0/ln1/scale"]  # replicated: one all-reduce (psum) over the batch axis
+    assert ln.gather == () and [(c.kind, c.axes) for c in ln.reduce] == [("psum", ("data",))]
+
+
+# -- bad input ----------------------------------------------------------------------------
+
+def _placed(plan_text_or_name="dp.splan"):
+    plan = shardplan.load(PLANS / plan_text_or_name) if plan_text_or_name.endswith(".splan") else \
+        shardplan.loads(plan_text_or_name)
+    model, optimizer, placement = shardplan.init_sharded(plan, models.gpt_tiny, optax.adam(1e-3))
+    return model, optimizer, placement
+
+
+def test_loss_not_scalar():
+    model, optimizer, placement = _placed()
+    step = shardplan.train_step(placement, lambda m, b: m(b["tokens"]), model, optimizer, backend="shard_map")
+    with pytest.raises(shardplan.PlanApplyError, match="not a float scalar"):
+        step(model, optimizer, batches(1)[0])
+
+
+def test_batch_not_dividing_over_batch_axes():
+    model, optimizer, placement = _placed()
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend="shard_map")
+    bad = {k: v[:12] for k, v in batches(1)[0].items()}
+    with pytest.raises(shardplan.PlanApplyError) as info:
+        step(model, optimizer, bad)
+    assert info.value.diagnostics[0].code == "indivisible"
+
+
+def test_input_split_on_a_non_batch_dim_cannot_be_lowered():
+    model, optimizer, placement = _placed('mesh data = 4, seq = 2\nbatch (data, seq)\ndefault replicated')
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend="shard_map")
+    with pytest.raises(shardplan.PlanApplyError) as info:
+        step(model, optimizer, batches(1)[0])
+    d = info.value.diagnostics[0]
+    assert d.code == "cannot-lower" and "splits dim 1 over seq" in d.message and "backend auto" in d.hint
+
+
+def test_model_with_non_param_state_cannot_be_lowered():
+    class WithStats(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+            self.bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    plan = shardplan.loads("mesh data = *\nbatch (data)\ndefault replicated")
+    model, optimizer, placement = shardplan.init_sharded(plan, WithStats, optax.adam(1e-3))
+    with pytest.raises(shardplan.PlanApplyError) as info:
+        shardplan.train_step(placement, lambda m, b: m(b["x"]).mean(), model, optimizer, backend="shard_map")
+    assert "non-Param state" in str(info.value) and info.value.diagnostics[0].path.startswith("bn/")
+
+
+def test_backend_line_in_plan_selects_shard_map():
+    plan = shardplan.loads("mesh data = *\nbatch (data, _)\ndefault replicated\nbackend shard_map")
+    model, optimizer, placement = shardplan.init_sharded(plan, models.gpt_tiny, optax.adam(1e-3))
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer)
+    assert step.backend == "shard_map"
+    assert np.isfinite(float(step(model, optimizer, batches(1)[0])))
+
+
+def test_cli_lower_writes_a_module_and_reports(tmp_path):
+    out = tmp_path / "step.py"
+    r = subprocess.run([sys.executable, "-m", "shardplan.cli", "lower", str(PLANS / "fsdp.splan"), "--model",
+                        f"{ROOT / 'examples' / 'models.py'}:gpt_tiny", "--simulate-devices", "8", "-o", str(out),
+                        "--batch", "tokens=16x16:int32", "--batch", "labels=16x16:int32", "--report"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "jax.lax.psum_scatter(g['blocks/0/mlp/up/kernel'], 'data', scatter_dimension=0, tiled=True)" in text
+    assert "shard_map" in r.stdout and "reduce-scatter" in r.stdout and "all-gather" in r.stdout
+    assert "predicted from the plan" in r.stdout
