@@ -35,6 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", help="save Orbax checkpoints here")
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (default: at the end)")
     p.add_argument("--resume", action="store_true", help="restore the latest checkpoint first")
+    p.add_argument("--metrics", help="write the losses (JSON) here")
     return p.parse_args(argv)
 
 
@@ -122,6 +123,9 @@ def main(argv=None) -> int:
                 console.print(f"resumed from step {step0} in {args.checkpoint_dir}")
         next_batch, loss_fn = make_data(args.model, model, args.seed, args.batch_size, args.seq_len)
         step = shardplan.train_step(placement, loss_fn, model, optimizer, backend=args.backend)
+        start = int(optimizer.step[...])
+        for _ in range(start):  # resumed: continue the data stream where the checkpoint left it
+            next_batch()
         batch = next_batch()
         console.print(f"[bold]{plan.name or args.plan}[/] on {len(jax.devices())} {jax.devices()[0].platform} "
                       f"devices, mesh {placement.mesh_shape}, backend {step.backend}")
@@ -131,7 +135,6 @@ def main(argv=None) -> int:
             shardplan.show(placement.shard_batch(batch), console=console, title="batch", max_visualize=1)
         shardplan.verify(placement, model, optimizer, placement.shard_batch(batch))
 
-        start = int(optimizer.step[...])
         losses = []
         with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[ms]} ms/step"),
@@ -150,6 +153,10 @@ def main(argv=None) -> int:
             ckpt.save(start + args.steps, model, optimizer)
             ckpt.wait()
         shardplan.verify(placement, model, optimizer)
+        if args.metrics:
+            import json
+
+            Path(args.metrics).write_text(json.dumps({"start": start, "losses": losses}))
         console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps "
                       f"(step {start} -> {start + args.steps})")
         return 0

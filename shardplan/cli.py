@@ -32,6 +32,16 @@ def _simulate_devices(n: int | None) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _quiet_absl() -> None:
+    """Orbax logs through absl at WARNING; the CLI reports through diagnostics instead."""
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    except ImportError:
+        pass
+
+
 def _bytes_arg(text: str | None) -> int | None:
     from shardplan.report import parse_bytes
 
@@ -221,6 +231,42 @@ def _default_loss(batch):
     return mse
 
 
+def cmd_ckpt_info(args, out: Console, err: Console) -> int:
+    from rich.table import Table
+
+    from shardplan import checkpoint
+    from shardplan.report import human_bytes
+
+    manager = checkpoint.open_readonly(args.directory)
+    steps = sorted(manager.all_steps())
+    if args.step is not None and args.step not in steps:
+        raise ShardPlanError([error("no-such-step", f"step {args.step} is not in {args.directory}",
+                                    f"complete steps: {', '.join(map(str, steps))}", path=args.directory)])
+    out.print(f"[bold]{args.directory}[/]: complete steps {', '.join(map(str, steps))}")
+    summary = Table(header_style="bold")
+    for col in ("step", "plan", "mesh", "backend", "processes", "shardplan"):
+        summary.add_column(col)
+    infos = [checkpoint.step_info(manager, s) for s in steps]
+    for info in infos:
+        m = info.meta
+        summary.add_row(str(info.step), f"{m.get('plan_name')} ({', '.join(m.get('plan_files', []))})",
+                        ", ".join(f"{k}={v}" for k, v in (m.get("mesh") or {}).items()), str(m.get("backend")),
+                        str(m.get("process_count")), str(m.get("shardplan_version")))
+    out.print(summary)
+    info = next(i for i in infos if i.step == (args.step if args.step is not None else steps[-1]))
+    for item, leaves in info.leaves.items():
+        table = Table(title=f"step {info.step}: {item}", header_style="bold")
+        for col in ("path", "shape", "dtype", "bytes"):
+            table.add_column(col, justify="right" if col == "bytes" else "left")
+        import numpy as np
+
+        for path, shape, dtype in leaves:
+            n = int(np.prod(shape)) * (np.dtype(dtype).itemsize if dtype else 0)
+            table.add_row(path, str(shape), dtype, human_bytes(n))
+        out.print(table)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardplan", description="Sharding plans for Flax NNX models.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -275,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "'tokens', else mean square)")
     lo.add_argument("--simulate-devices", type=int, help="simulated CPU devices (e.g. 8)")
     lo.set_defaults(func=cmd_lower)
+
+    ck = sub.add_parser("ckpt", help="inspect checkpoints")
+    cks = ck.add_subparsers(dest="ckpt_command", required=True)
+    info = cks.add_parser("info", help="complete steps, the plan and mesh each was saved with, leaf shapes")
+    info.add_argument("directory")
+    info.add_argument("--step", type=int, help="which step's leaves to list (default: the latest)")
+    info.set_defaults(func=cmd_ckpt_info)
     return p
 
 
@@ -293,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
+        _quiet_absl()
         _simulate_devices(getattr(args, "simulate_devices", None))
         return args.func(args, out, err)
     except _UsageError as e:
