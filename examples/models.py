@@ -73,12 +73,15 @@ class Attention(nnx.Module):
         self.value = _linear(cfg, cfg.d_model, cfg.kv_heads * hd, ("embed", "kv_heads"), rngs)
         self.out = _linear(cfg, cfg.n_heads * hd, cfg.d_model, ("heads", "embed"), rngs)
 
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, mask: jax.Array, cache: dict | None = None,
+                 positions: jax.Array | None = None):
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.query(x).reshape(b, t, cfg.n_heads, cfg.head_dim)
         k = self.key(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
         v = self.value(x).reshape(b, t, cfg.kv_heads, cfg.head_dim)
+        if cache is not None:
+            k, v, cache = _write_cache(cache, k, v, positions)
         rep = cfg.n_heads // cfg.kv_heads
         if rep > 1:
             k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
@@ -86,7 +89,25 @@ class Attention(nnx.Module):
         scores = jnp.where(mask[:, None, :, :], scores, jnp.finfo(scores.dtype).min)
         probs = jax.nn.softmax(scores, axis=-1)
         y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, cfg.n_heads * cfg.head_dim)
-        return self.out(y)
+        return self.out(y) if cache is None else (self.out(y), cache)
+
+
+def _write_cache(cache: dict, k: jax.Array, v: jax.Array, positions: jax.Array):
+    """Write this call's keys/values into the fixed-length cache at ``positions``.
+
+    One token per sequence (decode): an elementwise one-hot select at each sequence's own
+    position, which keeps the cache's sharding. Several tokens (prefill): a contiguous
+    block starting at ``positions[0, 0]`` (the generator prefills every row from 0).
+    """
+    if k.shape[1] == 1:
+        hit = (jnp.arange(cache["k"].shape[1])[None, :] == positions[:, :1])[:, :, None, None]
+        ck = jnp.where(hit, k.astype(cache["k"].dtype), cache["k"])
+        cv = jnp.where(hit, v.astype(cache["v"].dtype), cache["v"])
+    else:
+        start = positions[0, 0]
+        ck = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), start, axis=1)
+        cv = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype), start, axis=1)
+    return ck, cv, {"k": ck, "v": cv}
 
 
 class SwiGLU(nnx.Module):
@@ -106,9 +127,14 @@ class Block(nnx.Module):
         self.ln2 = _norm(cfg, rngs)
         self.mlp = SwiGLU(cfg, rngs)
 
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln1(x), mask)
-        return x + self.mlp(self.ln2(x))
+    def __call__(self, x: jax.Array, mask: jax.Array, cache: dict | None = None,
+                 positions: jax.Array | None = None):
+        if cache is None:
+            x = x + self.attn(self.ln1(x), mask)
+            return x + self.mlp(self.ln2(x))
+        y, cache = self.attn(self.ln1(x), mask, cache, positions)
+        x = x + y
+        return x + self.mlp(self.ln2(x)), cache
 
 
 class GPT(nnx.Module):
@@ -128,8 +154,20 @@ class GPT(nnx.Module):
         if not cfg.tied:
             self.head = _linear(cfg, cfg.d_model, cfg.vocab, ("embed", "vocab"), rngs)
 
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+        """A zero KV cache: per block, keys and values of shape (batch, max_len, kv_heads, head_dim)."""
+        shape = (batch, max_len, self.cfg.kv_heads, self.cfg.head_dim)
+        return {str(i): {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+                for i in range(self.cfg.n_layers)}
+
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 mask: jax.Array | None = None) -> jax.Array:
+                 mask: jax.Array | None = None, cache: dict | None = None):
+        """Logits for ``tokens`` (batch, time).
+
+        With ``cache`` (from ``init_cache``), keys/values are written at ``positions`` and
+        attention runs over the whole cache under ``mask`` (batch, time, max_len); returns
+        ``(logits, cache)``. This is the call convention ``shardplan.generate`` drives.
+        """
         b, t = tokens.shape
         x = self.embed(tokens)
         if positions is None:
@@ -138,10 +176,15 @@ class GPT(nnx.Module):
             x = x + self.pos_embed(positions)
         if mask is None:
             mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-        for block in self.blocks:
-            x = block(x, mask)
+        new_cache = {}
+        for i, block in enumerate(self.blocks):
+            if cache is None:
+                x = block(x, mask)
+            else:
+                x, new_cache[str(i)] = block(x, mask, cache[str(i)], positions)
         x = self.ln_f(x)
-        return self.embed.attend(x) if self.cfg.tied else self.head(x)
+        logits = self.embed.attend(x) if self.cfg.tied else self.head(x)
+        return logits if cache is None else (logits, new_cache)
 
 
 class MLP(nnx.Module):
