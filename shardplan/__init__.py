@@ -27,6 +27,7 @@ from shardplan.shapes import load_shapes as load_shapes
 _LAZY = {
     "Placement": "shardplan.apply",
     "init_sharded": "shardplan.apply",
+    "place": "shardplan.apply",
     "shard_batch": "shardplan.apply",
     "shard_model": "shardplan.apply",
     "make_mesh": "shardplan.mesh",
@@ -76,6 +77,7 @@ __all__ = [
     "loads",
     "make_mesh",
     "parse_mesh_arg",
+    "place",
     "resolve_leaves",
     "shard_batch",
     "shard_model",

@@ -76,13 +76,19 @@ def _check_model(model: Any, what: str) -> None:
 def resolve_model(plan: Plan, model: Any, optimizer: Any = None, *, mesh: Mesh) -> Placement:
     """Resolve specs for a model (and optimizer) on ``mesh``; moves nothing."""
     _check_model(model, "model")
-    shape = mesh_shape_of(mesh)
-    params = plan.resolve(model, mesh=shape)
-    opt = None
     if optimizer is not None:
         _check_model(optimizer, "optimizer")
-        opt = plan.resolve(optimizer, params=model, mesh=shape)
+    params, opt = plan.resolve_model(model, optimizer, mesh=mesh_shape_of(mesh))
     return Placement(plan, mesh, params, opt)
+
+
+def place(plan: Plan, tree: Any, mesh: Mesh, *, params: Any = None) -> Any:
+    """A pytree of arrays placed per the plan (functional: returns the placed tree).
+
+    ``params`` given: ``tree`` is optimizer state mirroring those params.
+    """
+    res = _as_apply(lambda: plan.resolve(tree, params=params, mesh=mesh_shape_of(mesh)))
+    return jax.device_put(tree, res.shardings(mesh))
 
 
 def shard_model(plan: Plan, model: Any, optimizer: Any = None, *, mesh: Mesh | None = None,

@@ -53,19 +53,18 @@ def _bytes_arg(text: str | None) -> int | None:
         raise _UsageError(str(e)) from None
 
 
-def cmd_check(args, out: Console, err: Console) -> int:
-    from shardplan import loader, report, shapes
+def _check_one(path: str, args, err: Console, model_leaves=None):
+    """Load a plan and (with a model) resolve it: (plan, resolution or None, diagnostics, model leaves)."""
+    from shardplan import loader, shapes
     from shardplan.resolve import resolve_leaves
 
-    budget = _bytes_arg(args.device_memory)
-    threshold = _bytes_arg(args.replicated_threshold)
-    if args.model and args.shapes:
-        raise _UsageError("give --model or --shapes, not both")
     mesh = loader.parse_mesh_arg(args.mesh) if args.mesh else None
-    plan = loader.load(args.plan, mesh=mesh)
-    diagnostics = list(plan.warnings)
-    res = None
-    if args.model or args.shapes:
+    plan = loader.load(path, mesh=mesh)
+    if not (args.model or args.shapes):
+        if args.devices is not None:
+            plan.mesh_shape(args.devices)
+        return plan, None, list(plan.warnings), None
+    if model_leaves is None:
         if args.shapes:
             params, opt = shapes.load_shapes(args.shapes)
         else:
@@ -78,34 +77,53 @@ def cmd_check(args, out: Console, err: Console) -> int:
                 raise _UsageError("--optimizer recorded: the shapes file records no optimizer state")
         else:
             opt = shapes.optimizer_leaves(params, args.optimizer)
-        devices = args.devices
-        if devices is None and any(a.size is None for a in plan.mesh):
-            from shardplan import tree
+        model_leaves = (params, opt)
+    devices = args.devices
+    if devices is None and any(a.size is None for a in plan.mesh):
+        from shardplan import tree
 
-            devices = tree.device_count()
-            err.print(f"[dim]note: mesh '*' resolved with {devices} local device(s); pass --devices N "
-                      "or --mesh to check another size[/]")
-        mesh_shape = plan.mesh_shape(devices)
-        res = resolve_leaves(plan, mesh_shape, params, opt, threshold or 64 * 2**20)
-        diagnostics = list(res.warnings)
-    elif args.devices is not None:
-        plan.mesh_shape(args.devices)
+        devices = tree.device_count()
+        err.print(f"[dim]note: mesh '*' of {path} resolved with {devices} local device(s); pass --devices N "
+                  "or --mesh to check another size[/]")
+    threshold = _bytes_arg(args.replicated_threshold) or 64 * 2**20
+    res = resolve_leaves(plan, plan.mesh_shape(devices), model_leaves[0], model_leaves[1], threshold)
+    return plan, res, list(res.warnings), model_leaves
+
+
+def cmd_check(args, out: Console, err: Console) -> int:
+    from shardplan import report
+
+    budget = _bytes_arg(args.device_memory)
+    if args.model and args.shapes:
+        raise _UsageError("give --model or --shapes, not both")
+    if args.vs and not (args.model or args.shapes):
+        raise _UsageError("--vs compares plans against a model: give --model or --shapes")
+    plan, res, diagnostics, leaves = _check_one(args.plan, args, err)
+    others = [_check_one(p, args, err, leaves) for p in args.vs or []]
+    all_diags = diagnostics + [d for _, _, ds, _ in others for d in ds]
     if args.format == "json":
-        out.print_json(json.dumps(report.to_json(plan, res, diagnostics, budget)))
+        doc = report.to_json(plan, res, diagnostics, budget)
+        if others:
+            doc = {"plans": [doc] + [report.to_json(p, r, ds, budget) for p, r, ds, _ in others]}
+        out.print_json(json.dumps(doc))
     else:
         if res is not None:
             report.print_text(out, plan, res, expand=args.expand, show_opt=args.show_opt, budget=budget)
-        report.print_diagnostics(err, diagnostics)
+            report.print_communication(out, plan, res)
+        if others:
+            report.print_comparison(out, [(plan, res)] + [(p, r) for p, r, _, _ in others], budget)
+        report.print_diagnostics(err, all_diags)
         if res is None:
             axes = ", ".join(f"{a.name}={a.size if a.size is not None else '*'}" for a in plan.mesh)
             out.print(f"plan {plan.name or args.plan}: ok (mesh {axes}; {len(plan.params)} param rules, "
                       f"{len(plan.axes)} axis rules). Pass --model or --shapes to check against a model.")
-    if budget is not None and res is not None and report.summary(res)["total_bytes_per_device"] > budget:
+    results = [res] + [r for _, r, _, _ in others]
+    if budget is not None and any(r is not None and report.summary(r)["total_bytes_per_device"] > budget
+                                  for r in results):
         return EXIT_ERRORS
-    if args.strict and diagnostics:
+    if args.strict and all_diags:
         return EXIT_ERRORS
     return EXIT_OK
-
 
 def _batch_arg(items: list[str]) -> dict:
     """``tokens=8x16:int32`` -> {"tokens": zeros((8, 16), int32)}."""
@@ -288,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--replicated-threshold", help="warn for replicated tensors above this (default 64MiB)")
     c.add_argument("--expand", action="store_true", help="one row per layer instead of grouping x N")
     c.add_argument("--show-opt", action="store_true", help="list optimizer-state leaves too")
+    c.add_argument("--vs", action="append", metavar="PLAN", help="compare with another plan, side by side "
+                   "(repeatable)")
     c.set_defaults(func=cmd_check)
 
     v = sub.add_parser("show", help="build a model sharded per a plan and show where every array lives",

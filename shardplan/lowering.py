@@ -118,36 +118,56 @@ def check_inputs(plan: Plan, inputs: Resolution) -> tuple[str, ...]:
 
 def lower(plan: Plan, params: Resolution, inputs: Resolution) -> Lowering:
     """The collectives for each param of ``params`` (decisions in flatten order)."""
-    batch_axes = check_inputs(plan, inputs)
-    n = math.prod(params.mesh[a] for a in batch_axes)
-    return Lowering(dict(params.mesh), batch_axes, n,
-                    tuple(_param(d, batch_axes) for d in params.decisions))
+    return lower_params(params.decisions, params.mesh, check_inputs(plan, inputs))
+
+
+def lower_params(decisions, mesh: dict[str, int], batch_axes: tuple[str, ...]) -> Lowering:
+    """The collectives for param decisions, given the batch axes (offline: no input shapes)."""
+    n = math.prod(mesh[a] for a in batch_axes)
+    return Lowering(dict(mesh), tuple(batch_axes), n,
+                    tuple(_param(d, batch_axes) for d in decisions if d.role == "param"))
+
+
+def plan_batch_axes(plan: Plan) -> tuple[str, ...]:
+    """The axes the ``batch`` spec splits dim 0 over (what check's cost model assumes)."""
+    return tuple(plan.batch.dims[0]) if plan.batch is not None and plan.batch.dims else ()
+
+
+def predict_by_axis(lowering: Lowering) -> dict[str, dict[str, int]]:
+    """Per-device bytes per step by collective kind and mesh axes ("data", "data,model")."""
+    out: dict[str, dict[str, int]] = {k: {} for k in ("all-gather", "reduce-scatter", "all-reduce")}
+
+    def add(kind, axes, n):
+        key = ",".join(axes)
+        out[kind][key] = out[kind].get(key, 0) + n
+
+    for p in lowering.params:
+        shape = list(p.shard_shape)
+        for c in p.gather:
+            shape[c.dim] *= math.prod(lowering.mesh[a] for a in c.axes)
+            add("all-gather", c.axes, math.prod(shape) * p.itemsize)
+        shape = list(p.shape)
+        for c in p.reduce:
+            if c.kind == "psum":
+                add("all-reduce", c.axes, math.prod(shape) * p.itemsize)
+                continue
+            if c.kind == "psum_scatter":
+                add("reduce-scatter", c.axes, math.prod(shape) * p.itemsize)
+            shape[c.dim] //= lowering.mesh[c.axes[0]]
+    return out
 
 
 def predict(lowering: Lowering, loss_bytes: int = 4) -> dict[str, dict[str, int]]:
     """Collectives the shard_map step issues, per device: {kind: {"count", "bytes"}}.
 
     Same byte conventions as ``shardplan.collectives`` (gathered result; reduce-scatter
-    operand; all-reduce buffer). ``count`` is one per operation before XLA combines
-    all-reduces (XLA may merge them into fewer instructions; bytes are unchanged).
+    operand; all-reduce buffer), the scalar loss's all-reduce included. ``count`` is one
+    per operation before XLA combines all-reduces (XLA may merge them into fewer
+    instructions; bytes are unchanged).
     """
-    out = {k: {"count": 0, "bytes": 0} for k in ("all-gather", "reduce-scatter", "all-reduce")}
-    for p in lowering.params:
-        shape = list(p.shard_shape)
-        for c in p.gather:
-            shape[c.dim] *= math.prod(lowering.mesh[a] for a in c.axes)
-            out["all-gather"]["count"] += 1
-            out["all-gather"]["bytes"] += math.prod(shape) * p.itemsize
-        shape = list(p.shape)
-        for c in p.reduce:
-            if c.kind == "psum":
-                out["all-reduce"]["count"] += 1
-                out["all-reduce"]["bytes"] += math.prod(shape) * p.itemsize
-                continue
-            if c.kind == "psum_scatter":
-                out["reduce-scatter"]["count"] += 1
-                out["reduce-scatter"]["bytes"] += math.prod(shape) * p.itemsize
-            shape[c.dim] //= lowering.mesh[c.axes[0]]
+    by_axis, counts = predict_by_axis(lowering), lowering.counts()
+    names = {"all-gather": "all_gather", "reduce-scatter": "psum_scatter", "all-reduce": "psum"}
+    out = {k: {"count": counts.get(n, 0), "bytes": sum(by_axis[k].values())} for k, n in names.items()}
     if lowering.batch_axes:
         out["all-reduce"]["count"] += 1
         out["all-reduce"]["bytes"] += loss_bytes

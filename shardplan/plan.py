@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,16 +30,22 @@ class Spec:
 
     dims: tuple[tuple[str, ...], ...] = ()
 
-    @property
+    @functools.cached_property
     def axes(self) -> tuple[str, ...]:
         return tuple(a for d in self.dims for a in d)
 
-    @property
+    @functools.cached_property
     def is_replicated(self) -> bool:
         return not self.axes
 
     def partition_spec(self):
         """The ``jax.sharding.PartitionSpec`` for this spec (trailing whole dims dropped)."""
+        cached = _PSPECS.get(self)
+        if cached is None:
+            cached = _PSPECS[self] = self._partition_spec()
+        return cached
+
+    def _partition_spec(self):
         from jax.sharding import PartitionSpec
 
         entries = [None if not d else d[0] if len(d) == 1 else d for d in self.dims]
@@ -68,6 +76,9 @@ class Spec:
             else:
                 dims.append(tuple(e))
         return Spec(tuple(dims))
+
+
+_PSPECS: dict[Spec, Any] = {}
 
 
 @dataclass(frozen=True)
@@ -112,11 +123,27 @@ class AxisRule:
         return f"{self.span.file}:{self.span.line}"
 
 
+_DIGITS = str.maketrans("0123456789", "0000000000")
+# Inside a character class, a range whose ends are not both letters (e.g. [!-@]) can hold
+# digits without naming one; such a pattern is treated as able to tell digits apart.
+_CLASS_RANGE = re.compile(r"\[[^\]]*[^A-Za-z\]]-[^\]]*\]|\[[^\]]*-[^A-Za-z\]][^\]]*\]")
+
+
+def digit_blind(pattern: str) -> bool:
+    """True if the regex cannot tell one digit from another: it names no digit (outside
+    repetition counts like {2,3}) and has no class range that could hold digits. Then every
+    path matches exactly as the path with each digit replaced by 0 does, so paths that
+    differ only in layer or expert numbers (of equal length) share one match."""
+    stripped = re.sub(r"\{\d+(,\d*)?\}", "", pattern)
+    return not any(c.isdigit() for c in stripped) and not _CLASS_RANGE.search(stripped)
+
+
 class RuleSet:
     """Rules of one kind compiled once into an RE2 full-match set (linear time, first wins)."""
 
     def __init__(self, rules: tuple[Rule, ...]):
         self.rules = rules
+        self.blind = all(digit_blind(r.pattern) for r in rules)
         self._set = None
         if rules:
             opts = re2.Options()
@@ -126,6 +153,10 @@ class RuleSet:
                 s.Add(r.pattern)
             s.Compile()
             self._set = s
+
+    def key(self, path: str) -> str:
+        """What a match can depend on: the path, with digits zeroed when every rule is digit-blind."""
+        return path.translate(_DIGITS) if self.blind else path
 
     def matches(self, path: str) -> list[int] | None:
         """Indices of every rule whose regex full-matches ``path``, or None."""
@@ -247,6 +278,25 @@ class Plan:
             res = _resolve.resolve_leaves(self, mesh, pleaves, leaves, replicated_threshold,
                                           report_params=False)
         return res.with_specs(rebuild)
+
+    def resolve_model(self, model: Any, optimizer: Any = None, *, devices: int | None = None,
+                      mesh: dict[str, int] | None = None,
+                      replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD) -> tuple["Resolution", "Resolution | None"]:
+        """Resolve a model's state and its optimizer's in one pass: (params, optimizer state).
+
+        Warnings are carried on the params' resolution.
+        """
+        from shardplan import resolve as _resolve
+        from shardplan import tree as _tree
+
+        mesh = mesh or self.mesh_shape(_tree.device_count() if devices is None else devices)
+        pleaves, prebuild = _tree.flatten(model)
+        oleaves, orebuild = _tree.flatten(optimizer) if optimizer is not None else ([], None)
+        res = _resolve.resolve_leaves(self, mesh, pleaves, oleaves, replicated_threshold)
+        n = len(pleaves)
+        params = _resolve.Resolution(res.mesh, res.decisions[:n], res.warnings, prebuild)
+        opt = _resolve.Resolution(res.mesh, res.decisions[n:], (), orebuild) if optimizer is not None else None
+        return params, opt
 
     def resolve_batch(self, tree: Any, *, devices: int | None = None,
                       mesh: dict[str, int] | None = None) -> "Resolution":

@@ -76,12 +76,62 @@ def _how(d: Decision) -> str:
             "batch": f"batch {_short(d.origin)}"}[d.how]
 
 
+def communication(plan: Plan, res: Resolution) -> dict:
+    """Predicted per-device bytes per training step, by kind and mesh axes, from specs alone.
+
+    The shard_map lowering's collectives (exact for that backend; the auto backend's XLA
+    may pick others, e.g. an all-reduce where a reduce-scatter would do). Assumes inputs
+    split over the ``batch`` spec's dim-0 axes and a mean loss.
+    """
+    from shardplan.lowering import lower_params, plan_batch_axes, predict
+
+    low = lower_params(res.decisions, res.mesh, plan_batch_axes(plan))
+    from shardplan.lowering import predict_by_axis
+
+    totals = predict(low)
+    return {"batch_axes": list(low.batch_axes), "by_axis": predict_by_axis(low),
+            "totals": {k: v["bytes"] for k, v in totals.items()}}
+
+
 def summary(res: Resolution) -> dict:
     p, o = res.bytes_per_device("param"), res.bytes_per_device("opt")
     return {"param_bytes_per_device": p, "opt_bytes_per_device": o, "total_bytes_per_device": p + o,
             "param_bytes_global": sum(d.nbytes for d in res.decisions if d.role == "param"),
             "n_params": sum(1 for d in res.decisions if d.role == "param"),
             "n_opt_leaves": sum(1 for d in res.decisions if d.role == "opt")}
+
+
+def print_communication(console: Console, plan: Plan, res: Resolution) -> None:
+    comm = communication(plan, res)
+    table = Table(title="communication per training step, per device (shard_map lowering)", header_style="bold")
+    for col in ("collective", "mesh axes", "bytes"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for kind, by in comm["by_axis"].items():
+        for axes, n in sorted(by.items()):
+            table.add_row(kind, axes, human_bytes(n))
+    if not any(comm["by_axis"].values()):
+        table.add_row("none", "-", "0 B")
+    console.print(table)
+
+
+def print_comparison(console: Console, results, budget: int | None = None) -> None:
+    table = Table(title="plans side by side (per device)", header_style="bold")
+    table.add_column("")
+    for plan, res in results:
+        mesh = ",".join(f"{k}={v}" for k, v in res.mesh.items())
+        table.add_column(f"{plan.name or plan.files[0]}\n{mesh}", justify="right")
+    rows = [("params", lambda p, r: summary(r)["param_bytes_per_device"]),
+            ("optimizer state", lambda p, r: summary(r)["opt_bytes_per_device"]),
+            ("total", lambda p, r: summary(r)["total_bytes_per_device"]),
+            ("all-reduce / step", lambda p, r: communication(p, r)["totals"]["all-reduce"]),
+            ("all-gather / step", lambda p, r: communication(p, r)["totals"]["all-gather"]),
+            ("reduce-scatter / step", lambda p, r: communication(p, r)["totals"]["reduce-scatter"])]
+    for name, fn in rows:
+        table.add_row(name, *[human_bytes(fn(p, r)) for p, r in results])
+    if budget is not None:
+        table.add_row(f"fits {human_bytes(budget)}", *["yes" if summary(r)["total_bytes_per_device"] <= budget
+                                                       else "no" for _, r in results])
+    console.print(table)
 
 
 def print_text(console: Console, plan: Plan, res: Resolution, *, expand: bool = False,
@@ -133,6 +183,7 @@ def to_json(plan: Plan, res: Resolution | None, diagnostics, budget: int | None 
                           "shard_shape": list(d.shard_shape), "bytes_per_device": d.bytes_per_device,
                           "decided_by": d.how, "origin": d.origin} for d in res.decisions]
         out["summary"] = summary(res)
+        out["communication"] = communication(plan, res)
         if budget is not None:
             out["summary"]["device_memory"] = budget
             out["summary"]["fits"] = out["summary"]["total_bytes_per_device"] <= budget

@@ -15,8 +15,9 @@ path suffix and shape); scalars and everything else replicated.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Literal
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Literal, NamedTuple
 
 from shardplan.errors import Diagnostic, PlanCheckError, error, warning
 from shardplan.plan import Plan, Rule, RuleSet, Spec
@@ -25,8 +26,9 @@ Role = Literal["param", "opt", "input"]
 How = Literal["rule", "axes", "default", "mirror", "scalar", "replicated", "batch"]
 
 
-@dataclass(frozen=True)
-class Leaf:
+# Leaf and Decision are NamedTuples, not frozen dataclasses: a 100k-leaf state makes 100k
+# of each, and a frozen dataclass's __init__ costs several times a tuple's. Both immutable.
+class Leaf(NamedTuple):
     """What resolution needs of an array: its path, shape, dtype and Flax annotation."""
 
     path: str
@@ -40,8 +42,7 @@ class Leaf:
         return math.prod(self.shape) * self.itemsize
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     """The spec decided for one leaf and why."""
 
     path: str
@@ -73,10 +74,17 @@ class Resolution:
     mesh: dict[str, int]
     decisions: tuple[Decision, ...]
     warnings: tuple[Diagnostic, ...]
-    specs: Any = None  # PartitionSpec pytree shaped like the resolved tree
+    rebuild: Callable[[list], Any] | None = field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def specs(self) -> Any:
+        """PartitionSpec pytree shaped like the resolved tree (built on first use)."""
+        if self.rebuild is None:
+            return None
+        return self.rebuild([d.spec.partition_spec() for d in self.decisions])
 
     def with_specs(self, rebuild: Callable[[list], Any]) -> "Resolution":
-        return replace(self, specs=rebuild([d.partition_spec() for d in self.decisions]))
+        return replace(self, rebuild=rebuild)
 
     def bytes_per_device(self, role: Role | None = None) -> int:
         return sum(d.bytes_per_device for d in self.decisions if role is None or d.role == role)
@@ -94,30 +102,44 @@ class Resolution:
 
 
 class _Resolver:
+    """One resolution pass. Per-leaf work is lookups: rule matches are memoised per
+    digit-normalised path (when the rules cannot tell digits apart, see RuleSet), fit
+    checks and shard shapes per (shape, spec)."""
+
     def __init__(self, plan: Plan, mesh: dict[str, int], threshold: int):
         self.plan = plan
         self.mesh = mesh
         self.threshold = threshold
         self.diags: list[Diagnostic] = []
         self.axis_map = {a.logical: a for a in plan.axes}
-        # Keyed by id(rule): hashing a frozen dataclass per leaf would dominate big states.
-        self.matched: dict[int, int] = {}
-        self.decided: dict[int, int] = {}
-        self.first_path: dict[int, str] = {}
-        self.shadowed_by: dict[int, Rule] = {}
+        # Per rule kind: normalised path -> (winning index or -1, all hit indices), and how
+        # many leaves each normalised path stood for (usage counts come from these at the end).
+        self.memo: dict[str, dict[str, tuple[int, tuple[int, ...]]]] = {"param": {}, "opt": {}, "input": {}}
+        self.seen: dict[str, dict[str, list]] = {"param": {}, "opt": {}, "input": {}}
+        self.fit_memo: dict[tuple, tuple[bool, tuple[int, ...]]] = {}
+        self.last_mirror = [""]
 
     # -- checking one decided spec against one leaf --------------------------------------
-    def fits(self, leaf: Leaf, spec: Spec, rule: Rule | None, what: str) -> bool:
+    def shard(self, shape: tuple[int, ...], spec: Spec) -> tuple[bool, tuple[int, ...]]:
+        key = (shape, spec)
+        hit = self.fit_memo.get(key)
+        if hit is None:
+            ok = len(spec.dims) <= len(shape) and all(
+                shape[i] % math.prod(self.mesh[a] for a in axes) == 0 for i, axes in enumerate(spec.dims) if axes)
+            hit = self.fit_memo[key] = (ok, spec.shard_shape(shape, self.mesh) if ok else shape)
+        return hit
+
+    def misfit(self, leaf: Leaf, spec: Spec, rule: Rule | None, what: str) -> None:
+        """Report why ``spec`` does not fit ``leaf`` (only called when it does not)."""
         span = rule.spec_span if rule is not None else None
         line = rule.source_line if rule is not None else None
-        ok = True
         if len(spec.dims) > len(leaf.shape):
             self.diags.append(error(
                 "spec-too-long", f"{leaf.path} has rank {len(leaf.shape)} (shape {_shape(leaf.shape)}) but "
                 f"{what} gives {len(spec.dims)} dims {spec}",
                 "shorten the spec to the array's rank, or narrow the rule's regex so it does not "
                 "match this array", span=span, path=leaf.path, source_line=line))
-            return False
+            return
         for i, axes in enumerate(spec.dims):
             n = math.prod(self.mesh[a] for a in axes) if axes else 1
             if leaf.shape[i] % n:
@@ -127,28 +149,30 @@ class _Resolver:
                     f"is not divisible by {sizes} ({n}) from {what}",
                     f"split dim {i} over axes whose sizes divide {leaf.shape[i]}, leave it whole (_), "
                     "or change the mesh", span=span, path=leaf.path, source_line=line))
-                ok = False
-        return ok
 
-    def decision(self, leaf: Leaf, spec: Spec, how: How, origin: str, role: Role) -> Decision:
-        return Decision(leaf.path, leaf.shape, leaf.dtype, leaf.itemsize, spec, how, origin, role,
-                        spec.shard_shape(leaf.shape, self.mesh))
+    def decide(self, leaf: Leaf, spec: Spec, how: How, origin: str, role: Role, rule: Rule | None,
+               what: str) -> Decision:
+        ok, shard = self.shard(leaf.shape, spec)
+        if not ok:
+            self.misfit(leaf, spec, rule, what)
+            spec = REPLICATED
+            shard = leaf.shape
+        return Decision(leaf.path, leaf.shape, leaf.dtype, leaf.itemsize, spec, how, origin, role, shard)
 
-    # -- params -------------------------------------------------------------------------
-    def from_rules(self, leaf: Leaf, rules: tuple[Rule, ...], ruleset: RuleSet) -> Rule | None:
-        hits = ruleset.matches(leaf.path)
-        if not hits:
+    # -- rule matching -------------------------------------------------------------------
+    def match(self, kind: str, path: str) -> Rule | None:
+        ruleset: RuleSet = self.plan._sets[kind]
+        if not ruleset.rules:
             return None
-        first = min(hits)
-        for i in hits:
-            k = id(rules[i])
-            self.matched[k] = self.matched.get(k, 0) + 1
-            self.first_path.setdefault(k, leaf.path)
-            if i != first:
-                self.shadowed_by.setdefault(k, rules[first])
-        winner = rules[first]
-        self.decided[id(winner)] = self.decided.get(id(winner), 0) + 1
-        return winner
+        key = ruleset.key(path)
+        memo = self.memo[kind]
+        hit = memo.get(key)
+        if hit is None:
+            hits = ruleset.matches(path)
+            hit = memo[key] = ((min(hits), tuple(hits)) if hits else (-1, ()))
+            self.seen[kind][key] = [0, path]
+        self.seen[kind][key][0] += 1
+        return ruleset.rules[hit[0]] if hit[0] >= 0 else None
 
     def from_annotation(self, leaf: Leaf) -> Spec | None:
         if not self.axis_map or not leaf.names:
@@ -173,25 +197,24 @@ class _Resolver:
                         "axis-reused", f"{leaf.path}: logical axes '{seen[a]}' and '{name}' both map to "
                         f"mesh axis '{a}'", "map them to different mesh axes, or one of them to _",
                         span=rule.span, path=leaf.path, source_line=rule.source_line))
-                    return Spec(())
+                    return REPLICATED
                 seen[a] = name
             dims.append(rule.axes)
         return Spec(tuple(dims))
 
+    # -- params -------------------------------------------------------------------------
     def param(self, leaf: Leaf) -> Decision | None:
         plan = self.plan
-        rule = self.from_rules(leaf, plan.params, plan._sets["param"])
+        rule = self.match("param", leaf.path)
         if rule is not None:
-            ok = self.fits(leaf, rule.spec, rule, f"the rule at {rule.origin}")
-            return self.decision(leaf, rule.spec if ok else Spec(()), "rule", rule.origin, "param")
+            return self.decide(leaf, rule.spec, "rule", rule.origin, "param", rule, f"the rule at {rule.origin}")
         spec = self.from_annotation(leaf)
         if spec is not None:
-            ok = self.fits(leaf, spec, None, f"its annotation {tuple(leaf.names)} via the axis rules")
-            return self.decision(leaf, spec if ok else Spec(()), "axes", "annotation", "param")
+            return self.decide(leaf, spec, "axes", "annotation", "param", None,
+                               f"its annotation {tuple(leaf.names)} via the axis rules")
         if plan.default is not None:
             where = f"{plan.default_span.file}:{plan.default_span.line}" if plan.default_span else "default"
-            ok = self.fits(leaf, plan.default, None, f"the default at {where}")
-            return self.decision(leaf, plan.default if ok else Spec(()), "default", where, "param")
+            return self.decide(leaf, plan.default, "default", where, "param", None, f"the default at {where}")
         self.diags.append(error(
             "unmatched-param", f"{leaf.path} (shape {_shape(leaf.shape)}) matches no param rule",
             'add a rule for it, or a fallback: default replicated (or param ".*" replicated)',
@@ -200,54 +223,91 @@ class _Resolver:
 
     # -- optimizer state ----------------------------------------------------------------
     def opt(self, leaf: Leaf, params: dict[str, Decision]) -> Decision:
-        plan = self.plan
-        rule = self.from_rules(leaf, plan.opts, plan._sets["opt"])
+        rule = self.match("opt", leaf.path)
         if rule is not None:
-            ok = self.fits(leaf, rule.spec, rule, f"the rule at {rule.origin}")
-            return self.decision(leaf, rule.spec if ok else Spec(()), "rule", rule.origin, "opt")
-        mirrored = _mirror(leaf, params)
+            return self.decide(leaf, rule.spec, "rule", rule.origin, "opt", rule, f"the rule at {rule.origin}")
+        mirrored = _mirror(leaf, params, self.last_mirror)
         if mirrored is not None:
-            return self.decision(leaf, mirrored.spec, "mirror", mirrored.path, "opt")
+            return Decision(leaf.path, leaf.shape, leaf.dtype, leaf.itemsize, mirrored.spec, "mirror",
+                            mirrored.path, "opt", mirrored.shard_shape)
         if not leaf.shape:
-            return self.decision(leaf, Spec(()), "scalar", "scalar", "opt")
-        return self.decision(leaf, Spec(()), "replicated", "mirrors no param", "opt")
+            return Decision(leaf.path, (), leaf.dtype, leaf.itemsize, REPLICATED, "scalar", "scalar", "opt", ())
+        return Decision(leaf.path, leaf.shape, leaf.dtype, leaf.itemsize, REPLICATED, "replicated",
+                        "mirrors no param", "opt", leaf.shape)
 
     # -- rule usage warnings -------------------------------------------------------------
-    def usage(self, rules: tuple[Rule, ...], what: str):
-        for r in rules:
-            k = id(r)
-            if not self.matched.get(k):
+    def usage(self, kind: str, what: str):
+        rules = self.plan._sets[kind].rules
+        matched = [0] * len(rules)
+        decided = [0] * len(rules)
+        first_path: dict[int, str] = {}
+        shadowed_by: dict[int, int] = {}
+        for key, (win, hits) in self.memo[kind].items():
+            count, path = self.seen[kind][key]
+            for i in hits:
+                matched[i] += count
+                first_path.setdefault(i, path)
+                if i != win:
+                    shadowed_by.setdefault(i, win)
+            if win >= 0:
+                decided[win] += count
+        for i, r in enumerate(rules):
+            if not matched[i]:
                 self.diags.append(warning(
                     "unused-rule", f"{r.kind} rule \"{r.pattern}\" matches no {what}",
                     "check the regex against the paths `shardplan check` lists (it must match the "
                     "whole path), or delete the rule", span=r.pattern_span, source_line=r.source_line))
-            elif not self.decided.get(k):
-                by = self.shadowed_by[k]
+            elif not decided[i]:
+                by = rules[shadowed_by[i]]
                 self.diags.append(warning(
-                    "shadowed-rule", f"{r.kind} rule \"{r.pattern}\" matches {self.matched[k]} {what}(s), "
-                    f"but an earlier rule decides each (e.g. {self.first_path[k]} by {by.origin})",
+                    "shadowed-rule", f"{r.kind} rule \"{r.pattern}\" matches {matched[i]} {what}(s), "
+                    f"but an earlier rule decides each (e.g. {first_path[i]} by {by.origin})",
                     "move this rule above the broader one, or delete it",
                     span=r.span, source_line=r.source_line))
 
     def big_replicated(self, decisions):
+        threshold = self.threshold
         for d in decisions:
-            if d.spec.is_replicated and d.nbytes > self.threshold and d.role != "input":
+            if d.spec.is_replicated and d.role != "input" and d.itemsize * math.prod(d.shape) > threshold:
                 self.diags.append(warning(
                     "large-replicated", f"{d.path} ({_shape(d.shape)} {d.dtype}, {_mib(d.nbytes)}) is "
                     f"replicated on every device (decided by {d.origin})",
                     "shard it with a rule, or raise the threshold (--replicated-threshold)", path=d.path))
 
 
-def _mirror(leaf: Leaf, params: dict[str, Decision]) -> Decision | None:
-    """The param whose path is the longest proper suffix of ``leaf.path``, with the same shape."""
+REPLICATED = Spec(())
+
+
+def _mirror(leaf: Leaf, params: dict[str, Decision], last: list) -> Decision | None:
+    """The param whose path is the longest proper suffix of ``leaf.path``, with the same shape.
+
+    ``last`` holds the prefix that mirrored last time (``opt_state/0/mu/``): optimizer
+    states are laid out per param, so it almost always fits the next leaf too.
+    """
     path = leaf.path
+    prefix = last[0]
+    if prefix and path.startswith(prefix):
+        d = params.get(path[len(prefix):])
+        # Still the longest suffix? Only if no shorter prefix (a longer suffix) is a param too.
+        if d is not None and d.shape == leaf.shape and not _longer_suffix(path, len(prefix), params):
+            return d
     i = path.find("/")
     while i >= 0:
         d = params.get(path[i + 1:])
         if d is not None and d.shape == leaf.shape:
+            last[0] = path[:i + 1]
             return d
         i = path.find("/", i + 1)
     return None
+
+
+def _longer_suffix(path: str, cut: int, params: dict[str, Decision]) -> bool:
+    i = path.find("/")
+    while 0 <= i < cut - 1:
+        if path[i + 1:] in params:
+            return True
+        i = path.find("/", i + 1)
+    return False
 
 
 def _shape(shape: tuple[int, ...]) -> str:
@@ -280,13 +340,13 @@ def resolve_leaves(plan: Plan, mesh: dict[str, int], params: list[Leaf] | tuple[
     r = _Resolver(plan, mesh, replicated_threshold)
     pdec = [d for d in (r.param(leaf) for leaf in params) if d is not None]
     if report_params:
-        r.usage(plan.params, "param")
+        r.usage("param", "param")
     else:
         r.diags = [d for d in r.diags if d.severity == "error"]
     by_path = {d.path: d for d in pdec}
     odec = [r.opt(leaf, by_path) for leaf in opt_state]
     if opt_state:
-        r.usage(plan.opts, "optimizer-state leaf")
+        r.usage("opt", "optimizer-state leaf")
     decisions = (pdec if report_params else []) + odec
     r.big_replicated(decisions)
     warnings = _raise_or_warnings(r.diags, plan.warnings)
@@ -303,21 +363,19 @@ def resolve_inputs(plan: Plan, mesh: dict[str, int], leaves: list[Leaf]) -> Reso
     r = _Resolver(plan, mesh, 0)
     out = []
     for leaf in leaves:
-        rule = r.from_rules(leaf, plan.inputs, plan._sets["input"])
+        rule = r.match("input", leaf.path)
         if rule is not None:
             spec, origin, how, what = rule.spec, rule.origin, "rule", f"the input rule at {rule.origin}"
         elif plan.batch is not None:
             where = f"{plan.batch_span.file}:{plan.batch_span.line}" if plan.batch_span else "batch"
             spec, origin, how, what = plan.batch, where, "batch", f"the batch spec at {where}"
         else:
-            spec, origin, how, what = Spec(()), "no batch rule", "replicated", "no batch rule"
+            spec, origin, how, what = REPLICATED, "no batch rule", "replicated", "no batch rule"
         dims = spec.dims
         while len(dims) > len(leaf.shape) and not dims[-1]:
             dims = dims[:-1]
-        spec = Spec(dims)
-        ok = r.fits(leaf, spec, rule, what)
-        out.append(r.decision(leaf, spec if ok else Spec(()), how, origin, "input"))
-    r.usage(plan.inputs, "input")
+        out.append(r.decide(leaf, Spec(dims), how, origin, "input", rule, what))
+    r.usage("input", "input")
     return Resolution(dict(mesh), tuple(out), _raise_or_warnings(r.diags))
 
 

@@ -1,0 +1,1 @@
+"""shardplan's benchmarks: `python -m benchmarks [--quick]` (see benchmarks/run.py)."""
