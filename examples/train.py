@@ -40,28 +40,34 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def setup_devices(n: int) -> None:
-    if n:
+    if n and "SHARDPLAN_COORDINATOR" not in os.environ:  # under `shardplan launch`, the launcher sets them
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={n}").strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def synthetic_batch(rng, vocab: int, batch: int, seq: int):
-    """Sequences that follow x[t+1] = (3 x[t] + 1) mod vocab from a random start: learnable."""
+def synthetic_batch(rng, vocab: int, batch: int, seq: int, rows: slice | None = None):
+    """Sequences that follow x[t+1] = (3 x[t] + 1) mod vocab from a random start: learnable.
+
+    ``rows``: this process's part of the global batch (every process draws the same global
+    batch, so 2 processes x 4 devices see exactly what 1 process x 8 devices sees).
+    """
     import numpy as np
 
     start = rng.integers(0, vocab, size=(batch, 1))
     seqs = start.copy()
     for _ in range(seq):
         seqs = np.concatenate([seqs, (3 * seqs[:, -1:] + 1) % vocab], axis=1)
+    seqs = seqs[rows] if rows is not None else seqs
     return {"tokens": seqs[:, :-1].astype(np.int32), "labels": seqs[:, 1:].astype(np.int32)}
 
 
-def synthetic_regression(rng, batch: int, din: int, dout: int):
+def synthetic_regression(rng, batch: int, din: int, dout: int, rows: slice | None = None):
     import numpy as np
 
     x = rng.standard_normal((batch, din)).astype(np.float32)
     w = np.linspace(-1, 1, din * dout, dtype=np.float32).reshape(din, dout)
+    x = x[rows] if rows is not None else x
     return {"x": x, "y": np.tanh(x @ w)}
 
 
@@ -77,15 +83,18 @@ def mse_loss(model, batch):
 
 
 def make_data(model_name: str, model, seed: int, batch: int, seq: int):
-    """A batch generator and the loss for the chosen example model."""
+    """A batch generator (this process's rows of each global batch) and the loss."""
     import numpy as np
 
+    from shardplan import distributed
+
     rng = np.random.default_rng(seed)
+    rows = distributed.process_slice(batch)
     if model_name.startswith("mlp"):
         din = model.layers[0].in_features
         dout = model.layers[-1].out_features
-        return (lambda: synthetic_regression(rng, batch, din, dout)), mse_loss
-    return (lambda: synthetic_batch(rng, model.cfg.vocab, batch, seq)), lm_loss
+        return (lambda: synthetic_regression(rng, batch, din, dout, rows)), mse_loss
+    return (lambda: synthetic_batch(rng, model.cfg.vocab, batch, seq, rows)), lm_loss
 
 
 def main(argv=None) -> int:
@@ -94,6 +103,10 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
     import jax
+
+    from shardplan import distributed
+
+    distributed.initialize()  # joins the job when started by `shardplan launch`; else a no-op
     import optax
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -128,9 +141,10 @@ def main(argv=None) -> int:
             next_batch()
         batch = next_batch()
         console.print(f"[bold]{plan.name or args.plan}[/] on {len(jax.devices())} {jax.devices()[0].platform} "
-                      f"devices, mesh {placement.mesh_shape}, backend {step.backend}")
+                      f"devices ({jax.process_count()} process(es)), mesh {placement.mesh_shape}, "
+                      f"backend {step.backend}")
         print_diagnostics(console, placement.params.warnings)
-        if not args.no_show:
+        if not args.no_show and jax.process_count() == 1:
             shardplan.show(model, console=console, title="params", max_visualize=2)
             shardplan.show(placement.shard_batch(batch), console=console, title="batch", max_visualize=1)
         shardplan.verify(placement, model, optimizer, placement.shard_batch(batch))
@@ -153,7 +167,7 @@ def main(argv=None) -> int:
             ckpt.save(start + args.steps, model, optimizer)
             ckpt.wait()
         shardplan.verify(placement, model, optimizer)
-        if args.metrics:
+        if args.metrics and jax.process_index() == 0:
             import json
 
             Path(args.metrics).write_text(json.dumps({"start": start, "losses": losses}))

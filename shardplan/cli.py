@@ -285,6 +285,25 @@ def cmd_ckpt_info(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
+def cmd_launch(args, out: Console, err: Console) -> int:
+    from shardplan import launch
+
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise _UsageError("give the command to run after --, e.g. shardplan launch -n 2 -- python train.py")
+    if args.n < 1 or args.devices_per_process < 1:
+        raise _UsageError("-n and --devices-per-process must be positive")
+    try:
+        code, results, summary = launch.launch(command, args.n, args.devices_per_process,
+                                               failure_grace_s=args.failure_grace, timeout_s=args.timeout)
+    except launch.LaunchError as e:
+        raise _UsageError(f"{e} (give an executable, e.g. python script.py)") from None
+    (err if code else out).print(f"shardplan launch: {summary}", highlight=False, markup=False)
+    return code
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardplan", description="Sharding plans for Flax NNX models.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -341,6 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "'tokens', else mean square)")
     lo.add_argument("--simulate-devices", type=int, help="simulated CPU devices (e.g. 8)")
     lo.set_defaults(func=cmd_lower)
+
+    la = sub.add_parser("launch", help="run N ranks of a command under jax.distributed on this machine",
+                        description="Run N processes with simulated CPU devices and gloo collectives on "
+                        "127.0.0.1 (a free port); prefix output with the rank; fail if any rank fails.")
+    la.add_argument("-n", type=int, default=2, help="number of processes (default 2)")
+    la.add_argument("--devices-per-process", type=int, default=4)
+    la.add_argument("--failure-grace", type=float, default=10.0,
+                    help="seconds the other ranks get after one fails, then they are stopped (default 10)")
+    la.add_argument("--timeout", type=float, help="stop every rank after this many seconds")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
+    la.set_defaults(func=cmd_launch)
 
     ck = sub.add_parser("ckpt", help="inspect checkpoints")
     cks = ck.add_subparsers(dest="ckpt_command", required=True)

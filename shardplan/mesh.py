@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Sequence
 
 import jax
@@ -45,30 +46,28 @@ def make_mesh(plan: Plan, devices: Sequence | None = None, axis_types: AxisTypes
 
 
 def _multi_process_mesh(names, sizes, kind, devs) -> Mesh:
-    """Across processes: the inner axes within a process where their sizes allow, the rest
-    (the leading, data axes) across processes (``create_hybrid_device_mesh``)."""
-    from jax.experimental import mesh_utils
+    """Across processes: trailing (model) axes inside a process where their sizes allow, the
+    leading (data) axes across processes. Each axis of size s is split s = outer x inner,
+    filling a process's devices from the last axis; mesh index = outer * inner_size + inner."""
+    import numpy as np
 
-    per_process = len(devs) // jax.process_count()
-    inner, outer, left = [], [], per_process
-    for size in reversed(sizes):  # fill each process from the last axis
-        if left % size == 0 and left >= size:
-            inner.insert(0, size)
-            outer.insert(0, 1)
-            left //= size
-        else:
-            if size % left:
-                raise PlanApplyError([error(
-                    "mesh-processes", f"mesh {dict(zip(names, sizes))} cannot be laid out over "
-                    f"{jax.process_count()} processes of {per_process} devices",
-                    "make the product of the trailing axes divide the devices per process")])
-            inner.insert(0, left)
-            outer.insert(0, size // left)
-            left = 1
+    nproc = jax.process_count()
+    per = len(devs) // nproc
+    inner, left = [], per
+    for size in reversed(sizes):
+        take = math.gcd(size, left)
+        inner.insert(0, take)
+        left //= take
     if left != 1:
-        inner[0] *= left
-        outer[0] //= left
-    arr = mesh_utils.create_hybrid_device_mesh(inner, outer, devices=devs, process_is_granule=True)
+        raise PlanApplyError([error(
+            "mesh-processes", f"mesh {dict(zip(names, sizes))} cannot be laid out over {nproc} processes "
+            f"of {per} devices", "make the mesh's trailing axes fill a process's devices exactly")])
+    outer = [s // i for s, i in zip(sizes, inner)]
+    by_proc = sorted(devs, key=lambda d: (d.process_index, d.id))
+    grid = np.array(by_proc, dtype=object).reshape(*outer, *inner)  # (outer axes..., inner axes...)
+    k = len(sizes)
+    order = [ax for pair in zip(range(k), range(k, 2 * k)) for ax in pair]  # (o0, i0, o1, i1, ...)
+    arr = grid.transpose(order).reshape(sizes)
     return Mesh(arr, names, axis_types=(kind,) * len(names))
 
 

@@ -83,11 +83,9 @@ def communication(plan: Plan, res: Resolution) -> dict:
     may pick others, e.g. an all-reduce where a reduce-scatter would do). Assumes inputs
     split over the ``batch`` spec's dim-0 axes and a mean loss.
     """
-    from shardplan.lowering import lower_params, plan_batch_axes, predict
+    from shardplan.lowering import lower_params, plan_batch_axes, predict, predict_by_axis
 
     low = lower_params(res.decisions, res.mesh, plan_batch_axes(plan))
-    from shardplan.lowering import predict_by_axis
-
     totals = predict(low)
     return {"batch_axes": list(low.batch_axes), "by_axis": predict_by_axis(low),
             "totals": {k: v["bytes"] for k, v in totals.items()}}
