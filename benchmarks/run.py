@@ -100,23 +100,28 @@ def _step_setup(plan_name: str, backend: str, cfg, batch: int, devices=None, han
     return lambda: fn(nnx.state(model), nnx.state(optimizer), placed), fn, model, optimizer, data
 
 
-def _time_steps(setup, steps: int, repeat: int) -> float:
+def _time_steps(setups: list, steps: int, repeat: int) -> list[float]:
+    """Seconds per step for each setup, measured in interleaved rounds (so drift in the
+    machine's speed hits every variant alike); the best round of each is kept."""
     from flax import nnx
 
-    run, _, model, optimizer, _ = setup
-    out = run()  # compile
-    nnx.update(model, out[0])
-    nnx.update(optimizer, out[1])
-    block(out)
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(steps):
+    def run_steps(setup, k):
+        run, _, model, optimizer, _ = setup
+        loss = None
+        for _ in range(k):
             sm, so, loss = run()
             nnx.update(model, sm)
             nnx.update(optimizer, so)
         block(loss)
-        best = min(best, (time.perf_counter() - t) / steps)
+
+    for setup in setups:
+        run_steps(setup, 1)  # compile
+    best = [float("inf")] * len(setups)
+    for _ in range(repeat):
+        for i, setup in enumerate(setups):
+            t = time.perf_counter()
+            run_steps(setup, steps)
+            best[i] = min(best[i], (time.perf_counter() - t) / steps)
     return best
 
 
@@ -127,18 +132,20 @@ def bench_steps(quick: bool) -> dict:
 
     cfg = models.TINY if quick else models.GPTConfig(vocab=256, d_model=128, n_heads=8, d_ff=512, n_layers=4,
                                                      max_len=64)
-    steps, repeat = (2, 1) if quick else (10, 3)
+    steps, repeat = (2, 1) if quick else (10, 5)
     rows = []
     for plan in ("dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan"):
-        t_auto = _time_steps(_step_setup(plan, "auto", cfg, 32), steps, repeat)
-        t_hand = _time_steps(_step_setup(plan, "auto", cfg, 32, hand=True), steps, repeat)
-        t_sm = _time_steps(_step_setup(plan, "shard_map", cfg, 32), steps, repeat)
+        t_auto, t_hand, t_sm = _time_steps([_step_setup(plan, "auto", cfg, 32),
+                                            _step_setup(plan, "auto", cfg, 32, hand=True),
+                                            _step_setup(plan, "shard_map", cfg, 32)], steps, repeat)
         rows.append({"plan": plan, "auto_ms": 1e3 * t_auto, "hand_ms": 1e3 * t_hand, "shard_map_ms": 1e3 * t_sm,
                      "auto_vs_hand": t_auto / t_hand, "shard_map_vs_auto": t_sm / t_auto})
     scaling = []
     for batch in ((8, 32) if quick else (8, 32, 128, 512)):
-        t8 = _time_steps(_step_setup("dp.splan", "auto", cfg, batch), steps, repeat)
-        t1 = _time_steps(_step_setup("dp.splan", "auto", cfg, batch, devices=jax.devices()[:1]), steps, repeat)
+        big = batch >= 512
+        t8, t1 = _time_steps([_step_setup("dp.splan", "auto", cfg, batch),
+                              _step_setup("dp.splan", "auto", cfg, batch, devices=jax.devices()[:1])],
+                             3 if big else steps, 2 if big else repeat)
         scaling.append({"batch": batch, "ms_8": 1e3 * t8, "ms_1": 1e3 * t1, "speedup_8_vs_1": t1 / t8})
     return {"plans": rows, "scaling": scaling, "config": cfg.__dict__}
 

@@ -30,6 +30,12 @@ class Spec:
 
     dims: tuple[tuple[str, ...], ...] = ()
 
+    def __hash__(self) -> int:  # cached: specs key the per-(shape, spec) memo of every leaf
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(self.dims)
+        return h
+
     @functools.cached_property
     def axes(self) -> tuple[str, ...]:
         return tuple(a for d in self.dims for a in d)

@@ -93,12 +93,19 @@ class Resolution:
         return {d.path: d for d in self.decisions}
 
     def shardings(self, mesh):
-        """The spec tree as ``NamedSharding``s on a ``jax.sharding.Mesh``."""
-        import jax
-        from jax.sharding import NamedSharding, PartitionSpec
+        """The spec tree as ``NamedSharding``s on a ``jax.sharding.Mesh`` (one object per spec)."""
+        if self.rebuild is None:
+            return None
+        from jax.sharding import NamedSharding
 
-        return jax.tree.map(lambda p: NamedSharding(mesh, p), self.specs,
-                            is_leaf=lambda x: isinstance(x, PartitionSpec))
+        made: dict = {}
+        out = []
+        for d in self.decisions:
+            s = made.get(d.spec)
+            if s is None:
+                s = made[d.spec] = NamedSharding(mesh, d.spec.partition_spec())
+            out.append(s)
+        return self.rebuild(out)
 
 
 class _Resolver:

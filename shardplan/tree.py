@@ -94,7 +94,7 @@ def _walk(x, prefix: str, out: list) -> None:
     """Append (path, leaf) in jax's flatten order: dict and State keys sorted, sequences in
     order, NamedTuples by field name; other pytree nodes through jax itself."""
     t = type(x)
-    if t is jax.ShapeDtypeStruct or t is _ARRAY_IMPL:  # the hot case: inline
+    if t is jax.ShapeDtypeStruct or t is _ARRAY_IMPL or t is np.ndarray:  # the hot case: inline
         shape = x.shape
         name, itemsize = _dtype(x.dtype)
         out.append(Leaf(prefix, shape if type(shape) is tuple else tuple(map(int, shape)), name, itemsize, None))
