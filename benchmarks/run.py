@@ -28,15 +28,6 @@ def _setup(devices: int) -> None:
     sys.path.insert(0, str(ROOT))
 
 
-def best_of(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def block(tree):
     import jax
 
@@ -50,6 +41,7 @@ def bench_apply(quick: bool) -> dict:
     import numpy as np
 
     import shardplan
+    from benchmarks.resolution import best_of
     from shardplan.apply import place
 
     n, shape = (200, (64, 256)) if quick else (2000, (256, 512))  # full: 2,000 x 512 KiB = 1 GiB

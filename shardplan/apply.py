@@ -18,6 +18,7 @@ from shardplan.errors import PlanApplyError, PlanCheckError, ShardPlanError, err
 from shardplan.mesh import AxisTypes, make_mesh, mesh_shape_of
 from shardplan.plan import Plan
 from shardplan.resolve import Resolution
+from shardplan.shapes import abstract_model
 
 
 @dataclass(frozen=True)
@@ -139,15 +140,11 @@ def init_sharded(plan: Plan, factory: Callable[[], Any], tx: optax.GradientTrans
 
     # Eager sharding off: annotated variables would otherwise need a mesh with their
     # *logical* names; placement comes from the plan's out_shardings instead.
+    try:
+        abs_model, abs_opt = abstract_model(build, path="factory")
+    except ShardPlanError as e:
+        raise PlanApplyError(e.diagnostics) from None
     with nnx.use_eager_sharding(False):
-        try:
-            abs_model, abs_opt = nnx.eval_shape(build)
-        except ShardPlanError:
-            raise
-        except Exception as e:
-            raise PlanApplyError([error("model-build", f"building the model failed: {type(e).__name__}: {e}",
-                                        "the factory must build an nnx.Module with no arguments",
-                                        path="factory")]) from None
         placement = _as_apply(lambda: resolve_model(plan, abs_model, abs_opt, mesh=mesh))
         gm, _ = nnx.split(abs_model)
         go = nnx.split(abs_opt)[0] if abs_opt is not None else None

@@ -148,11 +148,12 @@ def load_factory(spec: str):
     return fn
 
 
-def abstract_model(factory) -> Any:
+def abstract_model(factory, *, path: str = "--model") -> Any:
     """Build a model abstractly (``nnx.eval_shape``): shapes only, nothing allocated.
 
     Eager sharding is off while building, so models annotated with
     ``nnx.with_partitioning`` build without a mesh; the annotations stay in metadata.
+    ``path`` names the factory in the error when building fails.
     """
     from flax import nnx
 
@@ -165,4 +166,4 @@ def abstract_model(factory) -> Any:
         raise ShardPlanError([error("model-build", f"building the model abstractly failed: "
                                     f"{type(e).__name__}: {e}",
                                     "the factory must build an nnx.Module with no arguments",
-                                    path="--model")]) from None
+                                    path=path)]) from None
