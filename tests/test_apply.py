@@ -277,3 +277,18 @@ def test_loss_that_is_not_a_scalar():
     with pytest.raises(shardplan.PlanApplyError) as info:
         step(model, optimizer, _batches("gpt_tiny", model, 1)[0][0])
     assert "not a float scalar" in str(info.value)
+
+
+def test_cli_show_builds_sharded_and_verifies():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "shardplan.cli", "show", str(PLANS / "gpt_2d.splan"), "--model",
+                        f"{ROOT / 'examples' / 'models.py'}:gpt_tiny", "--simulate-devices", "8", "--batch",
+                        "tokens=16x16:int32", "--visualize", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "P('data', 'model')" in r.stdout and "(8, 16) x8" in r.stdout  # query kernel shards
+    assert "CPU 0,1" in r.stdout  # the batch's device map
+    assert "every array lives where the plan says" in r.stdout
