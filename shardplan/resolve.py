@@ -222,9 +222,12 @@ class _Resolver:
         if plan.default is not None:
             where = f"{plan.default_span.file}:{plan.default_span.line}" if plan.default_span else "default"
             return self.decide(leaf, plan.default, "default", where, "param", None, f"the default at {where}")
+        hint = 'add a rule for it, or a fallback: default replicated (or param ".*" replicated)'
+        if leaf.path.startswith("opt_state/") or leaf.path == "step":
+            hint = ("this looks like optimizer state resolved as params: use plan.resolve(opt_state, "
+                    "params=model_state) or plan.resolve_model(model, optimizer)")
         self.diags.append(error(
-            "unmatched-param", f"{leaf.path} (shape {_shape(leaf.shape)}) matches no param rule",
-            'add a rule for it, or a fallback: default replicated (or param ".*" replicated)',
+            "unmatched-param", f"{leaf.path} (shape {_shape(leaf.shape)}) matches no param rule", hint,
             path=leaf.path))
         return None
 

@@ -223,3 +223,10 @@ def test_70b_per_device_bytes_match_an_independent_sum():
     assert res.bytes_per_device("param") == per_device * 4
     total = sum(math.prod(leaf.shape) for leaf in leaves)
     assert 68e9 < total < 70e9  # a 70B model indeed
+
+
+def test_optimizer_state_resolved_as_params_gets_a_hint():
+    plan = shardplan.loads('mesh d = *\nparam ".*/kernel" (d)')
+    leaves = [Leaf("opt_state/0/mu/a/bias", (8,), "float32", 4)]
+    d = only(diags_of(resolve_leaves, plan, {"d": 8}, leaves), "unmatched-param")
+    assert "params=model_state" in d.hint
