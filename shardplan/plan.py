@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import re2
@@ -70,18 +70,6 @@ class Spec:
             return "replicated"
         parts = ["_" if not d else d[0] if len(d) == 1 else "(" + ", ".join(d) + ")" for d in self.dims]
         return "(" + ", ".join(parts) + ")"
-
-    @staticmethod
-    def from_partition_spec(p: Any) -> "Spec":
-        dims = []
-        for e in tuple(p):
-            if e is None:
-                dims.append(())
-            elif isinstance(e, str):
-                dims.append((e,))
-            else:
-                dims.append(tuple(e))
-        return Spec(tuple(dims))
 
 
 _PSPECS: dict[Spec, Any] = {}
@@ -313,6 +301,3 @@ class Plan:
         mesh = mesh or self.mesh_shape(_tree.device_count() if devices is None else devices)
         leaves, rebuild = _tree.flatten(tree)
         return _resolve.resolve_inputs(self, mesh, leaves).with_specs(rebuild)
-
-    def replace(self, **changes) -> "Plan":
-        return replace(self, **changes, _sets={})

@@ -137,9 +137,3 @@ def flatten(tree: Any) -> tuple[list[Leaf], Callable[[list], Any]]:
         return jax.tree_util.tree_unflatten(treedef, values)
 
     return leaves, rebuild
-
-
-def abstract(tree: Any) -> Any:
-    """``ShapeDtypeStruct`` leaves for any tree of arrays (Variables unwrapped)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", np.asarray(x).dtype)),
-                        tree)
