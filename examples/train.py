@@ -36,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="save every N steps (default: at the end)")
     p.add_argument("--resume", action="store_true", help="restore the latest checkpoint first")
     p.add_argument("--metrics", help="write the losses (JSON) here")
+    p.add_argument("--log-every", type=int, default=0, help="also print 'step N loss X' every N steps (plain "
+                   "lines, for logs and multi-process runs)")
     return p.parse_args(argv)
 
 
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
         batch = next_batch()
         console.print(f"[bold]{plan.name or args.plan}[/] on {len(jax.devices())} {jax.devices()[0].platform} "
                       f"devices ({jax.process_count()} process(es)), mesh {placement.mesh_shape}, "
-                      f"backend {step.backend}")
+                      f"backend {step.backend}; process {jax.process_index()} pid {os.getpid()}")
         print_diagnostics(console, placement.params.warnings)
         if not args.no_show and jax.process_count() == 1:
             shardplan.show(model, console=console, title="params", max_visualize=2)
@@ -160,6 +162,8 @@ def main(argv=None) -> int:
                 dt = time.perf_counter() - t0
                 losses.append(loss)
                 progress.update(task, advance=1, loss=f"{loss:.4f}", ms=f"{1000 * dt:.1f}")
+                if args.log_every and (start + i + 1) % args.log_every == 0:
+                    print(f"step {start + i + 1} loss {loss:.6f} ({1000 * dt:.1f} ms)", flush=True)
                 batch = next_batch()
                 if ckpt and args.save_every and (start + i + 1) % args.save_every == 0:
                     ckpt.save(start + i + 1, model, optimizer)

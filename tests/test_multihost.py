@@ -101,6 +101,45 @@ def test_checkpoints_cross_process_counts(tmp_path):
     np.testing.assert_allclose(losses(tmp_path / "m2.json"), losses(tmp_path / "m1.json"), rtol=LOSS_RTOL)
 
 
+def test_killing_a_rank_mid_training_fails_the_launch_within_the_bound():
+    """SIGKILL rank 1 of examples/train.py while it trains: the launcher names it and exits
+    non-zero within the bound; rank 0 either fails on its own (its collective sees the dead
+    peer) or is stopped by the launcher after the grace period."""
+    import signal
+
+    grace = 5
+    proc = subprocess.Popen([sys.executable, "-m", "shardplan.cli", "launch", "-n", "2", "--devices-per-process", "4",
+                             "--failure-grace", str(grace), "--", sys.executable, TRAIN, "--plan",
+                             str(PLANS / "gpt_tp.splan"), "--steps", "100000", "--no-show", "--log-every", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids, killed_at = {}, None
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:
+            m = re.match(r"\[rank (\d)\] .*process (\d) pid (\d+)", line)
+            if m:
+                pids[int(m.group(1))] = int(m.group(3))
+            if line.startswith("[rank 1] step 3 ") and 1 in pids:
+                os.kill(pids[1], signal.SIGKILL)
+                killed_at = time.monotonic()
+                break
+            assert time.monotonic() < deadline, "training did not reach step 3"
+        assert killed_at is not None
+        proc.stdout.read()
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    elapsed = time.monotonic() - killed_at
+    err = proc.stderr.read()
+    assert code != 0
+    assert err.startswith("shardplan launch: rank 1 killed by SIGKILL"), err
+    assert elapsed < grace + 30  # bounded: grace + stopping, never a hang
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 DIER = r'''
 import os, signal, sys, time
 from shardplan import distributed
