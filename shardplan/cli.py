@@ -197,10 +197,9 @@ def cmd_lower(args, out: Console, err: Console) -> int:
     if not batch:  # the batch axes are all the lowering needs: one leaf under the batch spec
         import numpy as np
 
-        n = 1
-        for axes in (plan.batch.dims[:1] if plan.batch else ()):
-            for a in axes:
-                n *= mesh_shape[a]
+        import math
+
+        n = math.prod(mesh_shape[a] for a in lowering.plan_batch_axes(plan))
         batch = {"inputs": np.zeros((n, 1), np.int32)}
     inputs = plan.resolve_batch(batch, mesh=mesh_shape)
     low = lowering.lower(plan, params, inputs)

@@ -34,7 +34,6 @@ def pure_step(loss_fn: LossFn, gm, go) -> Callable:
 
 def build(placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any):
     """A jitted step(model_state, opt_state, batch) -> (model_state, opt_state, loss)."""
-    gm, _ = nnx.split(model)
-    go, _ = nnx.split(optimizer)
+    gm, go = nnx.graphdef(model), nnx.graphdef(optimizer)
     out = (placement.model_shardings(), placement.opt_shardings(), replicated(placement.mesh))
     return jax.jit(pure_step(loss_fn, gm, go), out_shardings=out, donate_argnums=(0, 1))
