@@ -7,10 +7,10 @@ parameter path), what is wrong, and what to change. Errors are raised together a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-Severity = Literal["error", "warning"]
+from shardplan.codes import CODES, Severity
 
 MAX_SHOWN = 20
 
@@ -76,14 +76,19 @@ class Diagnostic:
             "hint": self.hint,
         }
         if self.span is not None:
-            d.update(file=self.span.file, line=self.span.line, column=self.span.column,
-                     end_line=self.span.end_line, end_column=self.span.end_column)
+            d.update(
+                file=self.span.file,
+                line=self.span.line,
+                column=self.span.column,
+                end_line=self.span.end_line,
+                end_column=self.span.end_column,
+            )
         if self.path is not None:
             d["path"] = self.path
         return d
 
 
-def render_all(diagnostics: tuple[Diagnostic, ...] | list[Diagnostic], limit: int = MAX_SHOWN) -> str:
+def render_all(diagnostics: Sequence[Diagnostic], limit: int = MAX_SHOWN) -> str:
     shown = [d.render() for d in diagnostics[:limit]]
     if len(diagnostics) > limit:
         shown.append(f"... and {len(diagnostics) - limit} more")
@@ -96,9 +101,7 @@ class ShardPlanError(Exception):
     Carries all diagnostics found, not only the first.
     """
 
-    def __init__(self, diagnostics: tuple[Diagnostic, ...] | list[Diagnostic] | str):
-        if isinstance(diagnostics, str):
-            diagnostics = (Diagnostic("error", "error", diagnostics),)
+    def __init__(self, diagnostics: Sequence[Diagnostic]):
         self.diagnostics: tuple[Diagnostic, ...] = tuple(diagnostics)
         super().__init__(render_all(self.diagnostics))
 
@@ -119,11 +122,71 @@ class PlanApplyError(ShardPlanError):
     """Applying a plan to live devices, arrays or models failed."""
 
 
-def error(code: str, message: str, hint: str = "", *, span: Span | None = None,
-          path: str | None = None, source_line: str | None = None) -> Diagnostic:
-    return Diagnostic("error", code, message, hint, span, path, source_line)
+class ArgumentError(ShardPlanError):
+    """A command-line or API argument is malformed or out of range."""
 
 
-def warning(code: str, message: str, hint: str = "", *, span: Span | None = None,
-            path: str | None = None, source_line: str | None = None) -> Diagnostic:
-    return Diagnostic("warning", code, message, hint, span, path, source_line)
+class LaunchError(PlanApplyError):
+    """``shardplan launch`` could not start the command."""
+
+
+_BY_STAGE: dict[str, type[ShardPlanError]] = {
+    "syntax": PlanSyntaxError,
+    "check": PlanCheckError,
+    "apply": PlanApplyError,
+    "argument": ArgumentError,
+}
+
+
+def as_error(diagnostics: Sequence[Diagnostic]) -> ShardPlanError:
+    """The exception for these diagnostics: its class is the stage of the first error's code
+    (``shardplan.codes``), whichever call path found it."""
+    first = next((d for d in diagnostics if d.severity == "error"), None)
+    stage = CODES[first.code].stage if first is not None else "check"
+    return _BY_STAGE[stage](diagnostics)
+
+
+def _make(
+    severity: Severity, code: str, message: str, hint: str, span: Span | None, path: str | None, source_line: str | None
+) -> Diagnostic:
+    registered = CODES.get(code)
+    if registered is None or registered.severity != severity:
+        raise KeyError(f"diagnostic code {code!r} is not registered as an {severity} in shardplan.codes")
+    return Diagnostic(severity, code, message, hint, span, path, source_line)
+
+
+def error(
+    code: str,
+    message: str,
+    hint: str = "",
+    *,
+    span: Span | None = None,
+    path: str | None = None,
+    source_line: str | None = None,
+) -> Diagnostic:
+    return _make("error", code, message, hint, span, path, source_line)
+
+
+def warning(
+    code: str,
+    message: str,
+    hint: str = "",
+    *,
+    span: Span | None = None,
+    path: str | None = None,
+    source_line: str | None = None,
+) -> Diagnostic:
+    return _make("warning", code, message, hint, span, path, source_line)
+
+
+def fail(
+    code: str,
+    message: str,
+    hint: str = "",
+    *,
+    span: Span | None = None,
+    path: str | None = None,
+    source_line: str | None = None,
+) -> ShardPlanError:
+    """One error as the exception of its stage: ``raise fail("code", "what", "hint", path=...)``."""
+    return as_error([error(code, message, hint, span=span, path=path, source_line=source_line)])

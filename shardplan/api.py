@@ -1,0 +1,318 @@
+"""The operations behind the command line, as functions: check, lower, show, a checkpoint's plan.
+
+The CLI parses arguments, calls these and prints their results; a Python user calls the
+same functions. ``check`` with a shapes file stays jax-free: the runtime (jax) is imported
+inside the functions that need devices or models, never at module import.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from shardplan.core import cost, optimizers
+from shardplan.core.leaves import Leaf, Resolution
+from shardplan.core.lowering import Lowering
+from shardplan.core.plan import Plan
+from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD, resolve_leaves
+from shardplan.core.shapes import load_shapes, parse_batch_arg
+from shardplan.errors import Diagnostic, as_error, error
+from shardplan.lang.loader import load, load_sources
+
+if TYPE_CHECKING:
+    from shardplan.runtime.placement import Placement
+
+ModelLeaves = tuple[list[Leaf], list[Leaf]]
+
+
+def _plan(plan: str | os.PathLike | Plan, mesh: dict[str, int | None] | None) -> Plan:
+    if isinstance(plan, Plan):
+        if mesh is None:
+            return plan
+        from shardplan.core.meshes import with_mesh
+
+        return with_mesh(plan, mesh)
+    return load(plan, mesh=mesh)
+
+
+# -- check ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckResult:
+    """A plan checked alone, or resolved against a model's shapes."""
+
+    plan: Plan
+    resolution: Resolution | None  # None: checked without a model
+    leaves: ModelLeaves | None
+    notes: tuple[str, ...] = ()  # e.g. how a '*' axis was sized
+
+    @property
+    def warnings(self) -> tuple[Diagnostic, ...]:
+        return self.resolution.warnings if self.resolution is not None else self.plan.warnings
+
+    def summary(self) -> dict:
+        """Per-device bytes of params and optimizer state (requires a model)."""
+        assert self.resolution is not None, "checked without a model"
+        return cost.summary(self.resolution)
+
+    def communication(self) -> dict:
+        """The shard_map lowering's bytes per step, by kind and mesh axes (requires a model)."""
+        assert self.resolution is not None, "checked without a model"
+        return cost.communication(self.plan, self.resolution)
+
+    def fits(self, budget: int) -> bool:
+        return self.resolution is None or self.summary()["total_bytes_per_device"] <= budget
+
+
+def model_leaves(
+    *, model: str | None = None, shapes: str | os.PathLike | None = None, optimizer: str = "adam"
+) -> ModelLeaves:
+    """(param leaves, optimizer-state leaves) from a model factory or a shapes file.
+
+    Args:
+        model: ``FILE.py:FACTORY`` or ``package.module:FACTORY``, built with ``nnx.eval_shape``.
+        shapes: a shapes JSON from ``shardplan.dump_shapes``.
+        optimizer: a name in ``shardplan.core.optimizers`` (state derived from param shapes),
+            or ``recorded`` for the optimizer state a shapes file records.
+    """
+    if (model is None) == (shapes is None):
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    "give a model or a shapes file, not both" if model else "give a model or a shapes file",
+                    "--model FILE.py:FACTORY or --shapes FILE.json",
+                    path="--model",
+                )
+            ]
+        )
+    if shapes is not None:
+        params, opt = load_shapes(shapes)
+    else:
+        from shardplan.runtime import model as model_mod
+        from shardplan.runtime import tree
+
+        assert model is not None
+        params, opt = tree.flatten(model_mod.abstract_model(model_mod.load_factory(model)))[0], None
+    if optimizer == "recorded":
+        if opt is None:
+            raise as_error(
+                [
+                    error(
+                        "bad-argument",
+                        "--optimizer recorded: no optimizer state is recorded",
+                        "write the shapes file with dump_shapes(model, path, optimizer), or name an "
+                        f"optimizer: {', '.join(optimizers.NAMES)}",
+                        path="--optimizer",
+                    )
+                ]
+            )
+        return params, opt
+    return params, optimizers.optimizer_leaves(params, optimizer)
+
+
+def check(
+    plan: str | os.PathLike | Plan,
+    *,
+    model: str | None = None,
+    shapes: str | os.PathLike | None = None,
+    optimizer: str = "adam",
+    mesh: dict[str, int | None] | None = None,
+    devices: int | None = None,
+    replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD,
+    leaves: ModelLeaves | None = None,
+) -> CheckResult:
+    """Check a plan offline: alone, or resolved against a model's abstract shapes.
+
+    Args:
+        plan: a ``.splan`` path or a loaded plan.
+        model, shapes, optimizer: where the leaves come from (see :func:`model_leaves`).
+        mesh: axis sizes replacing the plan's mesh.
+        devices: the device count for a ``*`` axis (default: this machine's devices).
+        replicated_threshold: warn for replicated tensors above this many bytes.
+        leaves: leaves already read (to compare several plans against one model).
+
+    Raises:
+        ShardPlanError: every problem found, located.
+    """
+    p = _plan(plan, mesh)
+    if leaves is None and model is None and shapes is None:
+        if devices is not None:
+            p.mesh_shape(devices)
+        return CheckResult(p, None, None)
+    notes: list[str] = []
+    if devices is None and any(a.size is None for a in p.mesh):
+        from shardplan.runtime.tree import device_count
+
+        devices = device_count()
+        notes.append(
+            f"mesh '*' of {p.files[0]} resolved with {devices} local device(s); pass --devices N "
+            "or --mesh to check another size"
+        )
+    if leaves is None:
+        leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer)
+    res = resolve_leaves(p, p.mesh_shape(devices), leaves[0], leaves[1], replicated_threshold)
+    return CheckResult(p, res, leaves, tuple(notes))
+
+
+# -- models, batches, losses ---------------------------------------------------------------
+def zeros_batch(items: list[str]) -> dict:
+    """``["tokens=8x16:int32"]`` -> {"tokens": zeros((8, 16), int32)}."""
+    import numpy as np
+
+    return {name: np.zeros(shape, np.dtype(dtype)) for name, (shape, dtype) in parse_batch_arg(items).items()}
+
+
+def default_loss(batch: dict) -> Callable[[Any, Any], Any]:
+    """The loss ``lower --report`` compiles when none is given: next-token cross-entropy when
+    the batch has ``tokens`` (and ``labels``, else the tokens themselves), else the mean
+    square of the model's output on the batch's first leaf."""
+    import optax
+
+    if "tokens" in batch:
+
+        def lm(model, b):
+            logits = model(b["tokens"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, b.get("labels", b["tokens"])).mean()
+
+        return lm
+
+    def mse(model, b):
+        return (model(next(iter(b.values()))) ** 2).mean()
+
+    return mse
+
+
+# -- lower -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Lowered:
+    """A plan lowered for a model: the specs and the shard_map collectives
+    (``shardplan.tools.emit.emit`` writes them out as a module)."""
+
+    plan: Plan
+    params: Resolution
+    opt: Resolution
+    lowering: Lowering
+    batch: dict
+    factory: Callable[[], Any]
+
+
+def lower(
+    plan: str | os.PathLike | Plan,
+    model: str,
+    *,
+    optimizer: str = "adamw",
+    mesh: dict[str, int | None] | None = None,
+    devices: int | None = None,
+    batch: dict | None = None,
+) -> Lowered:
+    """Lower a plan for a model to a standalone step module (``shardplan lower``)."""
+    from shardplan.core.lowering import lower as lower_plan
+    from shardplan.runtime import model as model_mod
+    from shardplan.runtime import specs, tree
+
+    p = _plan(plan, mesh)
+    factory = model_mod.load_factory(model)
+    tx = model_mod.make_tx(optimizer)
+    if devices is None and any(a.size is None for a in p.mesh):
+        devices = tree.device_count()
+    sizes = p.mesh_shape(devices)
+    abs_model, abs_opt = model_mod.abstract_model_and_optimizer(factory, tx)
+    params, opt = specs.resolve_model(p, abs_model, abs_opt, mesh=sizes)
+    assert opt is not None
+    if not batch:  # the batch axes are all the lowering needs: one leaf under the batch spec
+        import numpy as np
+
+        n = math.prod(sizes[a] for a in p.batch_dim0_axes)
+        batch = {"inputs": np.zeros((n, 1), np.int32)}
+    inputs = specs.resolve_batch(p, batch, mesh=sizes)
+    low = lower_plan(p, params, inputs)
+    return Lowered(p, params, opt, low, batch, factory)
+
+
+def compiled_collectives(lowered: Lowered, *, optimizer: str = "adamw", loss: str | None = None) -> dict:
+    """Compile each backend's real step on this machine's devices and read its collectives:
+    {backend: {kind: {"count", "bytes"}}}."""
+    from shardplan.core import hlo
+    from shardplan.core.backends import NAMES
+    from shardplan.runtime import model as model_mod
+    from shardplan.runtime import placement as placement_mod
+    from shardplan.runtime import step as step_mod
+    from shardplan.runtime.mesh import make_mesh
+
+    mesh = make_mesh(lowered.plan)
+    loss_fn = model_mod.load_factory(loss) if loss else default_loss(lowered.batch)
+    out = {}
+    for backend in NAMES:
+        m, o, placement = placement_mod.init_sharded(
+            lowered.plan, lowered.factory, model_mod.make_tx(optimizer), mesh=mesh
+        )
+        st = step_mod.train_step(placement, loss_fn, m, o, backend=backend)
+        out[backend] = hlo.report(st.lower(m, o, lowered.batch).compile())
+    return out
+
+
+# -- show ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shown:
+    model: Any
+    optimizer: Any
+    placement: Placement
+    batch: Any  # the placed batch, or None
+
+
+def show(
+    plan: str | os.PathLike | Plan,
+    model: str,
+    *,
+    mesh: dict[str, int | None] | None = None,
+    optimizer: str = "adam",
+    axis_types: str = "auto",
+    batch: dict | None = None,
+) -> Shown:
+    """Build a model directly sharded per the plan, place a batch, and verify every array
+    lives where the plan says (``shardplan show``).
+
+    Raises:
+        ShardPlanError: the plan does not fit, or a live array is off-plan.
+    """
+    from shardplan.runtime import live
+    from shardplan.runtime import model as model_mod
+    from shardplan.runtime import placement as placement_mod
+    from shardplan.runtime.mesh import make_mesh
+
+    p = _plan(plan, mesh)
+    factory = model_mod.load_factory(model)
+    m = make_mesh(p, axis_types=axis_types)  # type: ignore[arg-type]
+    built, opt, placement = placement_mod.init_sharded(p, factory, model_mod.make_tx(optimizer), mesh=m)
+    placed = placement.shard_batch(batch) if batch else None
+    live.verify(placement, built, opt, placed)
+    return Shown(built, opt, placement, placed)
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+def stored_plan(directory: str | os.PathLike, step: int | None = None) -> Plan:
+    """The plan a checkpoint step was saved under, rebuilt from the texts stored with it
+    (the plan's file and every base it extends), on the mesh it was saved on."""
+    from shardplan.runtime import checkpoint
+
+    manager = checkpoint.open_readonly(directory)
+    steps = sorted(manager.all_steps())
+    chosen = steps[-1] if step is None else step
+    if chosen not in steps:
+        raise as_error(
+            [
+                error(
+                    "no-such-step",
+                    f"step {step} is not in {directory}",
+                    f"complete steps: {', '.join(map(str, steps))}",
+                    path=str(directory),
+                )
+            ]
+        )
+    meta = checkpoint.step_info(manager, chosen).meta
+    sources = meta.get("plan_sources") or [[(meta.get("plan_files") or ["<checkpoint>"])[0], meta.get("plan_text", "")]]
+    mesh = meta.get("mesh") or None
+    return load_sources(tuple((str(f), str(t)) for f, t in sources), mesh=mesh)

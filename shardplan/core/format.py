@@ -1,0 +1,49 @@
+"""How shapes, byte counts and layer-grouped paths are written, everywhere shardplan prints them."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+# A path segment that is a decimal number: a layer / expert index (``blocks/3/...``).
+LAYER_INDEX = re.compile(r"(?<=/)\d+(?=/|$)|^\d+(?=/)")
+
+
+def fmt_shape(shape: Sequence[int]) -> str:
+    """``(8,)``, ``(8, 16)``: Python's tuple notation."""
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def fmt_bytes(n: float) -> str:
+    """``512 B``, ``4.00 MiB``, ``1.50 GiB`` (binary units)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_bytes(text: str) -> int:
+    """``80GB`` (10^9), ``80GiB`` (2^30), ``512MiB``, ``1e9`` -> bytes.
+
+    Raises:
+        ValueError: not a size.
+    """
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?i?B?)?\s*", text)
+    if not m:
+        raise ValueError(f"cannot read a size from '{text}' (write e.g. 80GB or 16GiB)")
+    try:
+        value = float(m.group(1))
+    except ValueError:
+        raise ValueError(f"cannot read a size from '{text}' (write e.g. 80GB or 16GiB)") from None
+    unit = (m.group(2) or "").upper().rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}.get(
+        unit
+    )
+    if scale is None:
+        raise ValueError(f"unknown unit in '{text}'")
+    return int(value * scale)
+
+
+def layer_group(path: str) -> str:
+    """The path with layer indices replaced by ``*``: the key that groups identical layers."""
+    return LAYER_INDEX.sub("*", path)

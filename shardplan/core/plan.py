@@ -1,0 +1,175 @@
+"""The checked, immutable plan: what the checker produces and every later stage reads.
+
+A :class:`Plan` is data. Stages are functions of it: ``shardplan.core.resolve`` (plan x
+leaves -> specs), ``shardplan.core.meshes.with_mesh`` (the plan on another mesh), and the
+backends.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from shardplan.core.matching import RuleSet
+from shardplan.core.spec import Spec
+from shardplan.errors import Diagnostic, PlanCheckError, Span, error
+
+RuleKind = Literal["param", "opt", "input"]
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    name: str
+    size: int | None  # None: inferred from the device count
+    span: Span | None
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One path rule (``param``, ``opt`` or ``input``) in the order it is tried."""
+
+    kind: RuleKind
+    pattern: str
+    spec: Spec
+    span: Span
+    pattern_span: Span
+    spec_span: Span
+    source_line: str
+
+    @property
+    def origin(self) -> str:
+        return f"{self.span.file}:{self.span.line}"
+
+    @property
+    def is_catch_all(self) -> bool:
+        return self.pattern in (".*", ".+", "(.*)", "(.+)")
+
+
+@dataclass(frozen=True)
+class AxisRule:
+    """``axis logical -> mesh axes``: resolves Flax ``nnx.with_partitioning`` names."""
+
+    logical: str
+    axes: tuple[str, ...]
+    span: Span
+    source_line: str
+
+    @property
+    def origin(self) -> str:
+        return f"{self.span.file}:{self.span.line}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A checked plan. Build one with :func:`shardplan.load` or :func:`shardplan.loads`."""
+
+    name: str | None
+    files: tuple[str, ...]
+    mesh: tuple[MeshAxis, ...]
+    mesh_span: Span | None
+    backend: str  # a name in shardplan.core.backends.BACKENDS
+    batch: Spec | None
+    batch_span: Span | None
+    params: tuple[Rule, ...]
+    opts: tuple[Rule, ...]
+    inputs: tuple[Rule, ...]
+    axes: tuple[AxisRule, ...]
+    default: Spec | None
+    default_span: Span | None
+    warnings: tuple[Diagnostic, ...] = ()
+    sources: tuple[tuple[str, str], ...] = ()  # (file, text) of the plan and every base it extends
+    mesh_source_line: str = ""
+
+    @property
+    def text(self) -> str:
+        """The text of the plan's own file (its bases are in ``sources``)."""
+        return self.sources[0][1] if self.sources else ""
+
+    @functools.cached_property
+    def rule_sets(self) -> dict[RuleKind, RuleSet[Rule]]:
+        """Compile once, match many: one RE2 set per rule kind, built on first use."""
+        return {"param": RuleSet(self.params), "opt": RuleSet(self.opts), "input": RuleSet(self.inputs)}
+
+    # -- mesh ---------------------------------------------------------------------------
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.mesh)
+
+    @property
+    def batch_dim0_axes(self) -> tuple[str, ...]:
+        """The axes the ``batch`` spec splits dim 0 over (what offline cost figures assume)."""
+        return tuple(self.batch.dims[0]) if self.batch is not None and self.batch.dims else ()
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """Mesh axes the batch is split over (from ``batch`` and ``input`` rules)."""
+        seen: list[str] = []
+        specs = ([self.batch] if self.batch is not None else []) + [r.spec for r in self.inputs]
+        for spec in specs:
+            for a in spec.axes:
+                if a not in seen:
+                    seen.append(a)
+        return tuple(seen)
+
+    def mesh_shape(self, devices: int | None = None) -> dict[str, int]:
+        """Concrete axis sizes, inferring a ``*`` axis from ``devices``.
+
+        Raises:
+            PlanCheckError: the sizes do not fit the device count.
+        """
+        if devices is not None and devices < 1:
+            raise PlanCheckError(
+                [
+                    error(
+                        "mesh-devices",
+                        f"a device count of {devices}: it must be at least 1",
+                        "pass a positive device count (--devices 8)",
+                        path="--devices",
+                    )
+                ]
+            )
+        known = math.prod(a.size for a in self.mesh if a.size is not None)
+        star = [a for a in self.mesh if a.size is None]
+        where = dict(span=self.mesh_span, source_line=self.mesh_source_line)
+        written = ", ".join(f"{a.name}={a.size if a.size is not None else '*'}" for a in self.mesh)
+        if devices is None:
+            if star:
+                raise PlanCheckError(
+                    [
+                        error(
+                            "mesh-needs-devices",
+                            f"mesh {written} has a '*' axis and no device count was given",
+                            "pass the device count (--devices N), or give every axis a size (--mesh data=8,model=4)",
+                            **where,
+                        )
+                    ]
+                )
+            return {a.name: a.size for a in self.mesh if a.size is not None}
+        if star:
+            if devices % known:
+                raise PlanCheckError(
+                    [
+                        error(
+                            "mesh-devices",
+                            f"mesh {written}: {devices} devices do not divide into groups of {known}",
+                            f"use a device count that is a multiple of {known}, or change the fixed axis sizes",
+                            **where,
+                        )
+                    ]
+                )
+            return {a.name: (a.size if a.size is not None else devices // known) for a in self.mesh}
+        if known != devices:
+            verb = "needs" if known > devices else "uses"
+            raise PlanCheckError(
+                [
+                    error(
+                        "mesh-devices",
+                        f"mesh {written} {verb} {known} devices; {devices} are available",
+                        f"make the sizes multiply to {devices}, or write one size as * to use all devices",
+                        **where,
+                    )
+                ]
+            )
+        return {a.name: a.size for a in self.mesh if a.size is not None}

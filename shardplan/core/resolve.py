@@ -1,0 +1,391 @@
+"""Resolution: a plan x leaf shapes -> one decided spec per leaf, with every problem found.
+
+Pure and jax-free: leaves are (path, shape, dtype) records, so a plan checks against a
+shapes file without importing jax. ``shardplan.runtime.tree`` turns pytrees into leaves
+and back.
+
+Precedence for a param leaf (documented in docs/language.md):
+  1. ``param`` rules, in file order; the first whose regex full-matches the path wins;
+  2. the param's Flax logical-axis annotation, mapped through ``axis`` rules;
+  3. the ``default`` spec;
+  4. otherwise an error: the param matches nothing.
+For an optimizer-state leaf: ``opt`` rules; then the spec of the param it mirrors (same
+path suffix and shape); scalars and everything else replicated.
+"""
+
+from __future__ import annotations
+
+import math
+
+from shardplan.core.format import fmt_bytes, fmt_shape
+from shardplan.core.leaves import Decision, How, Leaf, Resolution, Role
+from shardplan.core.plan import Plan, Rule, RuleKind
+from shardplan.core.spec import REPLICATED, Spec
+from shardplan.errors import Diagnostic, PlanCheckError, error, warning
+
+DEFAULT_REPLICATED_THRESHOLD = 64 * 2**20  # bytes; a larger replicated tensor is warned about
+
+
+class _Resolver:
+    """One resolution pass. Per-leaf work is lookups: rule matches are memoised per
+    digit-normalised path (when the rules cannot tell digits apart, see RuleSet), fit
+    checks and shard shapes per (shape, spec)."""
+
+    def __init__(self, plan: Plan, mesh: dict[str, int], threshold: int):
+        self.plan = plan
+        self.mesh = mesh
+        self.threshold = threshold
+        self.diags: list[Diagnostic] = []
+        self.axis_map = {a.logical: a for a in plan.axes}
+        # Per rule kind: normalised path -> (winning index or -1, all hit indices), and how
+        # many leaves each normalised path stood for (usage counts come from these at the end).
+        self.memo: dict[str, dict[str, tuple[int, tuple[int, ...]]]] = {"param": {}, "opt": {}, "input": {}}
+        self.seen: dict[str, dict[str, list]] = {"param": {}, "opt": {}, "input": {}}
+        self.fit_memo: dict[tuple, tuple[bool, tuple[int, ...]]] = {}
+        self.last_mirror = [""]
+
+    # -- checking one decided spec against one leaf --------------------------------------
+    def shard(self, shape: tuple[int, ...], spec: Spec) -> tuple[bool, tuple[int, ...]]:
+        key = (shape, spec)
+        hit = self.fit_memo.get(key)
+        if hit is None:
+            ok = len(spec.dims) <= len(shape) and all(
+                shape[i] % math.prod(self.mesh[a] for a in axes) == 0 for i, axes in enumerate(spec.dims) if axes
+            )
+            hit = self.fit_memo[key] = (ok, spec.shard_shape(shape, self.mesh) if ok else shape)
+        return hit
+
+    def misfit(self, leaf: Leaf, spec: Spec, rule: Rule | None, what: str) -> None:
+        """Report why ``spec`` does not fit ``leaf`` (only called when it does not)."""
+        span = rule.spec_span if rule is not None else None
+        line = rule.source_line if rule is not None else None
+        if len(spec.dims) > len(leaf.shape):
+            self.diags.append(
+                error(
+                    "spec-too-long",
+                    f"{leaf.path} has rank {len(leaf.shape)} (shape {fmt_shape(leaf.shape)}) but "
+                    f"{what} gives {len(spec.dims)} dims {spec}",
+                    "shorten the spec to the array's rank, or narrow the rule's regex so it does not match this array",
+                    span=span,
+                    path=leaf.path,
+                    source_line=line,
+                )
+            )
+            return
+        for i, axes in enumerate(spec.dims):
+            n = math.prod(self.mesh[a] for a in axes) if axes else 1
+            if leaf.shape[i] % n:
+                sizes = " x ".join(f"{a}={self.mesh[a]}" for a in axes)
+                self.diags.append(
+                    error(
+                        "indivisible",
+                        f"{leaf.path} has shape {fmt_shape(leaf.shape)}: dim {i} ({leaf.shape[i]}) "
+                        f"is not divisible by {sizes} ({n}) from {what}",
+                        f"split dim {i} over axes whose sizes divide {leaf.shape[i]}, leave it whole (_), "
+                        "or change the mesh",
+                        span=span,
+                        path=leaf.path,
+                        source_line=line,
+                    )
+                )
+
+    def decide(
+        self, leaf: Leaf, spec: Spec, how: How, origin: str, role: Role, rule: Rule | None, what: str
+    ) -> Decision:
+        ok, shard = self.shard(leaf.shape, spec)
+        if not ok:
+            self.misfit(leaf, spec, rule, what)
+            spec = REPLICATED
+            shard = leaf.shape
+        return Decision(leaf.path, leaf.shape, leaf.dtype, leaf.itemsize, spec, how, origin, role, shard)
+
+    # -- rule matching -------------------------------------------------------------------
+    def match(self, kind: RuleKind, path: str) -> Rule | None:
+        ruleset = self.plan.rule_sets[kind]
+        if not ruleset.rules:
+            return None
+        key = ruleset.key(path)
+        memo = self.memo[kind]
+        hit = memo.get(key)
+        if hit is None:
+            hits = ruleset.matches(path)
+            hit = memo[key] = (min(hits), tuple(hits)) if hits else (-1, ())
+            self.seen[kind][key] = [0, path]
+        self.seen[kind][key][0] += 1
+        return ruleset.rules[hit[0]] if hit[0] >= 0 else None
+
+    def from_annotation(self, leaf: Leaf) -> Spec | None:
+        if not self.axis_map or not leaf.names:
+            return None
+        dims, seen = [], {}
+        for name in leaf.names:
+            if name is None:
+                dims.append(())
+                continue
+            rule = self.axis_map.get(name)
+            if rule is None:
+                self.diags.append(
+                    warning(
+                        "unmapped-logical-axis",
+                        f"{leaf.path} is annotated with logical axis '{name}', which "
+                        "no axis rule maps; that dimension stays whole",
+                        f"add 'axis {name} -> <mesh axis>' (or 'axis {name} -> _' to silence this)",
+                        path=leaf.path,
+                    )
+                )
+                dims.append(())
+                continue
+            for a in rule.axes:
+                if a in seen:
+                    self.diags.append(
+                        error(
+                            "axis-reused",
+                            f"{leaf.path}: logical axes '{seen[a]}' and '{name}' both map to mesh axis '{a}'",
+                            "map them to different mesh axes, or one of them to _",
+                            span=rule.span,
+                            path=leaf.path,
+                            source_line=rule.source_line,
+                        )
+                    )
+                    return REPLICATED
+                seen[a] = name
+            dims.append(rule.axes)
+        return Spec(tuple(dims))
+
+    # -- params -------------------------------------------------------------------------
+    def param(self, leaf: Leaf) -> Decision | None:
+        plan = self.plan
+        rule = self.match("param", leaf.path)
+        if rule is not None:
+            return self.decide(leaf, rule.spec, "rule", rule.origin, "param", rule, f"the rule at {rule.origin}")
+        spec = self.from_annotation(leaf)
+        if spec is not None:
+            return self.decide(
+                leaf,
+                spec,
+                "axes",
+                "annotation",
+                "param",
+                None,
+                f"its annotation {tuple(leaf.names)} via the axis rules",
+            )
+        if plan.default is not None:
+            where = f"{plan.default_span.file}:{plan.default_span.line}" if plan.default_span else "default"
+            return self.decide(leaf, plan.default, "default", where, "param", None, f"the default at {where}")
+        hint = 'add a rule for it, or a fallback: default replicated (or param ".*" replicated)'
+        if leaf.path.startswith("opt_state/") or leaf.path == "step":
+            hint = (
+                "this looks like optimizer state resolved as params: use plan.resolve(opt_state, "
+                "params=model_state) or plan.resolve_model(model, optimizer)"
+            )
+        self.diags.append(
+            error(
+                "unmatched-param",
+                f"{leaf.path} (shape {fmt_shape(leaf.shape)}) matches no param rule",
+                hint,
+                path=leaf.path,
+            )
+        )
+        return None
+
+    # -- optimizer state ----------------------------------------------------------------
+    def opt(self, leaf: Leaf, params: dict[str, Decision]) -> Decision:
+        rule = self.match("opt", leaf.path)
+        if rule is not None:
+            return self.decide(leaf, rule.spec, "rule", rule.origin, "opt", rule, f"the rule at {rule.origin}")
+        mirrored = _mirror(leaf, params, self.last_mirror)
+        if mirrored is not None:
+            return Decision(
+                leaf.path,
+                leaf.shape,
+                leaf.dtype,
+                leaf.itemsize,
+                mirrored.spec,
+                "mirror",
+                mirrored.path,
+                "opt",
+                mirrored.shard_shape,
+            )
+        if not leaf.shape:
+            return Decision(leaf.path, (), leaf.dtype, leaf.itemsize, REPLICATED, "scalar", "scalar", "opt", ())
+        return Decision(
+            leaf.path,
+            leaf.shape,
+            leaf.dtype,
+            leaf.itemsize,
+            REPLICATED,
+            "replicated",
+            "mirrors no param",
+            "opt",
+            leaf.shape,
+        )
+
+    # -- rule usage warnings -------------------------------------------------------------
+    def usage(self, kind: RuleKind, what: str) -> None:
+        rules = self.plan.rule_sets[kind].rules
+        matched = [0] * len(rules)
+        decided = [0] * len(rules)
+        first_path: dict[int, str] = {}
+        shadowed_by: dict[int, int] = {}
+        for key, (win, hits) in self.memo[kind].items():
+            count, path = self.seen[kind][key]
+            for i in hits:
+                matched[i] += count
+                first_path.setdefault(i, path)
+                if i != win:
+                    shadowed_by.setdefault(i, win)
+            if win >= 0:
+                decided[win] += count
+        for i, r in enumerate(rules):
+            if not matched[i]:
+                self.diags.append(
+                    warning(
+                        "unused-rule",
+                        f'{r.kind} rule "{r.pattern}" matches no {what}',
+                        "check the regex against the paths `shardplan check` lists (it must match the "
+                        "whole path), or delete the rule",
+                        span=r.pattern_span,
+                        source_line=r.source_line,
+                    )
+                )
+            elif not decided[i]:
+                by = rules[shadowed_by[i]]
+                self.diags.append(
+                    warning(
+                        "shadowed-rule",
+                        f'{r.kind} rule "{r.pattern}" matches {matched[i]} {what}(s), '
+                        f"but an earlier rule decides each (e.g. {first_path[i]} by {by.origin})",
+                        "move this rule above the broader one, or delete it",
+                        span=r.span,
+                        source_line=r.source_line,
+                    )
+                )
+
+    def big_replicated(self, decisions):
+        threshold = self.threshold
+        for d in decisions:
+            # Whole on every device: no split, or split only over axes of size 1.
+            if d.role != "input" and d.shard_shape == d.shape and d.nbytes > threshold:
+                self.diags.append(
+                    warning(
+                        "large-replicated",
+                        f"{d.path} ({fmt_shape(d.shape)} {d.dtype}, {fmt_bytes(d.nbytes)}) is "
+                        f"replicated on every device (decided by {d.origin})",
+                        "shard it with a rule, or raise the threshold (--replicated-threshold)",
+                        path=d.path,
+                    )
+                )
+
+
+def _mirror(leaf: Leaf, params: dict[str, Decision], last: list) -> Decision | None:
+    """The param whose path is the longest proper suffix of ``leaf.path``, with the same shape.
+
+    ``last`` holds the prefix that mirrored last time (``opt_state/0/mu/``): optimizer
+    states are laid out per param, so it almost always fits the next leaf too.
+    """
+    path = leaf.path
+    prefix = last[0]
+    if prefix and path.startswith(prefix):
+        d = params.get(path[len(prefix) :])
+        # Still the longest suffix? Only if no shorter prefix (a longer suffix) is a param too.
+        if d is not None and d.shape == leaf.shape and not _longer_suffix(path, len(prefix), params):
+            return d
+    i = path.find("/")
+    while i >= 0:
+        d = params.get(path[i + 1 :])
+        if d is not None and d.shape == leaf.shape:
+            last[0] = path[: i + 1]
+            return d
+        i = path.find("/", i + 1)
+    return None
+
+
+def _longer_suffix(path: str, cut: int, params: dict[str, Decision]) -> bool:
+    i = path.find("/")
+    while 0 <= i < cut - 1:
+        if path[i + 1 :] in params:
+            return True
+        i = path.find("/", i + 1)
+    return False
+
+
+def _raise_or_warnings(diags: list[Diagnostic], plan_warnings=()) -> tuple[Diagnostic, ...]:
+    if any(d.severity == "error" for d in diags):
+        # Errors first; warnings stay visible after them.
+        raise PlanCheckError(sorted(diags, key=lambda d: d.severity != "error"))
+    return tuple(plan_warnings) + tuple(diags)
+
+
+def resolve_leaves(
+    plan: Plan,
+    mesh: dict[str, int],
+    params: list[Leaf] | tuple[Leaf, ...],
+    opt_state: list[Leaf] | tuple[Leaf, ...] = (),
+    replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD,
+    *,
+    report_params: bool = True,
+) -> Resolution:
+    """Decide every param leaf, then every optimizer-state leaf (mirroring the params).
+
+    Returns decisions for params and optimizer state (params omitted when
+    ``report_params`` is false, as when resolving an optimizer state alone).
+
+    Raises:
+        PlanCheckError: every error found, together (warnings included after them).
+    """
+    _check_mesh_names(plan, mesh)
+    r = _Resolver(plan, mesh, replicated_threshold)
+    pdec = [d for d in (r.param(leaf) for leaf in params) if d is not None]
+    if report_params:
+        r.usage("param", "param")
+    else:
+        r.diags = [d for d in r.diags if d.severity == "error"]
+    by_path = {d.path: d for d in pdec}
+    odec = [r.opt(leaf, by_path) for leaf in opt_state]
+    if opt_state:
+        r.usage("opt", "optimizer-state leaf")
+    decisions = (pdec if report_params else []) + odec
+    r.big_replicated(decisions)
+    warnings = _raise_or_warnings(r.diags, plan.warnings)
+    return Resolution(dict(mesh), tuple(decisions), warnings)
+
+
+def resolve_inputs(plan: Plan, mesh: dict[str, int], leaves: list[Leaf]) -> Resolution:
+    """Specs for input-batch leaves: ``input`` rules by path, then the ``batch`` spec.
+
+    Trailing whole (``_``) dims beyond an input's rank are dropped, so ``batch (data, _)``
+    fits 1-D labels too; split dims beyond the rank are an error.
+    """
+    _check_mesh_names(plan, mesh)
+    r = _Resolver(plan, mesh, 0)
+    out = []
+    for leaf in leaves:
+        rule = r.match("input", leaf.path)
+        if rule is not None:
+            spec, origin, how, what = rule.spec, rule.origin, "rule", f"the input rule at {rule.origin}"
+        elif plan.batch is not None:
+            where = f"{plan.batch_span.file}:{plan.batch_span.line}" if plan.batch_span else "batch"
+            spec, origin, how, what = plan.batch, where, "batch", f"the batch spec at {where}"
+        else:
+            spec, origin, how, what = REPLICATED, "no batch rule", "replicated", "no batch rule"
+        dims = spec.dims
+        while len(dims) > len(leaf.shape) and not dims[-1]:
+            dims = dims[:-1]
+        out.append(r.decide(leaf, Spec(dims), how, origin, "input", rule, what))
+    r.usage("input", "input")
+    return Resolution(dict(mesh), tuple(out), _raise_or_warnings(r.diags))
+
+
+def _check_mesh_names(plan: Plan, mesh: dict[str, int]):
+    missing = [a for a in plan.axis_names if a not in mesh]
+    if missing:
+        raise PlanCheckError(
+            [
+                error(
+                    "mesh-mismatch",
+                    f"mesh sizes given for {sorted(mesh)} but the plan's mesh has axes {list(plan.axis_names)}",
+                    "pass sizes for exactly the plan's axes",
+                    path="mesh",
+                )
+            ]
+        )

@@ -1,0 +1,308 @@
+"""Syntax modules (a plan and the bases it extends) -> a checked :class:`Plan`.
+
+Every problem is collected; errors are raised together as one PlanCheckError, warnings
+are kept on the plan.
+"""
+
+from __future__ import annotations
+
+import re
+
+import re2
+
+from shardplan.core.backends import NAMES as BACKENDS
+from shardplan.core.meshes import MeshSizes, closest, size_problems
+from shardplan.core.plan import AxisRule, MeshAxis, Plan, Rule, RuleKind
+from shardplan.core.spec import Spec
+from shardplan.errors import Diagnostic, PlanCheckError, Span, error, warning
+from shardplan.lang import syntax as ast
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False
+
+
+class _Checker:
+    def __init__(self, modules: tuple[ast.Module, ...]):
+        self.modules = modules
+        self.diags: list[Diagnostic] = []
+        self._lines = {m.file: m.text.split("\n") for m in modules}
+
+    def line(self, span: Span) -> str:
+        lines = self._lines.get(span.file, [])
+        return lines[span.line - 1] if 0 < span.line <= len(lines) else ""
+
+    def err(self, code, msg, hint, span, path=None):
+        self.diags.append(error(code, msg, hint, span=span, path=path, source_line=self.line(span)))
+
+    def warn(self, code, msg, hint, span, path=None):
+        self.diags.append(warning(code, msg, hint, span=span, path=path, source_line=self.line(span)))
+
+    # -- per-file statements ------------------------------------------------------------
+    def singles(self, module: ast.Module, kind: type) -> list:
+        found = [s for s in module.statements if isinstance(s, kind)]
+        label = {
+            ast.PlanName: "plan",
+            ast.MeshNode: "mesh",
+            ast.BatchNode: "batch",
+            ast.BackendNode: "backend",
+            ast.DefaultNode: "default",
+        }.get(kind, "statement")
+        for extra in found[1:]:
+            self.err(
+                "duplicate-statement",
+                f"'{label}' given twice in one file (first on line {found[0].span.line})",
+                f"keep one '{label}' statement",
+                extra.span,
+            )
+        return found[:1]
+
+    def nearest(self, kind: type):
+        """The statement of this kind from the nearest file: a plan overrides what it extends."""
+        for m in self.modules:
+            found = self.singles(m, kind)
+            if found:
+                return found[0]
+        return None
+
+    # -- mesh ---------------------------------------------------------------------------
+    def mesh(self, node: ast.MeshNode | None) -> tuple[MeshAxis, ...]:
+        if node is None:
+            return ()
+        seen: dict[str, ast.MeshAxisNode] = {}
+        stars = []
+        for a in node.axes:
+            if a.name == "_":
+                self.err(
+                    "reserved-axis-name",
+                    "'_' cannot name a mesh axis: it means 'not split'",
+                    "pick another name, e.g. data or model",
+                    a.name_span,
+                )
+            if a.name in seen:
+                self.err(
+                    "duplicate-axis",
+                    f"mesh axis '{a.name}' is declared twice (first at column {seen[a.name].span.column})",
+                    "give each mesh axis a distinct name",
+                    a.name_span,
+                )
+            seen.setdefault(a.name, a)
+            if a.size is None:
+                stars.append(a)
+            elif a.size <= 0:
+                self.err(
+                    "axis-size",
+                    f"mesh axis '{a.name}' has size {a.size}; sizes must be positive",
+                    "use a positive size, or * to take the remaining devices",
+                    a.span,
+                )
+        for extra in stars[1:]:
+            self.err(
+                "two-inferred-sizes",
+                f"mesh axes '{stars[0].name}' and '{extra.name}' are both '*'",
+                "at most one axis size can be inferred from the device count; give the other a number",
+                extra.span,
+            )
+        return tuple(MeshAxis(a.name, a.size, a.span) for a in node.axes)
+
+    # -- specs --------------------------------------------------------------------------
+    def spec(self, node: ast.SpecNode, axis_names: tuple[str, ...]) -> Spec:
+        used: dict[str, Span] = {}
+        for d in node.dims:
+            self.dim_axes(d, axis_names, used)
+        return Spec(tuple(d.axes for d in node.dims))
+
+    def dim_axes(self, d: ast.Dim, axis_names, used: dict[str, Span]):
+        for a in d.axes:
+            if a not in axis_names:
+                if a in ("None", "none", "null"):
+                    hint = "write _ for a dimension that is not split"
+                else:
+                    near = closest(a, axis_names)
+                    hint = (near + " " if near else "") + (
+                        f"the mesh axes are: {', '.join(axis_names)}"
+                        if axis_names
+                        else "declare the axis in a mesh statement"
+                    )
+                self.err("unknown-axis", f"unknown mesh axis '{a}'", hint, d.span)
+            elif a in used:
+                self.err(
+                    "axis-reused",
+                    f"mesh axis '{a}' is used twice in one spec",
+                    "a mesh axis can split at most one dimension of an array; "
+                    "to split one dimension over several axes write (a, b)",
+                    d.span,
+                )
+            used[a] = d.span
+
+    # -- regexes ------------------------------------------------------------------------
+    def regex(self, r: ast.RuleNode) -> bool:
+        ps = r.pattern_span
+        try:
+            re.compile(r.pattern)
+        except re.error as e:
+            pos = e.pos or 0
+            col = ps.column + pos
+            span = Span(ps.file, ps.line, col, ps.line, col + 1)
+            self.err(
+                "invalid-regex",
+                f"invalid regex: {e.msg}",
+                "fix the regex (RE2 syntax, matched against the whole path)",
+                span,
+            )
+            return False
+        try:
+            re2.compile(r.pattern, _RE2_OPTIONS)
+        except re2.error as e:
+            text = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
+            what = text.split(": ", 1)[-1]
+            pos = r.pattern.find(what) if what else -1
+            col = ps.column + max(pos, 0)
+            span = Span(ps.file, ps.line, col, ps.line, col + max(len(what), 1) if pos >= 0 else ps.end_column)
+            self.err(
+                "unsupported-regex",
+                f"regex construct not supported: {text}",
+                "shardplan matches with RE2 (linear time): lookaround, backreferences and "
+                "repetition counts above 1000 are not available; rewrite without them",
+                span,
+            )
+            return False
+        return True
+
+    def rules(self, kind: RuleKind, axis_names) -> tuple[Rule, ...]:
+        out = []
+        for m in self.modules:  # the plan's own rules first, then each base's
+            for s in m.statements:
+                if isinstance(s, ast.RuleNode) and s.kind == kind:
+                    ok = self.regex(s)
+                    spec = self.spec(s.spec, axis_names)
+                    if ok:
+                        out.append(Rule(kind, s.pattern, spec, s.span, s.pattern_span, s.spec.span, self.line(s.span)))
+        self.shadowing(tuple(out))
+        return tuple(out)
+
+    def shadowing(self, rules: tuple[Rule, ...]):
+        """Static shadowing: a rule after a catch-all, or a repeat of an earlier regex."""
+        first: dict[str, Rule] = {}
+        catch_all = None
+        for r in rules:
+            if catch_all is not None:
+                self.warn(
+                    "shadowed-rule",
+                    f'{r.kind} rule "{r.pattern}" can never apply: the catch-all '
+                    f'"{catch_all.pattern}" at {catch_all.origin} matches every path first',
+                    "move this rule above the catch-all, or delete it",
+                    r.span,
+                )
+            elif r.pattern in first:
+                self.warn(
+                    "shadowed-rule",
+                    f'{r.kind} rule "{r.pattern}" repeats the regex of '
+                    f"{first[r.pattern].origin}, which always matches first",
+                    "delete one of the two rules",
+                    r.span,
+                )
+            first.setdefault(r.pattern, r)
+            if r.is_catch_all and catch_all is None:
+                catch_all = r
+
+    def axis_rules(self, axis_names) -> tuple[AxisRule, ...]:
+        out: dict[str, AxisRule] = {}
+        for m in self.modules:
+            local: dict[str, ast.AxisNode] = {}
+            for s in m.statements:
+                if not isinstance(s, ast.AxisNode):
+                    continue
+                if s.logical in local:
+                    self.err(
+                        "duplicate-axis-rule",
+                        f"logical axis '{s.logical}' is mapped twice (first on line {local[s.logical].span.line})",
+                        "keep one axis rule per name",
+                        s.span,
+                    )
+                    continue
+                local[s.logical] = s
+                self.dim_axes(s.dim, axis_names, {})
+                # A plan's own mapping overrides the one in a base it extends.
+                out.setdefault(s.logical, AxisRule(s.logical, s.dim.axes, s.span, self.line(s.span)))
+        return tuple(out.values())
+
+
+def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = None) -> Plan:
+    """Check a plan and the chain of plans it extends (the plan first) into a :class:`Plan`.
+
+    Raises:
+        PlanCheckError: every error found, together.
+    """
+    c = _Checker(modules)
+    name_node = c.nearest(ast.PlanName)
+    mesh_node = c.nearest(ast.MeshNode)
+    backend_node = c.nearest(ast.BackendNode)
+    batch_node = c.nearest(ast.BatchNode)
+    default_node = c.nearest(ast.DefaultNode)
+
+    mesh = c.mesh(mesh_node)
+    if mesh_override is not None:
+        mesh = tuple(MeshAxis(n, s, None) for n, s in mesh_override.items())
+        c.diags.extend(size_problems(mesh_override, "mesh"))
+    elif mesh_node is None:
+        m0 = modules[0]
+        c.err(
+            "no-mesh",
+            "the plan declares no mesh",
+            "add a mesh statement, e.g. mesh data = *, or give one on the command line (--mesh data=8)",
+            Span(m0.file, 1, 1, 1, 2),
+        )
+    axis_names = tuple(a.name for a in mesh)
+
+    backend = "auto"
+    if backend_node is not None:
+        if backend_node.name in BACKENDS:
+            backend = backend_node.name
+        else:
+            near = closest(backend_node.name, BACKENDS)
+            c.err(
+                "unknown-backend",
+                f"unknown backend '{backend_node.name}'",
+                (near + " " if near else "") + "backends: " + ", ".join(BACKENDS),
+                backend_node.span,
+            )
+
+    batch = c.spec(batch_node.spec, axis_names) if batch_node else None
+    default = c.spec(default_node.spec, axis_names) if default_node else None
+    params = c.rules("param", axis_names)
+    opts = c.rules("opt", axis_names)
+    inputs = c.rules("input", axis_names)
+    axes = c.axis_rules(axis_names)
+
+    catch = next((r for r in params if r.is_catch_all), None)
+    if catch is not None and axes:
+        c.warn(
+            "annotations-unreachable",
+            f'param rule "{catch.pattern}" matches every param, so the '
+            "axis rules (Flax annotations) are never consulted",
+            "path rules are tried before annotations; for the fallback write 'default replicated' "
+            "instead of a catch-all param rule",
+            catch.span,
+        )
+
+    errors = [d for d in c.diags if d.severity == "error"]
+    if errors:
+        raise PlanCheckError(c.diags)
+    return Plan(
+        name=name_node.name if name_node else None,
+        files=tuple(m.file for m in modules),
+        mesh=mesh,
+        mesh_span=mesh_node.span if mesh_node and mesh_override is None else None,
+        backend=backend,
+        batch=batch,
+        batch_span=batch_node.span if batch_node else None,
+        params=params,
+        opts=opts,
+        inputs=inputs,
+        axes=axes,
+        default=default,
+        default_span=default_node.span if default_node else None,
+        warnings=tuple(d for d in c.diags if d.severity == "warning"),
+        sources=tuple((m.file, m.text) for m in modules),
+        mesh_source_line=c.line(mesh_node.span) if mesh_node else "",
+    )

@@ -1,0 +1,107 @@
+"""The syntax tree of a .splan file: frozen dataclasses, each carrying its source span.
+
+Later stages import this module, never Lark.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardplan.core.plan import RuleKind
+from shardplan.errors import Span
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One array dimension of a spec: the mesh axes it is split over (empty = whole)."""
+
+    axes: tuple[str, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class SpecNode:
+    """A spec as written: ``(a, _, (b, c))`` or ``replicated``."""
+
+    dims: tuple[Dim, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class PlanName:
+    name: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class Extends:
+    path: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class MeshAxisNode:
+    name: str
+    size: int | None  # None: inferred from the device count ('*')
+    span: Span
+    name_span: Span
+
+
+@dataclass(frozen=True)
+class MeshNode:
+    axes: tuple[MeshAxisNode, ...]
+    span: Span
+
+
+@dataclass(frozen=True)
+class BackendNode:
+    name: str
+    span: Span
+
+
+@dataclass(frozen=True)
+class BatchNode:
+    spec: SpecNode
+    span: Span
+
+
+@dataclass(frozen=True)
+class RuleNode:
+    """``param|opt|input "regex" spec``. ``pattern_span`` covers the text inside the quotes."""
+
+    kind: RuleKind
+    pattern: str
+    pattern_span: Span
+    spec: SpecNode
+    span: Span
+
+
+@dataclass(frozen=True)
+class AxisNode:
+    """``axis logical -> mesh_dim``: a Flax logical axis name mapped to mesh axes."""
+
+    logical: str
+    dim: Dim
+    span: Span
+
+
+@dataclass(frozen=True)
+class DefaultNode:
+    spec: SpecNode
+    span: Span
+
+
+Statement = PlanName | Extends | MeshNode | BackendNode | BatchNode | RuleNode | AxisNode | DefaultNode
+
+
+@dataclass(frozen=True)
+class Module:
+    """A parsed file: its statements in order, its name and its text (for diagnostics)."""
+
+    file: str
+    text: str
+    statements: tuple[Statement, ...]
+
+    def line(self, n: int) -> str:
+        lines = self.text.split("\n")
+        return lines[n - 1] if 0 < n <= len(lines) else ""

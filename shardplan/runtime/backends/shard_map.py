@@ -1,0 +1,145 @@
+"""The shard_map backend: the plan lowered to explicit collectives.
+
+Forward and backward run under ``jax.shard_map``; each device sees its local param shards
+and batch slice. Params are gathered with ``all_gather(..., tiled=True, to="invarying")``, then cast to
+device-varying over the batch axes *before* differentiation: with ``check_vma=True``,
+``jax.grad`` of an invariant param used with varying data would otherwise sum the gradient
+over the batch axes by itself (the transpose of the implicit cast), so an explicit mean on
+top would be off by n_batch and cost an extra all-reduce. Each gradient is then reduced as
+``shardplan.core.lowering`` prescribes (psum_scatter / local slice / psum, scaled by 1/n_batch).
+The optimizer update runs outside shard_map, on global arrays, so transformations such as
+``optax.clip_by_global_norm`` see the global norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from shardplan.core.lowering import Collective, Lowering, lower
+from shardplan.errors import PlanApplyError, error
+from shardplan.runtime import specs
+from shardplan.runtime.placement import Placement, replicated
+
+LossFn = Callable[[Any, Any], jax.Array]
+
+
+def gather(x: jax.Array, c: Collective) -> jax.Array:
+    axes = c.axes if len(c.axes) > 1 else c.axes[0]
+    return jax.lax.all_gather(x, axes, axis=c.dim, tiled=True, to="invarying")
+
+
+def reduce_one(g: jax.Array, c: Collective) -> jax.Array:
+    if c.kind == "psum_scatter":
+        return jax.lax.psum_scatter(g, c.axes[0], scatter_dimension=c.dim, tiled=True)
+    if c.kind == "slice":
+        size = g.shape[c.dim] // jax.lax.axis_size(c.axes[0])
+        start = jax.lax.axis_index(c.axes[0]) * size
+        return jax.lax.dynamic_slice_in_dim(g, start, size, axis=c.dim)
+    if c.kind == "psum":
+        return jax.lax.psum(g, c.axes)
+    raise ValueError(c.kind)
+
+
+def local_grads(lowering: Lowering, loss_fn: LossFn, gm) -> Callable:
+    """The per-device function: local shards + local batch -> (mean loss, local grad shards)."""
+    batch_axes = lowering.batch_axes
+    scale = 1.0 / lowering.batch_axis_size
+
+    def fn(sm, batch):
+        leaves, treedef = jax.tree_util.tree_flatten(sm)
+        full = []
+        for x, p in zip(leaves, lowering.params):
+            for c in p.gather:
+                x = gather(x, c)
+            full.append(jax.lax.pcast(x, batch_axes, to="varying") if batch_axes else x)
+
+        def loss_of(flat):
+            return loss_fn(nnx.merge(gm, jax.tree_util.tree_unflatten(treedef, flat)), batch)
+
+        loss, grads = jax.value_and_grad(loss_of)(full)
+        out = []
+        for g, p in zip(grads, lowering.params):
+            for c in p.reduce:
+                g = reduce_one(g, c)
+            out.append(g * jnp.asarray(scale, g.dtype))
+        if batch_axes:
+            loss = jax.lax.pmean(loss, batch_axes)
+        return loss, jax.tree_util.tree_unflatten(treedef, out)
+
+    return fn
+
+
+def _params_only(model) -> None:
+    others = nnx.state(model, nnx.Not(nnx.Param))
+    bad = ["/".join(map(str, k)) for k, _ in nnx.to_flat_state(others)]
+    if bad:
+        raise PlanApplyError(
+            [
+                error(
+                    "cannot-lower",
+                    f"the model has non-Param state ({', '.join(bad[:3])}"
+                    f"{', ...' if len(bad) > 3 else ''}); the shard_map backend differentiates and returns Params only",
+                    "use backend auto for models with batch statistics, RNG state or other mutable variables",
+                    path=bad[0],
+                )
+            ]
+        )
+
+
+class ShardMapStep:
+    """Jitted step per batch structure (the in_specs depend on the batch's leaves)."""
+
+    def __init__(self, placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any):
+        _params_only(model)
+        self.placement = placement
+        self.loss_fn = loss_fn
+        self.gm = nnx.graphdef(model)
+        self.go = nnx.graphdef(optimizer)
+        self._cache: dict = {}
+
+    def lowering(self, batch: Any) -> Lowering:
+        p = self.placement
+        return lower(p.plan, p.params, specs.resolve_batch(p.plan, batch, mesh=p.mesh_shape))
+
+    def _jitted(self, batch: Any):
+        leaves, treedef = jax.tree_util.tree_flatten(batch)
+        key = (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
+        if key in self._cache:
+            return self._cache[key]
+        p = self.placement
+        lowering = self.lowering(batch)
+        batch_res = specs.resolve_batch(p.plan, batch, mesh=p.mesh_shape)
+        grads_fn = jax.shard_map(
+            local_grads(lowering, self.loss_fn, self.gm),
+            mesh=p.mesh,
+            in_specs=(p.params.specs, batch_res.specs),
+            out_specs=(P(), p.params.specs),
+        )
+        gm, go = self.gm, self.go
+
+        def step(sm, so, batch):
+            loss, grads = grads_fn(sm, batch)
+            model, optimizer = nnx.merge(gm, sm), nnx.merge(go, so)
+            optimizer.update(model, grads)
+            return nnx.state(model), nnx.state(optimizer), loss
+
+        out = (p.model_shardings(), p.opt_shardings(), replicated(p.mesh))
+        fn = jax.jit(step, out_shardings=out, donate_argnums=(0, 1))
+        self._cache[key] = fn
+        return fn
+
+    def __call__(self, sm, so, batch):
+        return self._jitted(batch)(sm, so, batch)
+
+    def lower(self, sm, so, batch):
+        return self._jitted(batch).lower(sm, so, batch)
+
+
+def build(placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any) -> ShardMapStep:
+    return ShardMapStep(placement, loss_fn, model, optimizer)

@@ -1,0 +1,304 @@
+"""Orbax checkpoints that follow the plan.
+
+A step directory holds three items: ``model`` and ``optimizer`` (the NNX states as pure
+dicts of arrays) and ``meta`` (JSON: the text of the plan and of every base it extends,
+its name and files, the mesh, the shardplan version). Saves are async: ``save`` returns
+once the arrays are copied off the devices, and Orbax writes to a temporary directory that
+is renamed into place only when complete, so a crash mid-save never leaves a half-written step as the latest.
+
+Restore targets the shardings of the *current* placement (any plan, any mesh): the
+target is a tree of ``ShapeDtypeStruct``s carrying the new ``NamedSharding``s, so each
+device reads only its own shards and no host gathers a whole array.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from shardplan.errors import Diagnostic, PlanApplyError, ShardPlanError, error
+from shardplan.runtime.placement import Placement
+from shardplan.version import version
+
+MAX_DIFFS = 20
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """What ``shardplan ckpt info`` shows for one complete step."""
+
+    step: int
+    meta: dict
+    leaves: dict[str, list[tuple[str, tuple[int, ...], str]]]  # item -> [(path, shape, dtype)]
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """'/'-joined path -> leaf, for pure dicts and metadata trees alike."""
+    out: dict[str, Any] = {}
+    if hasattr(tree, "tree") and not isinstance(tree, dict):  # orbax TreeMetadata
+        tree = tree.tree
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}/"))
+    elif isinstance(tree, (list, tuple)) and not hasattr(tree, "shape"):
+        for i, v in enumerate(tree):
+            out.update(_flat(v, f"{prefix}{i}/"))
+    else:
+        out[prefix[:-1]] = tree
+    return out
+
+
+def _not_a_checkpoint(directory: Path, why: str) -> ShardPlanError:
+    return PlanApplyError(
+        [
+            error(
+                "not-a-checkpoint",
+                f"{directory} is not a shardplan checkpoint directory: {why}",
+                "pass the directory given to --checkpoint-dir / Checkpointer",
+                path=str(directory),
+            )
+        ]
+    )
+
+
+class Checkpointer:
+    """Step-numbered Orbax checkpoints of a model (and optimizer) under a placement.
+
+    Args:
+        directory: where steps are written (created on the first save).
+        placement: the plan and mesh that restores target, and that saves record.
+        max_to_keep: keep this many most recent steps (None: all).
+        async_save: return from ``save`` before the files are written.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        placement: Placement,
+        *,
+        max_to_keep: int | None = 3,
+        async_save: bool = True,
+        create: bool = True,
+    ):
+        self.directory = Path(directory).absolute()
+        self.placement = placement
+        if not create:
+            check_directory(self.directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=create
+        )
+        self.manager = ocp.CheckpointManager(self.directory, item_handlers=_handlers(), options=options)
+
+    # -- steps --------------------------------------------------------------------------
+    def steps(self) -> list[int]:
+        """Complete steps only (an interrupted save is never listed)."""
+        return sorted((self.manager.reload(), self.manager.all_steps())[1])
+
+    def latest_step(self) -> int | None:
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    # -- save ---------------------------------------------------------------------------
+    def meta(self, step: int) -> dict:
+        plan = self.placement.plan
+        return {
+            "step": step,
+            "plan_name": plan.name,
+            "plan_files": list(plan.files),
+            "plan_text": plan.text,
+            "plan_sources": [[f, t] for f, t in plan.sources],
+            "mesh": self.placement.mesh_shape,
+            "backend": plan.backend,
+            "shardplan_version": version(),
+            "process_count": jax.process_count(),
+        }
+
+    def save(self, step: int, model: Any, optimizer: Any = None, *, force: bool = True) -> bool:
+        """Start saving ``step`` (async); returns once arrays are off the devices."""
+        items = {
+            "model": ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model))),
+            "meta": ocp.args.JsonSave(self.meta(step)),
+        }
+        if optimizer is not None:
+            items["optimizer"] = ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(optimizer)))
+        return self.manager.save(step, args=ocp.args.Composite(**items), force=force)
+
+    def wait(self) -> None:
+        """Block until every pending save is written and committed."""
+        self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        self.manager.close()
+
+    # -- restore ------------------------------------------------------------------------
+    def _step_or_raise(self, step: int | None) -> int:
+        steps = self.steps()
+        if not steps:
+            raise _not_a_checkpoint(self.directory, "it holds no complete step")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise PlanApplyError(
+                [
+                    error(
+                        "no-such-step",
+                        f"step {step} is not in {self.directory}",
+                        f"complete steps: {', '.join(map(str, steps))}",
+                        path=str(self.directory),
+                    )
+                ]
+            )
+        return step
+
+    def _target(self, obj: Any, resolution) -> dict:
+        """Abstract pure dict with the current plan's NamedShardings: each device reads its shards."""
+        state = nnx.state(obj)
+        pure = nnx.to_pure_dict(state)
+        shardings = _pure_shardings(state, resolution, self.placement.mesh)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pure, shardings)
+
+    def _check_tree(self, step: int, item: str, target: dict) -> None:
+        saved_meta = self.manager.item_metadata(step)
+        saved = saved_meta[item] if item in saved_meta else None
+        if saved is None:
+            raise PlanApplyError(
+                [
+                    error(
+                        "checkpoint-mismatch",
+                        f"step {step} in {self.directory} has no {item} state",
+                        f"restore without the {item} (e.g. model only)",
+                        path=item,
+                    )
+                ]
+            )
+        have = _flat(saved)
+        want = _flat(target)
+        diags: list[Diagnostic] = []
+        for path in sorted(set(want) - set(have)):
+            diags.append(
+                error(
+                    "checkpoint-mismatch",
+                    f"{item}/{path} is missing from the checkpoint (step {step})",
+                    "restore into the model the checkpoint was saved from, or add the param there",
+                    path=f"{item}/{path}",
+                )
+            )
+        for path in sorted(set(have) - set(want)):
+            diags.append(
+                error(
+                    "checkpoint-mismatch",
+                    f"{item}/{path} is in the checkpoint but not in the model",
+                    "restore into the model the checkpoint was saved from",
+                    path=f"{item}/{path}",
+                )
+            )
+        for path in sorted(set(have) & set(want)):
+            h, w = have[path], want[path]
+            hs, hd = tuple(getattr(h, "shape", ()) or ()), str(getattr(h, "dtype", ""))
+            if hs != tuple(w.shape) or (hd and hd != str(w.dtype)):
+                diags.append(
+                    error(
+                        "checkpoint-mismatch",
+                        f"{item}/{path}: checkpoint has {hd}{list(hs)}, the model has {w.dtype}{list(w.shape)}",
+                        "restore into a model of the same shapes and dtypes",
+                        path=f"{item}/{path}",
+                    )
+                )
+        if diags:
+            raise PlanApplyError(diags)
+
+    def restore(self, model: Any, optimizer: Any = None, *, step: int | None = None) -> int:
+        """Restore ``step`` (default: the latest complete one) into ``model`` (and ``optimizer``)
+        in place, placed per the current plan and mesh. Returns the step.
+
+        Raises:
+            PlanApplyError: no such step, not a checkpoint, or trees that differ (naming each path).
+        """
+        step = self._step_or_raise(step)
+        items = {"model": (model, self.placement.params)}
+        if optimizer is not None:
+            if self.placement.opt is None:
+                raise PlanApplyError(
+                    [
+                        error(
+                            "no-optimizer",
+                            "the placement has no optimizer state",
+                            "make the placement with the optimizer",
+                            path="optimizer",
+                        )
+                    ]
+                )
+            items["optimizer"] = (optimizer, self.placement.opt)
+        targets = {name: self._target(obj, res) for name, (obj, res) in items.items()}
+        for name, target in targets.items():
+            self._check_tree(step, name, target)
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(t) for name, t in targets.items()})
+        )
+        for name, (obj, _) in items.items():
+            state = nnx.state(obj)
+            nnx.replace_by_pure_dict(state, restored[name])
+            nnx.update(obj, state)
+        return step
+
+    def info(self, step: int) -> StepInfo:
+        return step_info(self.manager, step)
+
+
+def _handlers() -> dict:
+    # Registered up front so a fresh manager can read item metadata before any restore.
+    return {
+        "model": ocp.StandardCheckpointHandler(),
+        "optimizer": ocp.StandardCheckpointHandler(),
+        "meta": ocp.JsonCheckpointHandler(),
+    }
+
+
+def _pure_shardings(state, resolution, mesh) -> dict:
+    """The NamedSharding tree as a pure dict shaped like ``nnx.to_pure_dict(state)``."""
+    specs = resolution.shardings(mesh)
+    flat, treedef = jax.tree_util.tree_flatten(specs, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+    leaves, vtreedef = jax.tree_util.tree_flatten(state)
+    assert len(flat) == len(leaves)
+    return nnx.to_pure_dict(jax.tree_util.tree_unflatten(vtreedef, flat))
+
+
+def check_directory(directory: Path) -> None:
+    if not directory.exists():
+        raise _not_a_checkpoint(directory, "it does not exist")
+    if not directory.is_dir():
+        raise _not_a_checkpoint(directory, "it is not a directory")
+
+
+def step_info(manager: ocp.CheckpointManager, step: int) -> StepInfo:
+    restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    meta = dict(restored["meta"] or {})
+    leaves = {}
+    item_meta = manager.item_metadata(step)
+    for item in ("model", "optimizer"):
+        tree = item_meta[item] if item in item_meta else None
+        if tree is None:
+            continue
+        leaves[item] = [
+            (p, tuple(getattr(m, "shape", ()) or ()), str(getattr(m, "dtype", "")))
+            for p, m in sorted(_flat(tree).items())
+        ]
+    return StepInfo(step, meta, leaves)
+
+
+def open_readonly(directory: str | os.PathLike) -> ocp.CheckpointManager:
+    """A manager for reading an existing directory (``shardplan ckpt info``)."""
+    path = Path(directory).absolute()
+    check_directory(path)
+    manager = ocp.CheckpointManager(
+        path, item_handlers=_handlers(), options=ocp.CheckpointManagerOptions(read_only=True, create=False)
+    )
+    if not manager.all_steps():
+        raise _not_a_checkpoint(path, "it holds no complete step")
+    return manager

@@ -1,0 +1,86 @@
+"""A plan's mesh on real devices."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from shardplan.core.plan import Plan
+from shardplan.errors import PlanApplyError, as_error, error
+
+AxisTypes = Literal["auto", "explicit"]
+
+
+def make_mesh(plan: Plan, devices: Sequence | None = None, axis_types: AxisTypes = "auto") -> Mesh:
+    """Build the plan's ``Mesh`` over ``devices`` (default: all devices, every process).
+
+    A ``*`` axis takes the remaining devices. The device order is ``jax.make_mesh``'s,
+    which keeps the last mesh axis within a host (put ``model`` last). Under
+    ``jax.distributed``, axes are laid out so the leading (data) axes span processes.
+
+    Args:
+        plan: a checked plan.
+        devices: the devices to use; all of ``jax.devices()`` by default.
+        axis_types: ``"auto"`` (XLA propagates shardings; the default) or ``"explicit"``
+            (shardings are part of array types, ``jax.make_mesh``'s default in this JAX).
+
+    Raises:
+        PlanCheckError: the mesh does not fit the devices.
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    shape = plan.mesh_shape(len(devs))
+    if axis_types not in ("auto", "explicit"):
+        raise as_error(
+            [
+                error(
+                    "bad-axis-types",
+                    f"unknown axis_types '{axis_types}'",
+                    "use 'auto' or 'explicit'",
+                    path="axis_types",
+                )
+            ]
+        )
+    kind = AxisType.Auto if axis_types == "auto" else AxisType.Explicit
+    names, sizes = tuple(shape), tuple(shape.values())
+    if jax.process_count() > 1 and devices is None:
+        return _multi_process_mesh(names, sizes, kind, devs)
+    return jax.make_mesh(sizes, names, axis_types=(kind,) * len(names), devices=devs)
+
+
+def _multi_process_mesh(names, sizes, kind, devs) -> Mesh:
+    """Across processes: trailing (model) axes inside a process where their sizes allow, the
+    leading (data) axes across processes. Each axis of size s is split s = outer x inner,
+    filling a process's devices from the last axis; mesh index = outer * inner_size + inner."""
+    nproc = jax.process_count()
+    per = len(devs) // nproc
+    inner, left = [], per
+    for size in reversed(sizes):
+        take = math.gcd(size, left)
+        inner.insert(0, take)
+        left //= take
+    if left != 1:
+        raise PlanApplyError(
+            [
+                error(
+                    "mesh-processes",
+                    f"mesh {dict(zip(names, sizes))} cannot be laid out over {nproc} processes of {per} devices",
+                    "make the mesh's trailing axes fill a process's devices exactly",
+                )
+            ]
+        )
+    outer = [s // i for s, i in zip(sizes, inner)]
+    by_proc = sorted(devs, key=lambda d: (d.process_index, d.id))
+    grid = np.array(by_proc, dtype=object).reshape(*outer, *inner)  # (outer axes..., inner axes...)
+    k = len(sizes)
+    order = [ax for pair in zip(range(k), range(k, 2 * k)) for ax in pair]  # (o0, i0, o1, i1, ...)
+    arr = grid.transpose(order).reshape(sizes)
+    return Mesh(arr, names, axis_types=(kind,) * len(names))
+
+
+def mesh_shape_of(mesh: Mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.devices.shape))

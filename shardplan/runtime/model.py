@@ -1,0 +1,154 @@
+"""Models from outside: import a factory, build it abstractly, write its shapes, make its optimizer.
+
+Everything the command line and the API need to turn ``FILE.py:FACTORY`` and an optimizer
+name into abstract state, with errors that say which argument is wrong.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import optax
+from flax import nnx
+
+from shardplan.core import optimizers
+from shardplan.core.shapes import shapes_json
+from shardplan.errors import ShardPlanError, as_error, error
+from shardplan.runtime.tree import flatten
+
+_TXS: dict[str, Callable[[float], optax.GradientTransformation]] = {
+    "adam": optax.adam,
+    "adamw": optax.adamw,
+    "sgd": optax.sgd,
+}
+
+
+def make_tx(name: str, learning_rate: float = 1e-3) -> optax.GradientTransformation | None:
+    """The optax transformation registered as ``name`` in ``shardplan.core.optimizers``
+    (``none``: no optimizer)."""
+    optimizers.lookup(name)
+    return _TXS[name](learning_rate) if name in _TXS else None
+
+
+def dump_shapes(model: Any, path: str | os.PathLike, optimizer: Any = None) -> None:
+    """Write the shapes JSON of a model (an NNX Module or State), and of its optimizer.
+
+    Args:
+        model: an ``nnx.Module`` (live or from ``nnx.eval_shape``) or its state.
+        path: the JSON file to write.
+        optimizer: an ``nnx.Optimizer`` (or its state), to record the real optimizer state.
+    """
+    params, _ = flatten(model)
+    opt = flatten(optimizer)[0] if optimizer is not None else None
+    Path(path).write_text(shapes_json(params, opt))
+
+
+def load_factory(spec: str):
+    """``path/to/file.py:factory`` or ``package.module:factory`` -> the callable.
+
+    Raises:
+        ShardPlanError: the file, module or attribute cannot be found or imported.
+    """
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise as_error(
+            [
+                error(
+                    "bad-model-arg",
+                    f"cannot read model '{spec}'",
+                    "write FILE.py:FACTORY or package.module:FACTORY",
+                    path="--model",
+                )
+            ]
+        )
+    try:
+        if target.endswith(".py") or os.sep in target:
+            file = Path(target).resolve()
+            if not file.exists():
+                raise as_error(
+                    [
+                        error(
+                            "bad-model-arg",
+                            f"no such file: {target}",
+                            "check the path to the model file",
+                            path="--model",
+                        )
+                    ]
+                )
+            sys.path.insert(0, str(file.parent))
+            mod_name = f"_shardplan_model_{abs(hash(str(file)))}"
+            loader_spec = importlib.util.spec_from_file_location(mod_name, file)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[mod_name] = module
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ShardPlanError:
+        raise
+    except Exception as e:
+        raise as_error(
+            [
+                error(
+                    "model-import",
+                    f"importing '{target}' failed: {type(e).__name__}: {e}",
+                    "fix the model module, or check with --shapes from dump_shapes",
+                    path="--model",
+                )
+            ]
+        ) from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise as_error(
+            [
+                error(
+                    "bad-model-arg",
+                    f"'{target}' has no callable '{name}'",
+                    "name a function (or class) that builds the model with no arguments",
+                    path="--model",
+                )
+            ]
+        )
+    return fn
+
+
+def abstract_model(factory, *, path: str = "--model") -> Any:
+    """Build a model abstractly (``nnx.eval_shape``): shapes only, nothing allocated.
+
+    Eager sharding is off while building, so models annotated with
+    ``nnx.with_partitioning`` build without a mesh; the annotations stay in metadata.
+    ``path`` names the factory in the error when building fails.
+    """
+    try:
+        with nnx.use_eager_sharding(False):
+            return nnx.eval_shape(factory)
+    except ShardPlanError:
+        raise
+    except Exception as e:
+        raise as_error(
+            [
+                error(
+                    "model-build",
+                    f"building the model abstractly failed: {type(e).__name__}: {e}",
+                    "the factory must build an nnx.Module with no arguments",
+                    path=path,
+                )
+            ]
+        ) from None
+
+
+def abstract_model_and_optimizer(
+    factory: Callable[[], Any], tx: optax.GradientTransformation | None, *, wrt: Any = nnx.Param, path: str = "--model"
+) -> tuple[Any, Any]:
+    """(model, ``nnx.Optimizer`` or None) built abstractly: shapes only."""
+
+    def build():
+        model = factory()
+        return model, (nnx.Optimizer(model, tx, wrt=wrt) if tx is not None else None)
+
+    return abstract_model(build, path=path)

@@ -1,0 +1,134 @@
+"""Resolution on live or abstract pytrees: a plan x an NNX model / state / batch -> specs.
+
+The pure resolver (``shardplan.core.resolve``) works on leaf records; these functions
+flatten pytrees into leaves and give back PartitionSpec and NamedSharding trees shaped
+like the input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardplan.core import resolve as core
+from shardplan.core.leaves import Resolution
+from shardplan.core.plan import Plan
+from shardplan.core.spec import Spec
+from shardplan.runtime import tree
+
+_PSPECS: dict[Spec, PartitionSpec] = {}
+
+
+def pspec(spec: Spec) -> PartitionSpec:
+    """The ``jax.sharding.PartitionSpec`` of a spec (one object per spec)."""
+    hit = _PSPECS.get(spec)
+    if hit is None:
+        hit = _PSPECS[spec] = PartitionSpec(*spec.entries)
+    return hit
+
+
+@dataclass(frozen=True)
+class Resolved(Resolution):
+    """A resolution of a pytree: the decisions, and the tree's shape to put specs back in."""
+
+    rebuild: Callable[[list], Any] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def specs(self) -> Any:
+        """PartitionSpec pytree shaped like the resolved tree."""
+        return self._tree([pspec(d.spec) for d in self.decisions])
+
+    def shardings(self, mesh: Mesh) -> Any:
+        """The spec tree as ``NamedSharding``s on ``mesh`` (one object per spec)."""
+        made: dict[Spec, NamedSharding] = {}
+        out = []
+        for d in self.decisions:
+            s = made.get(d.spec)
+            if s is None:
+                s = made[d.spec] = NamedSharding(mesh, pspec(d.spec))
+            out.append(s)
+        return self._tree(out)
+
+    def _tree(self, values: list) -> Any:
+        if self.rebuild is None:
+            raise ValueError("this resolution was made from leaves, not a pytree: it has no tree shape")
+        return self.rebuild(values)
+
+
+def _mesh(plan: Plan, devices: int | None, mesh: dict[str, int] | None) -> dict[str, int]:
+    return mesh or plan.mesh_shape(jax.device_count() if devices is None else devices)
+
+
+def _tree(res: Resolution, rebuild: Callable[[list], Any] | None) -> Resolved:
+    return Resolved(res.mesh, res.decisions, res.warnings, rebuild)
+
+
+def resolve(
+    plan: Plan,
+    tree_: Any,
+    *,
+    params: Any = None,
+    devices: int | None = None,
+    mesh: dict[str, int] | None = None,
+    replicated_threshold: int = core.DEFAULT_REPLICATED_THRESHOLD,
+) -> Resolved:
+    """Map a pytree of arrays or shapes to a PartitionSpec tree, with a record per leaf.
+
+    Args:
+        plan: a checked plan.
+        tree_: an NNX ``State`` or ``Module``, or any pytree of arrays /
+            ``ShapeDtypeStruct``s. Leaves are params, matched by ``param`` rules,
+            unless ``params`` is given.
+        params: the model's params (state or pytree). When given, ``tree_`` is
+            optimizer state: leaves mirror these params' specs.
+        devices: device count used to infer a ``*`` mesh axis (default: all devices).
+        mesh: concrete axis sizes, overriding ``devices``.
+        replicated_threshold: warn for replicated tensors larger than this (bytes).
+
+    Raises:
+        PlanCheckError: with every problem found (unmatched params, spec too long,
+            indivisible dimensions, ...).
+    """
+    sizes = _mesh(plan, devices, mesh)
+    leaves, rebuild = tree.flatten(tree_)
+    if params is None:
+        res = core.resolve_leaves(plan, sizes, leaves, (), replicated_threshold)
+    else:
+        pleaves, _ = tree.flatten(params)
+        res = core.resolve_leaves(plan, sizes, pleaves, leaves, replicated_threshold, report_params=False)
+    return _tree(res, rebuild)
+
+
+def resolve_model(
+    plan: Plan,
+    model: Any,
+    optimizer: Any = None,
+    *,
+    devices: int | None = None,
+    mesh: dict[str, int] | None = None,
+    replicated_threshold: int = core.DEFAULT_REPLICATED_THRESHOLD,
+) -> tuple[Resolved, Resolved | None]:
+    """Resolve a model's state and its optimizer's in one pass: (params, optimizer state).
+
+    Warnings are carried on the params' resolution.
+    """
+    sizes = _mesh(plan, devices, mesh)
+    pleaves, prebuild = tree.flatten(model)
+    oleaves, orebuild = tree.flatten(optimizer) if optimizer is not None else ([], None)
+    res = core.resolve_leaves(plan, sizes, pleaves, oleaves, replicated_threshold)
+    n = len(pleaves)
+    params = Resolved(res.mesh, res.decisions[:n], res.warnings, prebuild)
+    opt = Resolved(res.mesh, res.decisions[n:], (), orebuild) if optimizer is not None else None
+    return params, opt
+
+
+def resolve_batch(
+    plan: Plan, batch: Any, *, devices: int | None = None, mesh: dict[str, int] | None = None
+) -> Resolved:
+    """Specs for an input batch: ``input`` rules by path, then the ``batch`` spec."""
+    leaves, rebuild = tree.flatten(batch)
+    return _tree(core.resolve_inputs(plan, _mesh(plan, devices, mesh), leaves), rebuild)

@@ -1,0 +1,155 @@
+"""Pytrees <-> resolution leaves: where JAX / NNX structures are walked.
+
+Path format (documented in docs/language.md): the keys from the root to the leaf,
+joined with '/': dict keys and attribute names as written, sequence indices as
+decimal numbers. An NNX ``Variable`` is a leaf (its ``.value`` is not part of the path),
+so ``nnx.state(model)`` gives paths like ``blocks/3/attn/query/kernel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from shardplan.core.leaves import Leaf
+from shardplan.errors import as_error, error
+
+
+def device_count() -> int:
+    return jax.device_count()
+
+
+def key_str(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def path_str(keypath) -> str:
+    return "/".join(key_str(k) for k in keypath)
+
+
+def logical_names(v: nnx.Variable) -> tuple | None:
+    """The Flax logical-axis annotation of a Variable (``nnx.with_partitioning``), if any."""
+    meta = v.get_metadata()
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        names = meta.get(key)
+        if names:
+            return tuple(names)
+    return None
+
+
+_VAR_TYPES: dict[type, bool] = {}
+_DTYPES: dict[Any, tuple[str, int]] = {}
+_ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic)
+try:  # the concrete array type, for an exact-type fast path (jax.Array is an abstract base)
+    from jax._src.array import ArrayImpl as _ARRAY_IMPL
+except ImportError:  # pragma: no cover
+    _ARRAY_IMPL = None
+
+
+def _is_var(x) -> bool:
+    t = type(x)
+    hit = _VAR_TYPES.get(t)
+    if hit is None:
+        hit = _VAR_TYPES[t] = issubclass(t, nnx.Variable)
+    return hit
+
+
+def _dtype(dtype) -> tuple[str, int]:
+    hit = _DTYPES.get(dtype)
+    if hit is None:
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):  # typed PRNG keys (nnx.Rngs state)
+            hit = (str(dtype), 8)
+        else:
+            dt = np.dtype(dtype)
+            hit = (dt.name, dt.itemsize)
+        _DTYPES[dtype] = hit
+    return hit
+
+
+def _leaf(path: str, x) -> Leaf:
+    names = None
+    if _is_var(x):
+        names = logical_names(x)
+        x = x.get_value()
+    if isinstance(x, (int, float, bool, complex)):
+        x = np.asarray(x)
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        raise as_error(
+            [
+                error(
+                    "not-an-array",
+                    f"the leaf at '{path or '<root>'}' is a {type(x).__name__}, not an array or shape",
+                    "pass an NNX Module or State, or a pytree of arrays / jax.ShapeDtypeStruct",
+                    path=path or "<root>",
+                )
+            ]
+        )
+    name, itemsize = _dtype(dtype)
+    if type(shape) is not tuple:
+        shape = tuple(int(s) for s in shape)
+    return Leaf(path, shape, name, itemsize, names)
+
+
+def _walk(x, prefix: str, out: list) -> None:
+    """Append (path, leaf) in jax's flatten order: dict and State keys sorted, sequences in
+    order, NamedTuples by field name; other pytree nodes through jax itself."""
+    t = type(x)
+    if t is jax.ShapeDtypeStruct or t is _ARRAY_IMPL or t is np.ndarray:  # the hot case: inline
+        shape = x.shape
+        name, itemsize = _dtype(x.dtype)
+        out.append(Leaf(prefix, shape if type(shape) is tuple else tuple(map(int, shape)), name, itemsize, None))
+    elif t is dict or t is nnx.State:
+        for k in sorted(x.keys()):
+            _walk(x[k], f"{prefix}/{k}" if prefix else str(k), out)
+    elif _is_var(x) or isinstance(x, _ARRAY_TYPES) or t in (int, float, bool, complex):
+        out.append(_leaf(prefix, x))
+    elif t is list or t is tuple:
+        for i, v in enumerate(x):
+            _walk(v, f"{prefix}/{i}" if prefix else str(i), out)
+    elif x is None:
+        return
+    elif isinstance(x, tuple) and hasattr(x, "_fields"):  # NamedTuple (optax states): by field name
+        for name in x._fields:
+            _walk(getattr(x, name), f"{prefix}/{name}" if prefix else name, out)
+    else:
+        try:
+            flat = jax.tree_util.tree_flatten_with_path(x, is_leaf=_is_var)[0]
+        except Exception as e:  # a pytree node whose flatten raises
+            raise as_error(
+                [
+                    error(
+                        "not-a-pytree",
+                        f"cannot flatten the state at '{prefix or '<root>'}': {e}",
+                        "pass an NNX Module or State, or a pytree of arrays",
+                        path=prefix or "<root>",
+                    )
+                ]
+            ) from None
+        for kp, v in flat:
+            sub = path_str(kp)
+            out.append(_leaf(f"{prefix}/{sub}" if prefix and sub else prefix or sub, v))
+
+
+def flatten(tree: Any) -> tuple[list[Leaf], Callable[[list], Any]]:
+    """Leaves of ``tree`` with their paths, and a function that rebuilds the tree's shape
+    from one value per leaf (Variables are replaced by the value)."""
+    if isinstance(tree, nnx.Module) or (
+        hasattr(nnx, "Pytree") and isinstance(tree, nnx.Pytree) and not isinstance(tree, nnx.State)
+    ):
+        tree = nnx.state(tree)
+    leaves: list[Leaf] = []
+    _walk(tree, "", leaves)
+
+    def rebuild(values: list) -> Any:
+        treedef = jax.tree_util.tree_structure(tree, is_leaf=_is_var)
+        return jax.tree_util.tree_unflatten(treedef, values)
+
+    return leaves, rebuild

@@ -1,0 +1,367 @@
+"""The ``shardplan`` command line. Errors print as located diagnostics, never tracebacks.
+
+Exit codes: 0 clean, 1 errors (or warnings with --strict), 2 usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+
+from shardplan import api
+from shardplan.core import backends, optimizers
+from shardplan.core.format import fmt_bytes, parse_bytes
+from shardplan.core.meshes import parse_mesh_arg
+from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD
+from shardplan.core.shapes import ITEMSIZE
+from shardplan.errors import ShardPlanError, as_error, error
+from shardplan.runtime import devices
+from shardplan.tools import launch, report
+from shardplan.tools.emit import emit
+from shardplan.version import version
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _simulate_devices(n: int | None) -> None:
+    """Simulated CPU devices: must run before jax is imported."""
+    if n:
+        try:
+            devices.simulate(n)
+        except RuntimeError as e:
+            raise _UsageError(str(e)) from None
+
+
+def _quiet_absl() -> None:
+    """Orbax logs through absl at WARNING; the CLI reports through diagnostics instead."""
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    except ImportError:
+        pass
+
+
+def _bytes_arg(text: str | None, flag: str) -> int | None:
+    if text is None:
+        return None
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise _UsageError(f"{flag}: {e}") from None
+
+
+def _mesh_arg(args) -> dict[str, int | None] | None:
+    return parse_mesh_arg(args.mesh) if args.mesh else None
+
+
+def cmd_check(args, out: Console, err: Console) -> int:
+    budget = _bytes_arg(args.device_memory, "--device-memory")
+    threshold = _bytes_arg(args.replicated_threshold, "--replicated-threshold")
+    if args.model and args.shapes:
+        raise _UsageError("give --model or --shapes, not both")
+    if args.vs and not (args.model or args.shapes):
+        raise _UsageError("--vs compares plans against a model: give --model or --shapes")
+    if args.devices is not None and args.devices < 1:
+        raise _UsageError(f"--devices {args.devices}: give a positive device count")
+    options = dict(
+        mesh=_mesh_arg(args),
+        devices=args.devices,
+        replicated_threshold=threshold if threshold is not None else DEFAULT_REPLICATED_THRESHOLD,
+    )
+    first = api.check(args.plan, model=args.model, shapes=args.shapes, optimizer=args.optimizer, **options)
+    others = [api.check(p, leaves=first.leaves, **options) for p in args.vs or []]
+    results = [first] + others
+    for r in results:
+        for note in r.notes:
+            err.print(f"note: {note}", style="dim", markup=False, highlight=False)
+    all_diags = [d for r in results for d in r.warnings]
+    if args.format == "json":
+        docs = [report.to_json(r.plan, r.resolution, list(r.warnings), budget) for r in results]
+        out.print_json(json.dumps(docs[0] if len(docs) == 1 else {"plans": docs}))
+    else:
+        if first.resolution is not None:
+            report.print_text(
+                out, first.plan, first.resolution, expand=args.expand, show_opt=args.show_opt, budget=budget
+            )
+            report.print_communication(out, first.plan, first.resolution)
+        if others:
+            report.print_comparison(out, [(r.plan, r.resolution) for r in results], budget)
+        report.print_diagnostics(err, all_diags)
+        if first.resolution is None:
+            plan = first.plan
+            axes = ", ".join(f"{a.name}={a.size if a.size is not None else '*'}" for a in plan.mesh)
+            out.print(
+                f"plan {plan.name or args.plan}: ok (mesh {axes}; {len(plan.params)} param rules, "
+                f"{len(plan.axes)} axis rules). Pass --model or --shapes to check against a model.",
+                markup=False,
+                highlight=False,
+            )
+    if budget is not None and not all(r.fits(budget) for r in results):
+        return EXIT_ERRORS
+    if args.strict and all_diags:
+        return EXIT_ERRORS
+    return EXIT_OK
+
+
+def cmd_show(args, out: Console, err: Console) -> int:
+    from shardplan.runtime import live
+
+    shown = api.show(
+        args.plan,
+        args.model,
+        mesh=_mesh_arg(args),
+        optimizer=args.optimizer,
+        axis_types=args.axis_types,
+        batch=api.zeros_batch(args.batch),
+    )
+    mesh = shown.placement.mesh
+    out.print(
+        f"[bold]{report.escape(shown.placement.plan.name or args.plan)}[/] mesh "
+        f"{shown.placement.mesh_shape} over {mesh.devices.size} {mesh.devices.flat[0].platform} devices"
+    )
+    live.show(shown.model, console=out, title="params", expand=args.expand, max_visualize=args.visualize)
+    if shown.optimizer is not None:
+        live.show(shown.optimizer, console=out, title="optimizer state", expand=args.expand, visualize=False)
+    if shown.batch is not None:
+        live.show(shown.batch, console=out, title="batch", expand=True, max_visualize=args.visualize)
+    out.print("[green]every array lives where the plan says[/]")
+    return EXIT_OK
+
+
+def cmd_lower(args, out: Console, err: Console) -> int:
+    from pathlib import Path
+
+    lowered = api.lower(
+        args.plan,
+        args.model,
+        optimizer=args.optimizer,
+        mesh=_mesh_arg(args),
+        devices=args.devices,
+        batch=api.zeros_batch(args.batch),
+    )
+    source = emit(lowered.plan, lowered.params, lowered.opt, lowered.lowering, args.backend)
+    if args.output:
+        Path(args.output).write_text(source)
+        err.print(f"wrote {args.output} ({len(source.splitlines())} lines, backend {args.backend})", markup=False)
+    elif not args.report:
+        out.print(source, markup=False, highlight=False, soft_wrap=True)
+    if args.report:
+        from shardplan.core.lowering import predict
+
+        measured = api.compiled_collectives(lowered, optimizer=args.optimizer, loss=args.loss)
+        report.print_compiled_collectives(out, lowered.plan.name or args.plan, lowered.params.mesh, measured)
+        predicted = predict(lowered.lowering)
+        out.print(
+            "shard_map, predicted from the plan: "
+            + ", ".join(f"{k} {v['bytes']:,} B" for k, v in predicted.items() if v["bytes"]),
+            markup=False,
+        )
+    return EXIT_OK
+
+
+def cmd_ckpt_info(args, out: Console, err: Console) -> int:
+    from rich.table import Table
+
+    from shardplan.runtime import checkpoint
+
+    manager = checkpoint.open_readonly(args.directory)
+    steps = sorted(manager.all_steps())
+    if args.step is not None and args.step not in steps:
+        raise as_error(
+            [
+                error(
+                    "no-such-step",
+                    f"step {args.step} is not in {args.directory}",
+                    f"complete steps: {', '.join(map(str, steps))}",
+                    path=args.directory,
+                )
+            ]
+        )
+    out.print(f"[bold]{report.escape(str(args.directory))}[/]: complete steps {', '.join(map(str, steps))}")
+    summary = Table(header_style="bold")
+    for col in ("step", "plan", "mesh", "backend", "processes", "shardplan"):
+        summary.add_column(col)
+    infos = [checkpoint.step_info(manager, s) for s in steps]
+    for info in infos:
+        m = info.meta
+        summary.add_row(
+            str(info.step),
+            report.escape(f"{m.get('plan_name')} ({', '.join(m.get('plan_files', []))})"),
+            ", ".join(f"{k}={v}" for k, v in (m.get("mesh") or {}).items()),
+            str(m.get("backend")),
+            str(m.get("process_count")),
+            str(m.get("shardplan_version")),
+        )
+    out.print(summary)
+    info = next(i for i in infos if i.step == (args.step if args.step is not None else steps[-1]))
+    for item, leaves in info.leaves.items():
+        table = Table(title=f"step {info.step}: {item}", header_style="bold")
+        for col in ("path", "shape", "dtype", "bytes"):
+            table.add_column(col, justify="right" if col == "bytes" else "left")
+        for path, shape, dtype in leaves:
+            n = math.prod(shape) * ITEMSIZE.get(dtype, 0)
+            table.add_row(report.escape(path), str(shape), dtype, fmt_bytes(n))
+        out.print(table)
+    return EXIT_OK
+
+
+def cmd_launch(args, out: Console, err: Console) -> int:
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise _UsageError("give the command to run after --, e.g. shardplan launch -n 2 -- python train.py")
+    if args.n < 1 or args.devices_per_process < 1:
+        raise _UsageError("-n and --devices-per-process must be positive")
+    code, results, summary = launch.launch(
+        command, args.n, args.devices_per_process, failure_grace_s=args.failure_grace, timeout_s=args.timeout
+    )
+    (err if code else out).print(f"shardplan launch: {summary}", highlight=False, markup=False)
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="shardplan", description="Sharding plans for Flax NNX models.")
+    p.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = p.add_subparsers(dest="command")
+
+    c = sub.add_parser(
+        "check",
+        help="check a plan offline, alone or against a model's shapes",
+        description="Check a plan offline (no devices, abstract shapes).",
+    )
+    c.add_argument("plan", help="the .splan file")
+    c.add_argument("--mesh", help="axis sizes replacing the plan's mesh, e.g. data=32,model=8")
+    c.add_argument("--devices", type=int, help="device count for a '*' mesh axis (default: local devices)")
+    src = c.add_argument_group("model (one of)")
+    src.add_argument("--model", help="FILE.py:FACTORY or package.module:FACTORY; built with nnx.eval_shape")
+    src.add_argument("--shapes", help="a shapes JSON written by shardplan.dump_shapes")
+    c.add_argument(
+        "--optimizer",
+        choices=(*optimizers.NAMES, "recorded"),
+        default="adam",
+        help="optimizer state to account for (default adam; 'recorded': the shapes file's)",
+    )
+    c.add_argument("--format", choices=("text", "json"), default="text")
+    c.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
+    c.add_argument("--device-memory", help="per-device memory budget, e.g. 80GB or 16GiB")
+    c.add_argument("--replicated-threshold", help="warn for replicated tensors above this (default 64MiB)")
+    c.add_argument("--expand", action="store_true", help="one row per layer instead of grouping x N")
+    c.add_argument("--show-opt", action="store_true", help="list optimizer-state leaves too")
+    c.add_argument("--vs", action="append", metavar="PLAN", help="compare with another plan, side by side (repeatable)")
+    c.set_defaults(func=cmd_check)
+
+    v = sub.add_parser(
+        "show",
+        help="build a model sharded per a plan and show where every array lives",
+        description="Initialise a model directly sharded per the plan, print per-device "
+        "shards (and jax.debug.visualize_array_sharding), and check them against the plan.",
+    )
+    v.add_argument("plan")
+    v.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY")
+    v.add_argument("--mesh", help="axis sizes replacing the plan's mesh")
+    v.add_argument("--optimizer", choices=optimizers.NAMES, default="adam")
+    v.add_argument("--batch", action="append", help="an input leaf to place, NAME=8x16:int32 (repeatable)")
+    v.add_argument("--simulate-devices", type=int, help="simulated CPU devices (e.g. 8)")
+    v.add_argument("--axis-types", choices=("auto", "explicit"), default="auto")
+    v.add_argument("--expand", action="store_true", help="one row per layer")
+    v.add_argument("--visualize", type=int, default=4, help="how many arrays to draw (default 4)")
+    v.set_defaults(func=cmd_show)
+
+    lo = sub.add_parser(
+        "lower",
+        help="emit a standalone step module for a backend; --report: its collectives",
+        description="Lower a plan to a standalone Python module (jax, flax, optax only) for the "
+        "shard_map or auto backend, and/or report the collectives in each backend's compiled step.",
+    )
+    lo.add_argument("plan")
+    lo.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY")
+    lo.add_argument("--backend", choices=backends.NAMES, default="shard_map")
+    lo.add_argument("-o", "--output", help="write the module here (default: print it)")
+    lo.add_argument("--mesh", help="axis sizes replacing the plan's mesh")
+    lo.add_argument("--devices", type=int, help="device count for a '*' axis (default: local devices)")
+    lo.add_argument("--optimizer", choices=[n for n in optimizers.NAMES if n != "none"], default="adamw")
+    lo.add_argument("--batch", action="append", help="an input leaf NAME=16x16:int32 (repeatable)")
+    lo.add_argument(
+        "--report",
+        action="store_true",
+        help="compile both backends' steps and list their collectives (kind, count, bytes)",
+    )
+    lo.add_argument(
+        "--loss",
+        help="FILE.py:FUNC loss_fn(model, batch) for --report (default: LM loss on 'tokens', else mean square)",
+    )
+    lo.add_argument("--simulate-devices", type=int, help="simulated CPU devices (e.g. 8)")
+    lo.set_defaults(func=cmd_lower)
+
+    la = sub.add_parser(
+        "launch",
+        help="run N ranks of a command under jax.distributed on this machine",
+        description="Run N processes with simulated CPU devices and gloo collectives on "
+        "127.0.0.1 (a free port); prefix output with the rank; fail if any rank fails.",
+    )
+    la.add_argument("-n", type=int, default=2, help="number of processes (default 2)")
+    la.add_argument("--devices-per-process", type=int, default=4)
+    la.add_argument(
+        "--failure-grace",
+        type=float,
+        default=10.0,
+        help="seconds the other ranks get after one fails, then they are stopped (default 10)",
+    )
+    la.add_argument("--timeout", type=float, help="stop every rank after this many seconds")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
+    la.set_defaults(func=cmd_launch)
+
+    ck = sub.add_parser("ckpt", help="inspect checkpoints")
+    cks = ck.add_subparsers(dest="ckpt_command", required=True)
+    info = cks.add_parser("info", help="complete steps, the plan and mesh each was saved with, leaf shapes")
+    info.add_argument("directory")
+    info.add_argument("--step", type=int, help="which step's leaves to list (default: the latest)")
+    info.set_defaults(func=cmd_ckpt_info)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Wide tables when piped (rich assumes 80 columns without a terminal).
+    out = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+    err = Console(stderr=True)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        out.print(f"shardplan {version()}")
+        return EXIT_OK
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        _quiet_absl()
+        _simulate_devices(getattr(args, "simulate_devices", None))
+        return args.func(args, out, err)
+    except _UsageError as e:
+        err.print(f"shardplan {args.command}: error: {e}", highlight=False)
+        return EXIT_USAGE
+    except ShardPlanError as e:
+        report.print_diagnostics(err, e.diagnostics)
+        n = len(e.errors)
+        err.print(f"[red]{n} error{'s' if n != 1 else ''}[/]")
+        return EXIT_ERRORS
+    except KeyboardInterrupt:
+        return 130
+
+
+def _entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    _entry()
