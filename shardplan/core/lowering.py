@@ -35,7 +35,7 @@ class Collective:
 
     kind: Kind
     axes: tuple[str, ...]
-    dim: int | None
+    dim: int  # the array dimension; -1 for psum (no dimension)
     why: str
 
 
@@ -92,9 +92,7 @@ def _param(d: Decision, batch_axes: tuple[str, ...]) -> ParamLowering:
     rest = tuple(a for a in batch_axes if a not in used)
     if rest:
         reduce.append(
-            Collective(
-                "psum", rest, None, f"sum over batch axes {', '.join(rest)} (scaled by 1/n_batch after: the mean)"
-            )
+            Collective("psum", rest, -1, f"sum over batch axes {', '.join(rest)} (scaled by 1/n_batch after: the mean)")
         )
     return ParamLowering(d.path, d.shape, d.shard_shape, d.itemsize, d.spec.dims, gather, tuple(reduce))
 

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from shardplan.core.plan import MeshAxis, Plan
-from shardplan.errors import Diagnostic, as_error, error
+from shardplan.errors import Diagnostic, Span, as_error, error
 
 MeshSizes = Mapping[str, "int | None"]  # None: a '*' axis, inferred from the device count
 
@@ -88,7 +88,9 @@ def mesh_override_problems(plan: Plan, sizes: MeshSizes, where: str = "--mesh") 
     diags = size_problems(sizes, where)
     names = tuple(sizes)
     written = ",".join(f"{n}={'*' if s is None else s}" for n, s in sizes.items())
-    items = [(r.spec.axes, r.spec_span, r.source_line) for r in plan.params + plan.opts + plan.inputs]
+    items: list[tuple[tuple[str, ...], Span | None, str]] = [
+        (r.spec.axes, r.spec_span, r.source_line) for r in plan.params + plan.opts + plan.inputs
+    ]
     items += [(a.axes, a.span, a.source_line) for a in plan.axes]
     if plan.batch is not None:
         items.append((plan.batch.axes, plan.batch_span, ""))

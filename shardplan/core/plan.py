@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from shardplan.core.matching import RuleSet
 from shardplan.core.spec import Spec
@@ -132,7 +132,7 @@ class Plan:
             )
         known = math.prod(a.size for a in self.mesh if a.size is not None)
         star = [a for a in self.mesh if a.size is None]
-        where = dict(span=self.mesh_span, source_line=self.mesh_source_line)
+        where: dict[str, Any] = dict(span=self.mesh_span, source_line=self.mesh_source_line)
         written = ", ".join(f"{a.name}={a.size if a.size is not None else '*'}" for a in self.mesh)
         if devices is None:
             if star:

@@ -117,7 +117,8 @@ class _Resolver:
     def from_annotation(self, leaf: Leaf) -> Spec | None:
         if not self.axis_map or not leaf.names:
             return None
-        dims, seen = [], {}
+        dims: list[tuple[str, ...]] = []
+        seen: dict[str, str] = {}
         for name in leaf.names:
             if name is None:
                 dims.append(())
@@ -167,7 +168,7 @@ class _Resolver:
                 "annotation",
                 "param",
                 None,
-                f"its annotation {tuple(leaf.names)} via the axis rules",
+                f"its annotation {leaf.names} via the axis rules",
             )
         if plan.default is not None:
             where = f"{plan.default_span.file}:{plan.default_span.line}" if plan.default_span else "default"
@@ -359,6 +360,7 @@ def resolve_inputs(plan: Plan, mesh: dict[str, int], leaves: list[Leaf]) -> Reso
     _check_mesh_names(plan, mesh)
     r = _Resolver(plan, mesh, 0)
     out = []
+    how: How
     for leaf in leaves:
         rule = r.match("input", leaf.path)
         if rule is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import lark
 from lark import Lark, Token, Transformer, v_args
@@ -64,12 +65,13 @@ def _parser() -> Lark:
     return Lark(_grammar_text(), parser="lalr", propagate_positions=True, maybe_placeholders=False)
 
 
-def _span(file: str, meta) -> Span:
+def _span(file: str, meta: Any) -> Span:
     return Span(file, meta.line, meta.column, meta.end_line, meta.end_column)
 
 
 def _tok_span(file: str, tok: Token) -> Span:
-    return Span(file, tok.line, tok.column, tok.end_line, tok.end_column)
+    # Tokens from the lexer always carry positions (Lark types them as optional).
+    return Span(file, tok.line or 1, tok.column or 1, tok.end_line or 1, tok.end_column or 1)
 
 
 @v_args(meta=True)
@@ -141,7 +143,7 @@ class _ToAst(Transformer):
 
 
 @functools.cache
-def _example_states() -> tuple[tuple[str, int, str], ...]:
+def _example_states() -> tuple[tuple[str, Any, str], ...]:
     """(label, LALR state, token type) of each example mistake."""
     out = []
     for label, (examples, _) in _EXAMPLES.items():
@@ -206,7 +208,8 @@ def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) ->
         expected = _describe_expected(parser, exc.accepts or exc.expected)
         message = f"unexpected {found}; expected {expected}"
     elif isinstance(exc, lark.exceptions.UnexpectedCharacters):
-        ch = text[exc.pos_in_stream] if exc.pos_in_stream < len(text) else ""
+        pos = exc.pos_in_stream or 0
+        ch = text[pos] if pos < len(text) else ""
         width = 1
         if ch == '"':
             message = "unterminated string: a string must close with '\"' on the same line"
@@ -219,7 +222,7 @@ def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) ->
         width = 1
         message = "unexpected end of file"
     hint = _EXAMPLES[label][1] if label else "see docs/language.md for the statements a plan may contain"
-    if isinstance(exc, lark.exceptions.UnexpectedCharacters) and text[exc.pos_in_stream :][:1] == '"':
+    if isinstance(exc, lark.exceptions.UnexpectedCharacters) and text[exc.pos_in_stream or 0 :][:1] == '"':
         hint = "close the string with '\"' before the end of the line"
     source_line = lines[line - 1] if 0 < line <= len(lines) else ""
     span = Span(file, line, col, line, col + width)

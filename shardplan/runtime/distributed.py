@@ -32,7 +32,7 @@ def initialize(timeout_s: int | None = None) -> bool:
         return False
     import jax
 
-    timeout = int(timeout_s or os.environ.get(ENV_TIMEOUT, 60))
+    timeout = int(timeout_s or os.environ.get(ENV_TIMEOUT) or 60)
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(

@@ -41,7 +41,7 @@ COMPILES: collections.Counter = collections.Counter()
 _LISTENING = [False]
 
 
-def _on_event(event: str, duration: float, **kwargs) -> None:
+def _on_event(event: str, duration_secs: float, **kwargs: str | int) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         COMPILES[str(kwargs.get("fun_name", ""))] += 1
 

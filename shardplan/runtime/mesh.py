@@ -58,7 +58,8 @@ def _multi_process_mesh(names, sizes, kind, devs) -> Mesh:
     filling a process's devices from the last axis; mesh index = outer * inner_size + inner."""
     nproc = jax.process_count()
     per = len(devs) // nproc
-    inner, left = [], per
+    inner: list[int] = []
+    left = per
     for size in reversed(sizes):
         take = math.gcd(size, left)
         inner.insert(0, take)

@@ -84,6 +84,7 @@ def load_factory(spec: str):
             sys.path.insert(0, str(file.parent))
             mod_name = f"_shardplan_model_{abs(hash(str(file)))}"
             loader_spec = importlib.util.spec_from_file_location(mod_name, file)
+            assert loader_spec is not None and loader_spec.loader is not None  # a .py file always has one
             module = importlib.util.module_from_spec(loader_spec)
             sys.modules[mod_name] = module
             loader_spec.loader.exec_module(module)

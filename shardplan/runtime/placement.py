@@ -114,7 +114,7 @@ def shard_model(
     mesh = _ensure_mesh(plan, mesh, axis_types)
     placement = resolve_model(plan, model, optimizer, mesh=mesh)
     for obj, res in ((model, placement.params), (optimizer, placement.opt)):
-        if obj is None:
+        if obj is None or res is None:
             continue
         state = nnx.state(obj)
         nnx.update(obj, jax.device_put(state, res.shardings(mesh)))

@@ -47,8 +47,12 @@ def logical_names(v: nnx.Variable) -> tuple | None:
 _VAR_TYPES: dict[type, bool] = {}
 _DTYPES: dict[Any, tuple[str, int]] = {}
 _ARRAY_TYPES: tuple[type, ...] = (jax.Array, np.ndarray, jax.ShapeDtypeStruct, np.generic)
-try:  # the concrete array type, for an exact-type fast path (jax.Array is an abstract base)
-    from jax._src.array import ArrayImpl as _ARRAY_IMPL
+# The concrete array type, for an exact-type fast path (jax.Array is an abstract base).
+_ARRAY_IMPL: type | None
+try:
+    from jax._src.array import ArrayImpl as _ArrayImpl
+
+    _ARRAY_IMPL = _ArrayImpl
 except ImportError:  # pragma: no cover
     _ARRAY_IMPL = None
 

@@ -65,7 +65,8 @@ def launch(
     """Run ``command`` as ``n`` ranks. Returns (exit code, per-rank results, summary line)."""
     port = free_port()
     lock = threading.Lock()
-    procs, pumps = [], []
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
     base = dict(os.environ)
     base.pop("XLA_FLAGS", None)
     for rank in range(n):
