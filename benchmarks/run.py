@@ -20,12 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _setup(devices: int) -> None:
-    if devices:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={devices}").strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, str(ROOT / "examples"))
     sys.path.insert(0, str(ROOT))
+    if devices:
+        from shardplan.runtime.devices import simulate
+
+        simulate(devices)
 
 
 def block(tree):
@@ -42,7 +41,7 @@ def bench_apply(quick: bool) -> dict:
 
     import shardplan
     from benchmarks.resolution import best_of
-    from shardplan.apply import place
+    from shardplan import place
 
     n, shape = (200, (64, 256)) if quick else (2000, (256, 512))  # full: 2,000 x 512 KiB = 1 GiB
     rng = np.random.default_rng(0)
@@ -65,13 +64,13 @@ def _step_setup(plan_name: str, backend: str, cfg, batch: int, devices=None, han
     import optax
     from flax import nnx
 
-    import models
+    from examples import models
     import shardplan
-    import train as example
+    from examples import train as example
 
     plan = shardplan.load(ROOT / "plans" / plan_name)
     if devices is not None:
-        plan = plan.with_mesh({a: 1 for a in plan.axis_names})
+        plan = shardplan.with_mesh(plan, {a: 1 for a in plan.axis_names})
     mesh = shardplan.make_mesh(plan, devices=devices)
     model, optimizer, placement = shardplan.init_sharded(plan, lambda: models.GPT(cfg, nnx.Rngs(0)),
                                                          optax.adamw(1e-3), mesh=mesh)
@@ -81,7 +80,7 @@ def _step_setup(plan_name: str, backend: str, cfg, batch: int, devices=None, han
         placed = step.place(data)
         return lambda: step.fn(nnx.state(model), nnx.state(optimizer), placed), step, model, optimizer, data
     # By hand: the same pure step, NamedShardings built from the spec trees directly.
-    from shardplan.backends.auto import pure_step
+    from shardplan.runtime.backends.auto import pure_step
 
     sh_m, sh_o = placement.model_shardings(), placement.opt_shardings()
     fn = jax.jit(pure_step(example.lm_loss, nnx.graphdef(model), nnx.graphdef(optimizer)),
@@ -120,7 +119,7 @@ def _time_steps(setups: list, steps: int, repeat: int) -> list[float]:
 def bench_steps(quick: bool) -> dict:
     import jax
 
-    import models
+    from examples import models
 
     cfg = models.TINY if quick else models.GPTConfig(vocab=256, d_model=128, n_heads=8, d_ff=512, n_layers=4,
                                                      max_len=64)
@@ -148,10 +147,10 @@ def bench_cost_model(quick: bool) -> list[dict]:
     import optax
     from flax import nnx
 
-    import models
+    from examples import models
     import shardplan
-    import train as example
-    from shardplan import collectives, report
+    from examples import train as example
+    from shardplan.core import cost, hlo
 
     rows = []
     base = models.TINY if quick else models.SMALL
@@ -161,7 +160,7 @@ def bench_cost_model(quick: bool) -> list[dict]:
         build = lambda cfg=cfg: models.GPT(cfg, nnx.Rngs(0))  # noqa: E731
         model, optimizer, placement = shardplan.init_sharded(plan, build, optax.adam(1e-3))
         predicted_state = placement.params.bytes_per_device() + placement.opt.bytes_per_device()
-        predicted_comm = report.communication(plan, placement.params)["totals"]
+        predicted_comm = cost.communication(plan, placement.params)["totals"]
         data = example.synthetic_batch(np.random.default_rng(0), model.cfg.vocab, 32, model.cfg.max_len)
         step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend="shard_map")
         compiled = step.lower(model, optimizer, data).compile()
@@ -171,7 +170,7 @@ def bench_cost_model(quick: bool) -> list[dict]:
                           for leaf in placed.values() for s in leaf.addressable_shards[:1])
         # memory_analysis counts per-device argument buffers (state + this device's batch slice).
         measured_state = mem.argument_size_in_bytes - batch_bytes
-        got = collectives.report(compiled)
+        got = hlo.report(compiled)
         measured_comm = sum(got[k]["bytes"] for k in ("all-reduce", "all-gather", "reduce-scatter"))
         predicted_total = sum(predicted_comm.values())
         rows.append({"plan": plan_name, "predicted_state": predicted_state, "measured_state": measured_state,
@@ -188,9 +187,9 @@ def bench_generation(quick: bool) -> dict:
     import numpy as np
     from flax import nnx
 
-    import models
+    from examples import models
     import shardplan
-    from shardplan.generate import GenerationConfig, Generator
+    from shardplan import GenerationConfig, Generator
 
     cfg = models.GPTConfig(max_len=64)
     plan = shardplan.load(ROOT / "plans" / "gpt_tp.splan")
@@ -202,8 +201,10 @@ def bench_generation(quick: bool) -> dict:
 
     gen = Generator(placement, model, GenerationConfig(max_len=64, buckets=(8, 16), max_new_tokens=new))
     t = time.perf_counter()
+    compiles: dict[str, int] = {}
     for b in batches:
-        gen.generate(b)
+        for name, n in gen.generate(b).compiles.items():
+            compiles[name] = compiles.get(name, 0) + n
     t_padded = time.perf_counter() - t
 
     # Naive: no cache, no padding: the whole sequence each step, a new shape (compile) per length.
@@ -218,7 +219,7 @@ def bench_generation(quick: bool) -> dict:
     t_naive = time.perf_counter() - t
     tokens = len(batches) * 8 * new
     return {"tokens": tokens, "padded_tok_s": tokens / t_padded, "naive_tok_s": tokens / t_naive,
-            "speedup": t_naive / t_padded, "prompt_lengths": list(lengths)}
+            "speedup": t_naive / t_padded, "prompt_lengths": list(lengths), "compiles": compiles}
 
 
 # -- the runner -------------------------------------------------------------------------------
@@ -233,6 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes; only proves every measurement runs")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (0: the real devices)")
     p.add_argument("--write", action="store_true", help="write docs/benchmarks.md and .png (default on full runs)")
+    p.add_argument("--json", help="also write every figure and check (JSON) here")
     args = p.parse_args(argv)
     _setup(args.devices)
 
@@ -300,6 +302,10 @@ def main(argv=None) -> int:
     console.print(f"{len(checks) - len(missed)} of {len(checks)} targets met" +
                   (f"; missed: {'; '.join(missed)}" if missed else ""))
     console.print(f"total {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        import json
+
+        Path(args.json).write_text(json.dumps({"results": res, "checks": checks}, default=str))
     if args.write or not args.quick:
         from benchmarks import write
 

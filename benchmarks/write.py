@@ -31,7 +31,7 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         "",
         "## 1. Plan resolution",
         f"A {r['rules']}-rule plan against a synthetic 64-expert MoE state ({r['params']:,} params with Adam "
-        f"mu/nu: {r['leaves']:,} leaves, `ShapeDtypeStruct`s). shardplan: `plan.resolve_model(params, opt_state)` "
+        f"mu/nu: {r['leaves']:,} leaves, `ShapeDtypeStruct`s). shardplan: `shardplan.resolve_model(plan, params, opt_state)` "
         "(RE2 set matching, memoised per digit-normalised path when every rule is digit-blind, optimizer state "
         "by mirroring). Naive: jax's flatten with paths, then for each leaf every compiled `re` pattern in turn "
         "(first full match). Floor: the fastest (path, leaf) flattening we have (a plain recursive walk building "

@@ -36,8 +36,7 @@ def main(argv=None) -> int:
 
     import models
     import shardplan
-    from shardplan.generate import GenerationConfig, Generator
-    from shardplan.report import print_diagnostics
+    from shardplan import GenerationConfig, Generator, print_diagnostics
 
     console = Console()
     try:

@@ -166,7 +166,7 @@ class GPT(nnx.Module):
 
         With ``cache`` (from ``init_cache``), keys/values are written at ``positions`` and
         attention runs over the whole cache under ``mask`` (batch, time, max_len); returns
-        ``(logits, cache)``. This is the call convention ``shardplan.generate`` drives.
+        ``(logits, cache)``. This is the call convention ``shardplan.Generator`` drives.
         """
         b, t = tokens.shape
         x = self.embed(tokens)

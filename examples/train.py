@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from shardplan.core.backends import NAMES as BACKENDS  # jax-free: devices are set up later
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -27,7 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=("auto", "shard_map"), help="default: the plan's backend")
+    p.add_argument("--backend", choices=BACKENDS, help="default: the plan's backend")
     p.add_argument("--axis-types", choices=("auto", "explicit"), default="auto")
     p.add_argument("--simulate-devices", type=int, default=8,
                    help="simulated CPU devices (set before jax loads); 0 uses the real devices")
@@ -43,9 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def setup_devices(n: int) -> None:
     if n and "SHARDPLAN_COORDINATOR" not in os.environ:  # under `shardplan launch`, the launcher sets them
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={n}").strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        from shardplan.runtime.devices import simulate
+
+        simulate(n)
 
 
 def synthetic_batch(rng, vocab: int, batch: int, seq: int, rows: slice | None = None):
@@ -115,7 +117,7 @@ def main(argv=None) -> int:
 
     import models
     import shardplan
-    from shardplan.report import print_diagnostics
+    from shardplan import print_diagnostics
 
     console = Console()
     try:

@@ -1,11 +1,17 @@
-"""Small shared helpers for tests."""
+"""Small shared helpers and paths for tests."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 import shardplan
 from shardplan.errors import Diagnostic
+
+ROOT = Path(__file__).resolve().parent.parent
+PLANS = ROOT / "plans"
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 def diags_of(fn, *args, **kwargs) -> tuple[Diagnostic, ...]:

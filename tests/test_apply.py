@@ -10,11 +10,11 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import models
+from examples import models
 import shardplan
-import train as example
-from conftest import PLANS
-from helpers import only
+from examples import train as example
+from tests.helpers import PLANS
+from tests.helpers import only
 
 # (plan, factory) pairs: each plan with the example models it is written for.
 CASES = [
@@ -36,7 +36,7 @@ EQUIV_TX = optax.adamw(1e-2, eps=1e-5)
 def _setup(plan_name, factory, devices=None, tx=None):
     plan = shardplan.load(PLANS / plan_name)
     if devices is not None:
-        plan = plan.with_mesh({a: 1 for a in plan.axis_names})
+        plan = shardplan.with_mesh(plan, {a: 1 for a in plan.axis_names})
     mesh = shardplan.make_mesh(plan, devices=devices)
     return shardplan.init_sharded(plan, getattr(models, factory), tx or optax.adamw(1e-2), mesh=mesh)
 
@@ -56,7 +56,7 @@ def test_every_leaf_has_the_plans_sharding(plan_name, factory):
         assert live.keys() == res.by_path().keys()
         for d in res.decisions:
             leaf = live[d.path]
-            assert leaf.sharding == NamedSharding(placement.mesh, d.partition_spec()), d.path
+            assert leaf.sharding == NamedSharding(placement.mesh, shardplan.pspec(d.spec)), d.path
             # Every device holds exactly the shard the spec implies.
             assert leaf.shard_shapes == ((d.shard_shape, 8),), d.path
     shardplan.verify(placement, model, optimizer)
@@ -106,7 +106,7 @@ def test_compiled_step_equals_hand_written_shardings(plan_name):
     ours = step.lower(model, optimizer, batches[0]).compile().as_text()
 
     # By hand: NamedShardings written out per param path, device_put, one jax.jit.
-    from shardplan.backends.auto import pure_step
+    from shardplan.runtime.backends.auto import pure_step
 
     mesh = placement.mesh
     hand = {
@@ -239,7 +239,8 @@ def test_show_prints_shards_and_visualization(capsys):
 
 def test_mesh_needing_more_devices_than_exist():
     plan = shardplan.loads("mesh data = 4, model = 4\ndefault replicated")
-    with pytest.raises(shardplan.PlanApplyError) as info:
+    # A plan that does not fit the devices is a check error, wherever it is found.
+    with pytest.raises(shardplan.PlanCheckError) as info:
         shardplan.make_mesh(plan)
     assert "needs 16 devices; 8 are available" in str(info.value)
 
@@ -247,7 +248,7 @@ def test_mesh_needing_more_devices_than_exist():
 def test_batch_that_does_not_divide():
     model, optimizer, placement = _setup("dp.splan", "gpt_tiny")
     batch = {"tokens": np.zeros((12, 16), np.int32), "labels": np.zeros((12, 16), np.int32)}
-    with pytest.raises(shardplan.PlanApplyError) as info:
+    with pytest.raises(shardplan.PlanCheckError) as info:
         placement.shard_batch(batch)
     d = info.value.diagnostics[0]
     assert d.code == "indivisible" and d.path in ("labels", "tokens") and "data=8" in d.message
@@ -265,7 +266,7 @@ def test_state_that_is_not_a_model():
 
 def test_plan_leaving_a_param_unmatched():
     plan = shardplan.loads('mesh data = *\nparam ".*/kernel" (data)')
-    with pytest.raises(shardplan.PlanApplyError) as info:
+    with pytest.raises(shardplan.PlanCheckError) as info:
         shardplan.init_sharded(plan, models.gpt_tiny, optax.adam(1e-3))
     assert {d.code for d in info.value.errors} == {"unmatched-param"}
     assert any(d.path == "embed/embedding" for d in info.value.errors)
@@ -283,9 +284,9 @@ def test_cli_show_builds_sharded_and_verifies():
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from tests.helpers import ROOT
 
-    r = subprocess.run([sys.executable, "-m", "shardplan.cli", "show", str(PLANS / "gpt_2d.splan"), "--model",
+    r = subprocess.run([sys.executable, "-m", "shardplan", "show", str(PLANS / "gpt_2d.splan"), "--model",
                         f"{ROOT / 'examples' / 'models.py'}:gpt_tiny", "--simulate-devices", "8", "--batch",
                         "tokens=16x16:int32", "--visualize", "1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

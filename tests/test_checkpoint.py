@@ -12,9 +12,9 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from examples import models
 import shardplan
-from conftest import PLANS, ROOT
+from tests.helpers import PLANS, ROOT
 from shardplan import checkpoint
 
 TRAIN = ROOT / "examples" / "train.py"
@@ -96,7 +96,7 @@ def test_saved_under_tp_restores_on_one_device(tmp_path):
     ckpt = checkpoint.Checkpointer(tmp_path, placement)
     ckpt.save(5, model, optimizer)
     ckpt.wait()
-    one = plan.with_mesh({"data": 1, "model": 1})
+    one = shardplan.with_mesh(plan, {"data": 1, "model": 1})
     step, m1, o1, p1 = restore(tmp_path, one, devices=jax.devices()[:1])
     assert step == 5 and p1.mesh.devices.size == 1
     assert all(leaf.sharding.num_devices == 1 for leaf in shardplan.live_leaves(m1))
@@ -151,7 +151,7 @@ def test_sigkill_during_async_save_leaves_last_complete_step(tmp_path):
     assert ckpt.restore(model, optimizer) == 1
     with pytest.raises(shardplan.PlanApplyError, match="step 2 is not in"):
         ckpt.restore(model, optimizer, step=2)
-    info = subprocess.run([sys.executable, "-m", "shardplan.cli", "ckpt", "info", str(d)], capture_output=True,
+    info = subprocess.run([sys.executable, "-m", "shardplan", "ckpt", "info", str(d)], capture_output=True,
                           text=True, timeout=120)
     assert info.returncode == 0 and "complete steps 1\n" in info.stdout
     ckpt.save(2, model, optimizer)  # the next save of that step succeeds
@@ -170,6 +170,35 @@ def test_async_save_does_not_block_training(tmp_path):
     assert ckpt.steps() == [2, 3]  # max_to_keep
     meta = ckpt.info(3).meta
     assert meta["plan_name"] == "dp" and meta["mesh"] == {"data": 8} and "default replicated" in meta["plan_text"]
+
+
+def test_a_plan_with_extends_is_rebuilt_from_its_checkpoint(tmp_path):
+    """Every file of the plan is stored: the plan comes back from the checkpoint alone, after
+    the files on disk are gone, with each rule where it was written."""
+    src = tmp_path / "plans"
+    (src / "base").mkdir(parents=True)
+    (src / "base" / "common.splan").write_text('mesh data = *, model = 2\nbatch (data, _)\n'
+                                               'param "embed/embedding" (model, _)\ndefault replicated\n')
+    (src / "top.splan").write_text('plan "top"\nextends "base/common.splan"\n'
+                                   'param "blocks/\\d+/mlp/(up|gate)/kernel" (_, model)\n')
+    plan = shardplan.load(src / "top.splan")
+    model, optimizer, placement = shardplan.init_sharded(plan, models.gpt_tiny, optax.adam(1e-3))
+    ckpt = checkpoint.Checkpointer(tmp_path / "ckpt", placement)
+    ckpt.save(1, model, optimizer)
+    ckpt.wait()
+    ckpt.close()
+    meta = ckpt.info(1).meta
+    assert [f for f, _ in meta["plan_sources"]] == [str(src / "top.splan"), str(src / "base" / "common.splan")]
+    import shutil
+
+    shutil.rmtree(src)
+    back = shardplan.stored_plan(tmp_path / "ckpt")
+    assert back.name == "top" and back.files == plan.files
+    assert [(r.pattern, r.spec, r.origin) for r in back.params] == [(r.pattern, r.spec, r.origin) for r in plan.params]
+    assert back.default == plan.default and back.batch == plan.batch
+    assert back.mesh_shape() == {"data": 4, "model": 2}  # the mesh it was saved on
+    again = shardplan.resolve_model(back, model, optimizer)[0]
+    assert [(d.path, d.spec) for d in again.decisions] == [(d.path, d.spec) for d in placement.params.decisions]
 
 
 # -- bad input ----------------------------------------------------------------------------
@@ -214,6 +243,6 @@ def test_directory_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "junk" / "notes.txt").write_text("hello")
     with pytest.raises(shardplan.PlanApplyError, match="holds no complete step"):
         checkpoint.Checkpointer(tmp_path / "junk", placement).restore(model, optimizer)
-    r = subprocess.run([sys.executable, "-m", "shardplan.cli", "ckpt", "info", str(tmp_path / "junk")],
+    r = subprocess.run([sys.executable, "-m", "shardplan", "ckpt", "info", str(tmp_path / "junk")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "error[not-a-checkpoint]" in r.stderr and "Traceback" not in r.stderr

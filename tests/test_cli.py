@@ -6,13 +6,13 @@ import sys
 
 import pytest
 
-from conftest import PLANS, ROOT
+from tests.helpers import FIXTURES, PLANS, ROOT
 
 MODEL = f"{ROOT / 'examples' / 'models.py'}:gpt_tiny"
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "shardplan.cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "shardplan", *map(str, args)], capture_output=True,
                           text=True, cwd=cwd, timeout=120)
 
 
@@ -26,10 +26,10 @@ def test_every_plan_checks_against_its_model(plan):
 
 
 def test_check_text_table_groups_layers():
-    r = run("check", PLANS / "gpt_tp.splan", "--model", MODEL, "--devices", 8)
+    r = run("check", FIXTURES / "gpt_tp.splan", "--model", MODEL, "--devices", 8)
     assert r.returncode == 0
     assert "blocks/*/attn/out/kernel  x2" in r.stdout
-    assert "gpt_tp.splan:12" in r.stdout and "(32, 16)" in r.stdout
+    assert "gpt_tp.splan:7" in r.stdout and "(32, 16)" in r.stdout
 
 
 def test_check_json():
@@ -78,7 +78,7 @@ def test_device_memory_budget():
 
 
 def test_shapes_json_roundtrip(tmp_path):
-    code = ("import sys; sys.path.insert(0, %r); import models, shardplan; from shardplan.shapes import "
+    code = ("import sys; sys.path.insert(0, %r); import models, shardplan; from shardplan.runtime.model import "
             "abstract_model; shardplan.dump_shapes(abstract_model(models.gpt_tiny), %r)"
             % (str(ROOT / "examples"), str(tmp_path / "s.json")))
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

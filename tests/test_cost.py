@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import PLANS, ROOT
+from tests.helpers import PLANS, ROOT
 
 F32 = 4
 LAYER = 4 * 1024 + 3 * 2048 + 2 * 32
@@ -44,7 +44,7 @@ EXPECTED["gpt_2d.splan"] = ((DM // 8 + MD // 8 + POS // 4) + NORMS * F32, DM * 3
 
 
 def check_json(plan):
-    r = subprocess.run([sys.executable, "-m", "shardplan.cli", "check", str(PLANS / plan), "--model",
+    r = subprocess.run([sys.executable, "-m", "shardplan", "check", str(PLANS / plan), "--model",
                         f"{ROOT / 'examples' / 'models.py'}:gpt_tiny", "--devices", "8", "--format", "json"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -71,12 +71,12 @@ def test_communication_by_axis():
 
 
 def test_vs_compares_plans_side_by_side():
-    r = subprocess.run([sys.executable, "-m", "shardplan.cli", "check", str(PLANS / "dp.splan"), "--vs",
+    r = subprocess.run([sys.executable, "-m", "shardplan", "check", str(PLANS / "dp.splan"), "--vs",
                         str(PLANS / "fsdp.splan"), "--model", f"{ROOT / 'examples' / 'models.py'}:gpt_tiny",
                         "--devices", "8"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "plans side by side" in r.stdout and "reduce-scatter / step" in r.stdout
-    j = subprocess.run([sys.executable, "-m", "shardplan.cli", "check", str(PLANS / "dp.splan"), "--vs",
+    j = subprocess.run([sys.executable, "-m", "shardplan", "check", str(PLANS / "dp.splan"), "--vs",
                         str(PLANS / "fsdp.splan"), "--model", f"{ROOT / 'examples' / 'models.py'}:gpt_tiny",
                         "--devices", "8", "--format", "json"], capture_output=True, text=True, timeout=120)
     plans = json.loads(j.stdout)["plans"]

@@ -5,7 +5,7 @@ import re
 import pytest
 
 import shardplan
-from conftest import PLANS, ROOT
+from tests.helpers import PLANS, ROOT
 
 DOC = (ROOT / "docs" / "language.md").read_text()
 EXAMPLES = re.findall(r"```splan\n(.*?)```", DOC, re.S)

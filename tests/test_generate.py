@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import models
+from examples import models
 import shardplan
-from conftest import PLANS, ROOT
-from shardplan.generate import GenerationConfig, Generator
+from tests.helpers import PLANS, ROOT
+from shardplan.runtime.generate import GenerationConfig, Generator
 
 CFG = models.GPTConfig(max_len=64)
 LENGTHS = (3, 5, 8, 11, 16)  # 5 prompt lengths over 2 buckets

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import zipfile
 
-from conftest import PLANS, ROOT
+from tests.helpers import PLANS, ROOT
 
 
 def test_wheel_ships_grammar_and_checks_from_elsewhere(tmp_path):
@@ -27,7 +27,7 @@ def test_wheel_ships_grammar_and_checks_from_elsewhere(tmp_path):
                          timeout=120, check=True)
     where, grammar = json.loads(out.stdout)
     assert where.startswith(str(site)) and grammar.startswith("// The .splan")
-    r = subprocess.run([sys.executable, "-m", "shardplan.cli", "check", str(PLANS / "gpt_tp.splan"), "--model",
+    r = subprocess.run([sys.executable, "-m", "shardplan", "check", str(PLANS / "gpt_tp.splan"), "--model",
                         f"{ROOT / 'examples' / 'models.py'}:gpt_tiny", "--devices", "8"],
                        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

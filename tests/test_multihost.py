@@ -13,9 +13,9 @@ import numpy as np
 import optax
 import pytest
 
-import models
+from examples import models
 import shardplan
-from conftest import PLANS, ROOT
+from tests.helpers import PLANS, ROOT
 from shardplan import checkpoint
 
 TRAIN = str(ROOT / "examples" / "train.py")
@@ -24,7 +24,7 @@ LOSS_RTOL = 1e-5
 
 
 def launch(*cmd, n=2, grace=10, timeout=300):
-    return subprocess.run([sys.executable, "-m", "shardplan.cli", "launch", "-n", str(n), "--devices-per-process",
+    return subprocess.run([sys.executable, "-m", "shardplan", "launch", "-n", str(n), "--devices-per-process",
                            str(8 // n), "--failure-grace", str(grace), "--", *map(str, cmd)],
                           capture_output=True, text=True, timeout=timeout)
 
@@ -108,7 +108,7 @@ def test_killing_a_rank_mid_training_fails_the_launch_within_the_bound():
     import signal
 
     grace = 5
-    proc = subprocess.Popen([sys.executable, "-m", "shardplan.cli", "launch", "-n", "2", "--devices-per-process", "4",
+    proc = subprocess.Popen([sys.executable, "-m", "shardplan", "launch", "-n", "2", "--devices-per-process", "4",
                              "--failure-grace", str(grace), "--", sys.executable, TRAIN, "--plan",
                              str(PLANS / "gpt_tp.splan"), "--steps", "100000", "--no-show", "--log-every", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -175,7 +175,7 @@ def test_a_rank_that_dies_fails_the_launch_within_the_bound():
 
 
 def test_launch_usage_errors():
-    r = subprocess.run([sys.executable, "-m", "shardplan.cli", "launch", "-n", "2"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "shardplan", "launch", "-n", "2"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "give the command" in r.stderr
 

@@ -3,9 +3,9 @@
 import pytest
 
 import shardplan
-from shardplan import ast
-from shardplan.parser import parse
-from helpers import diags_of
+from shardplan.lang import syntax as ast
+from shardplan.lang.parser import parse
+from tests.helpers import diags_of
 
 
 def test_statements_and_spans():

@@ -10,13 +10,14 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import models
+from examples import models
 import shardplan
 from shardplan import Leaf, Spec, resolve_leaves
-from shardplan import tree as sp_tree
-from shardplan.shapes import abstract_model, optimizer_leaves
-from conftest import PLANS
-from helpers import diags_of, only
+from shardplan.runtime import tree as sp_tree
+from shardplan.core.optimizers import optimizer_leaves
+from shardplan.runtime.model import abstract_model
+from tests.helpers import FIXTURES, PLANS
+from tests.helpers import diags_of, only
 
 TP_EXPECTED = {
     "embed/embedding": P("model"),
@@ -37,14 +38,14 @@ def gpt():
 
 
 def test_tp_plan_specs_and_shard_shapes(gpt):
-    plan = shardplan.load(PLANS / "gpt_tp.splan")
-    res = plan.resolve(nnx.state(gpt), devices=8)
+    plan = shardplan.load(FIXTURES / "gpt_tp.splan")
+    res = shardplan.resolve(plan, nnx.state(gpt), devices=8)
     got = res.by_path()
     for path, spec in TP_EXPECTED.items():
-        assert got[path].partition_spec() == spec, path
+        assert shardplan.pspec(got[path].spec) == spec, path
     assert got["blocks/0/attn/query/kernel"].shard_shape == (32, 16)
     assert got["embed/embedding"].shard_shape == (32, 32)
-    assert got["embed/embedding"].origin.endswith("gpt_tp.splan:10")
+    assert got["embed/embedding"].origin.endswith("gpt_tp.splan:5")
     # The spec tree has the state's structure, a PartitionSpec per Variable.
     assert res.specs["blocks"][0]["attn"]["query"]["kernel"] == P(None, "model")
     assert res.warnings == ()
@@ -52,9 +53,9 @@ def test_tp_plan_specs_and_shard_shapes(gpt):
 
 def test_resolve_accepts_module_state_and_shape_pytrees(gpt):
     plan = shardplan.load(PLANS / "gpt_tp.splan")
-    a = plan.resolve(gpt, devices=8).by_path()
+    a = shardplan.resolve(plan, gpt, devices=8).by_path()
     tree = {"embed": {"embedding": jax.ShapeDtypeStruct((64, 32), np.float32)}}
-    b = plan.resolve(tree, devices=8, mesh=None)
+    b = shardplan.resolve(plan, tree, devices=8, mesh=None)
     assert b.specs == {"embed": {"embedding": P("model")}}
     assert a["embed/embedding"].spec == b.decisions[0].spec
 
@@ -63,12 +64,12 @@ def test_optimizer_state_mirrors_params(gpt):
     plan = shardplan.load(PLANS / "gpt_2d.splan")
     with nnx.use_eager_sharding(False):
         opt = nnx.eval_shape(lambda: nnx.Optimizer(models.gpt_tiny(), optax.adamw(1e-3), wrt=nnx.Param))
-    res = plan.resolve(nnx.state(opt), params=nnx.state(gpt), devices=8)
+    res = shardplan.resolve(plan, nnx.state(opt), params=nnx.state(gpt), devices=8)
     got = res.by_path()
-    assert got["opt_state/0/mu/blocks/0/attn/query/kernel"].partition_spec() == P("data", "model")
-    assert got["opt_state/0/nu/embed/embedding"].partition_spec() == P("model", "data")
+    assert shardplan.pspec(got["opt_state/0/mu/blocks/0/attn/query/kernel"].spec) == P("data", "model")
+    assert shardplan.pspec(got["opt_state/0/nu/embed/embedding"].spec) == P("model", "data")
     assert got["opt_state/0/mu/blocks/0/attn/query/kernel"].how == "mirror"
-    assert got["opt_state/0/count"].how == "scalar" and got["step"].partition_spec() == P()
+    assert got["opt_state/0/count"].how == "scalar" and shardplan.pspec(got["step"].spec) == P()
     # The pure (jax-free) optimizer synthesis gives the same paths and specs.
     leaves, _ = sp_tree.flatten(gpt)
     synth = resolve_leaves(plan, res.mesh, leaves, optimizer_leaves(leaves, "adamw")).by_path()
@@ -95,11 +96,11 @@ def test_mirroring_requires_the_same_shape():
 
 def test_logical_axes_resolve_flax_annotations():
     model = abstract_model(models.gpt_tiny_annotated)
-    logical = shardplan.load(PLANS / "gpt_logical.splan").resolve(model, devices=8).by_path()
-    tp = shardplan.load(PLANS / "gpt_tp.splan").resolve(abstract_model(models.gpt_tiny), devices=8).by_path()
+    logical = shardplan.resolve(shardplan.load(PLANS / "gpt_logical.splan"), model, devices=8).by_path()
+    tp = shardplan.resolve(shardplan.load(PLANS / "gpt_tp.splan"), abstract_model(models.gpt_tiny), devices=8).by_path()
     assert logical.keys() == tp.keys()
     for path in tp:
-        assert logical[path].spec.partition_spec() == tp[path].spec.partition_spec(), path
+        assert shardplan.pspec(logical[path].spec) == shardplan.pspec(tp[path].spec), path
     assert logical["blocks/0/attn/query/kernel"].how == "axes"
 
 
@@ -108,19 +109,19 @@ def test_path_rules_take_precedence_over_annotations():
     plan = shardplan.loads('mesh data = *, model = 2\nparam "head/kernel" replicated\naxis heads -> model\n'
                            'axis mlp -> model\naxis vocab -> model\naxis kv_heads -> model\naxis embed -> _\n'
                            'default replicated')
-    got = plan.resolve(model, devices=8).by_path()
+    got = shardplan.resolve(plan, model, devices=8).by_path()
     assert got["head/kernel"].how == "rule" and got["head/kernel"].spec.is_replicated
-    assert got["embed/embedding"].how == "axes" and got["embed/embedding"].partition_spec() == P("model")
+    assert got["embed/embedding"].how == "axes" and shardplan.pspec(got["embed/embedding"].spec) == P("model")
     assert got["blocks/0/ln1/scale"].how == "axes"
 
 
 def test_unmapped_logical_axis_warns():
     model = abstract_model(models.gpt_tiny_annotated)
     plan = shardplan.loads('mesh data = *, model = 2\naxis mlp -> model\ndefault replicated')
-    res = plan.resolve(model, devices=8)
+    res = shardplan.resolve(plan, model, devices=8)
     names = {w.message.split("'")[1] for w in res.warnings if w.code == "unmapped-logical-axis"}
     assert "heads" in names
-    assert res.by_path()["blocks/0/mlp/up/kernel"].partition_spec() == P(None, "model")
+    assert shardplan.pspec(res.by_path()["blocks/0/mlp/up/kernel"].spec) == P(None, "model")
 
 
 def test_full_match_semantics():
@@ -182,22 +183,22 @@ def test_large_replicated_tensor_warns_with_settable_threshold():
     leaves = [Leaf("big", (1024, 1024), "float32", 4), Leaf("small", (8,), "float32", 4)]
     res = resolve_leaves(plan, {"d": 8}, leaves, replicated_threshold=2**20)
     w = only(res.warnings, "large-replicated")
-    assert w.path == "big" and "4.0 MiB" in w.message
+    assert w.path == "big" and "4.00 MiB" in w.message
     assert not resolve_leaves(plan, {"d": 8}, leaves, replicated_threshold=2**23).warnings
 
 
 def test_not_an_array_leaf_is_an_error():
     plan = shardplan.loads('mesh d = *\ndefault replicated')
-    d = only(diags_of(plan.resolve, {"a": "hello"}, devices=8), "not-an-array")
+    d = only(diags_of(shardplan.resolve, plan, {"a": "hello"}, devices=8), "not-an-array")
     assert d.path == "a"
 
 
 def test_batch_resolution():
     plan = shardplan.loads('mesh data = *, model = 2\nbatch (data, _)\ninput "labels" ((data, model))')
     batch = {"tokens": jax.ShapeDtypeStruct((8, 16), np.int32), "labels": jax.ShapeDtypeStruct((8,), np.int32)}
-    res = plan.resolve_batch(batch, devices=8)
+    res = shardplan.resolve_batch(plan, batch, devices=8)
     assert res.specs == {"tokens": P("data"), "labels": P(("data", "model"))}
-    d = only(diags_of(plan.resolve_batch, {"tokens": jax.ShapeDtypeStruct((6, 16), np.int32)}, devices=8),
+    d = only(diags_of(shardplan.resolve_batch, plan, {"tokens": jax.ShapeDtypeStruct((6, 16), np.int32)}, devices=8),
              "indivisible")
     assert d.path == "tokens" and "data=4" in d.message
 
@@ -230,3 +231,10 @@ def test_optimizer_state_resolved_as_params_gets_a_hint():
     leaves = [Leaf("opt_state/0/mu/a/bias", (8,), "float32", 4)]
     d = only(diags_of(resolve_leaves, plan, {"d": 8}, leaves), "unmatched-param")
     assert "params=model_state" in d.hint
+
+
+def test_split_over_size_one_axes_is_still_replicated_for_the_warning():
+    plan = shardplan.loads('mesh d = *, m = 1\nparam "big" (m, _)\ndefault replicated')
+    leaves = [Leaf("big", (1024, 1024), "float32", 4)]
+    res = resolve_leaves(plan, {"d": 8, "m": 1}, leaves, replicated_threshold=2**20)
+    assert only(res.warnings, "large-replicated").path == "big"

@@ -11,11 +11,13 @@ import optax
 import pytest
 from flax import nnx
 
-import models
+from examples import models
 import shardplan
-import train as example
-from conftest import PLANS, ROOT
-from shardplan import collectives, emit, lowering
+from examples import train as example
+from tests.helpers import PLANS, ROOT
+from shardplan.core import hlo as collectives
+from shardplan.core import lowering
+from shardplan.tools import emit
 
 PLAN_MODELS = {"dp.splan": "gpt_tiny", "fsdp.splan": "gpt_tiny", "gpt_tp.splan": "gpt_tiny",
                "gpt_2d.splan": "gpt_tiny", "gpt_logical.splan": "gpt_tiny_annotated"}
@@ -37,7 +39,7 @@ def batches(n=5):
 def run(plan_name, backend, devices=None):
     plan = shardplan.load(PLANS / plan_name)
     if devices is not None:
-        plan = plan.with_mesh({a: 1 for a in plan.axis_names})
+        plan = shardplan.with_mesh(plan, {a: 1 for a in plan.axis_names})
     mesh = shardplan.make_mesh(plan, devices=devices)
     model, optimizer, placement = shardplan.init_sharded(plan, getattr(models, PLAN_MODELS[plan_name]), tx(),
                                                          mesh=mesh)
@@ -68,9 +70,9 @@ def _emitted(plan_name, backend, tmp_path):
     factory = getattr(models, PLAN_MODELS[plan_name])
     with nnx.use_eager_sharding(False):
         m, o = nnx.eval_shape(lambda: (lambda m: (m, nnx.Optimizer(m, tx(), wrt=nnx.Param)))(factory()))
-    params = plan.resolve(m, devices=8)
-    opt = plan.resolve(o, params=m, devices=8)
-    low = lowering.lower(plan, params, plan.resolve_batch(batches(1)[0], devices=8))
+    params = shardplan.resolve(plan, m, devices=8)
+    opt = shardplan.resolve(plan, o, params=m, devices=8)
+    low = lowering.lower(plan, params, shardplan.resolve_batch(plan, batches(1)[0], devices=8))
     path = tmp_path / f"step_{backend}.py"
     path.write_text(emit.emit(plan, params, opt, low, backend))
     spec = importlib.util.spec_from_file_location(f"emitted_{backend}_{plan_name[:-6]}", path)
@@ -141,8 +143,8 @@ def test_lowering_picks_collectives_by_axis_role():
     plan = shardplan.load(PLANS / "gpt_2d.splan")
     with nnx.use_eager_sharding(False):
         m = nnx.eval_shape(models.gpt_tiny)
-    params = plan.resolve(m, devices=8)
-    low = lowering.lower(plan, params, plan.resolve_batch(batches(1)[0], devices=8))
+    params = shardplan.resolve(plan, m, devices=8)
+    low = lowering.lower(plan, params, shardplan.resolve_batch(plan, batches(1)[0], devices=8))
     by = {p.path: p for p in low.params}
     q = by["blocks/0/attn/query/kernel"]  # (data, model)
     assert [(c.kind, c.axes, c.dim) for c in q.gather] == [("all_gather", ("data",), 0), ("all_gather", ("model",), 1)]
@@ -171,7 +173,7 @@ def test_batch_not_dividing_over_batch_axes():
     model, optimizer, placement = _placed()
     step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend="shard_map")
     bad = {k: v[:12] for k, v in batches(1)[0].items()}
-    with pytest.raises(shardplan.PlanApplyError) as info:
+    with pytest.raises(shardplan.PlanCheckError) as info:
         step(model, optimizer, bad)
     assert info.value.diagnostics[0].code == "indivisible"
 
@@ -211,7 +213,7 @@ def test_backend_line_in_plan_selects_shard_map():
 
 def test_cli_lower_writes_a_module_and_reports(tmp_path):
     out = tmp_path / "step.py"
-    r = subprocess.run([sys.executable, "-m", "shardplan.cli", "lower", str(PLANS / "fsdp.splan"), "--model",
+    r = subprocess.run([sys.executable, "-m", "shardplan", "lower", str(PLANS / "fsdp.splan"), "--model",
                         f"{ROOT / 'examples' / 'models.py'}:gpt_tiny", "--simulate-devices", "8", "-o", str(out),
                         "--batch", "tokens=16x16:int32", "--batch", "labels=16x16:int32", "--report"],
                        capture_output=True, text=True, timeout=300)
