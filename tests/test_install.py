@@ -16,12 +16,14 @@ def test_wheel_ships_grammar_and_checks_from_elsewhere(tmp_path):
     (wheel,) = wheels.glob("shardplan-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "shardplan/grammar/splan.lark" in names
+    assert {f"shardplan/tools/templates/{t}" for t in ("header.py.tmpl", "common.py.tmpl", "step_auto.py.tmpl",
+                                                      "step_shard_map.py.tmpl")} <= set(names)
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = dict(os.environ, PYTHONPATH=str(site))
-    code = ("import shardplan, shardplan.parser as p, json; "
+    code = ("import shardplan, shardplan.lang.parser as p, json; "
             "print(json.dumps([shardplan.__file__, p._grammar_text()[:20]]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True,
                          timeout=120, check=True)

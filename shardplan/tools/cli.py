@@ -19,7 +19,7 @@ from shardplan.core.format import fmt_bytes, parse_bytes
 from shardplan.core.meshes import parse_mesh_arg
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD
 from shardplan.core.shapes import ITEMSIZE
-from shardplan.errors import ShardPlanError, as_error, error
+from shardplan.errors import LaunchError, ShardPlanError, as_error, error
 from shardplan.runtime import devices
 from shardplan.tools import launch, report
 from shardplan.tools.emit import emit
@@ -223,9 +223,13 @@ def cmd_launch(args, out: Console, err: Console) -> int:
         raise _UsageError("give the command to run after --, e.g. shardplan launch -n 2 -- python train.py")
     if args.n < 1 or args.devices_per_process < 1:
         raise _UsageError("-n and --devices-per-process must be positive")
-    code, results, summary = launch.launch(
-        command, args.n, args.devices_per_process, failure_grace_s=args.failure_grace, timeout_s=args.timeout
-    )
+    try:
+        code, results, summary = launch.launch(
+            command, args.n, args.devices_per_process, failure_grace_s=args.failure_grace, timeout_s=args.timeout
+        )
+    except LaunchError as e:  # the command line names nothing runnable: a usage error
+        report.print_diagnostics(err, e.diagnostics)
+        return EXIT_USAGE
     (err if code else out).print(f"shardplan launch: {summary}", highlight=False, markup=False)
     return code
 
