@@ -3,14 +3,24 @@
 - ``GPT``: token (+ learned position) embedding, causal self-attention with
   query/key/value/out projections (grouped KV heads allowed), SwiGLU MLP (up, gate,
   down), pre-norm (LayerNorm or RMSNorm), tied or untied head.
+- ``Llama``: a Llama-style decoder: RMSNorm, rotary position embeddings, grouped-query
+  attention (``q``/``k``/``v``/``o``), SwiGLU (``gate``/``up``/``down``), no biases. With
+  ``scan_layers`` its blocks are stacked with ``nnx.vmap`` and run with ``nnx.scan`` under
+  ``nnx.remat`` (each param gets a leading layer dimension), as large models are built.
 - ``MLP``: a stack of Linear layers.
 
 Param paths (what plan regexes match): ``embed/embedding``, ``pos_embed/embedding``,
 ``blocks/<i>/attn/(query|key|value|out)/kernel``, ``blocks/<i>/mlp/(up|gate|down)/kernel``,
 ``blocks/<i>/(ln1|ln2)/scale``, ``ln_f/scale``, ``head/kernel`` (untied only).
 
+Llama param paths: ``embed/embedding``, ``layers/<i>/attn/(q|k|v|o)/kernel``,
+``layers/<i>/mlp/(gate|up|down)/kernel``, ``layers/<i>/(attn_norm|mlp_norm)/scale``,
+``norm/scale``, ``lm_head/kernel``; scanned (``scan_layers``): the same without ``<i>/``,
+each with a leading layer dimension (``layers/attn/q/kernel`` is (L, d_model, q_dim)).
+
 Factories with no required arguments (``gpt_tiny``, ``gpt_small``, ``mlp_small``,
-``llama2_70b``) are what ``shardplan check --model examples/models.py:FACTORY`` calls.
+``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_1b``) are what
+``shardplan check --model examples/models.py:FACTORY`` calls.
 """
 
 from __future__ import annotations
@@ -187,6 +197,137 @@ class GPT(nnx.Module):
         return logits if cache is None else (logits, new_cache)
 
 
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab: int = 64
+    d_model: int = 32
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 64
+    n_layers: int = 2
+    max_len: int = 16
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    scan_layers: bool = False  # nnx.vmap-stacked blocks run by nnx.scan, each under nnx.remat
+    remat: str = "full"  # with scan_layers: "full" (save nothing), "dots" (save matmul outputs), "none"
+    dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embeddings on (batch, time, heads, head_dim), rotating half-dim pairs."""
+    half = x.shape[-1] // 2
+    freqs = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions[..., None].astype(jnp.float32) * freqs  # (batch, time, half)
+    sin, cos = jnp.sin(angles)[:, :, None, :], jnp.cos(angles)[:, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def _dense(cfg: LlamaConfig, din: int, dout: int, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=False, rngs=rngs, param_dtype=jnp.dtype(cfg.dtype),
+                      kernel_init=nnx.initializers.normal(0.02))
+
+
+class LlamaAttention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.q = _dense(cfg, cfg.d_model, cfg.n_heads * hd, rngs)
+        self.k = _dense(cfg, cfg.d_model, cfg.n_kv_heads * hd, rngs)
+        self.v = _dense(cfg, cfg.d_model, cfg.n_kv_heads * hd, rngs)
+        self.o = _dense(cfg, cfg.n_heads * hd, cfg.d_model, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = rope(self.q(x).reshape(b, t, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+        k = rope(self.k(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        v = self.v(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        # Grouped-query attention: each group of n_heads / n_kv_heads query heads shares one kv head.
+        q = q.reshape(b, t, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k) / jnp.sqrt(cfg.head_dim).astype(x.dtype)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores, axis=-1)
+        y = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(b, t, cfg.n_heads * cfg.head_dim)
+        return self.o(y)
+
+
+class LlamaMLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.gate = _dense(cfg, cfg.d_model, cfg.d_ff, rngs)
+        self.up = _dense(cfg, cfg.d_model, cfg.d_ff, rngs)
+        self.down = _dense(cfg, cfg.d_ff, cfg.d_model, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(nnx.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs, param_dtype=dt)
+        self.attn = LlamaAttention(cfg, rngs)
+        self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs, param_dtype=dt)
+        self.mlp = LlamaMLP(cfg, rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole block in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+class Llama(nnx.Module):
+    """A Llama-style causal LM: ``model(tokens) -> logits``."""
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dt = jnp.dtype(cfg.dtype)
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs, param_dtype=dt,
+                               embedding_init=nnx.initializers.normal(0.02))
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stack(rngs: nnx.Rngs) -> LlamaBlock:
+                return LlamaBlock(cfg, rngs)
+
+            self.layers = stack(rngs)
+        else:
+            self.layers = nnx.List([LlamaBlock(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs, param_dtype=dt)
+        self.lm_head = _dense(cfg, cfg.d_model, cfg.vocab, rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        b, t = tokens.shape
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        x = self.embed(tokens)
+        if self.cfg.scan_layers:
+            def apply(block: LlamaBlock, x: jax.Array) -> jax.Array:
+                return block(x, positions)
+
+            if self.cfg.remat != "none":
+                apply = nnx.remat(apply, policy=_REMAT_POLICIES[self.cfg.remat])
+
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run(x: jax.Array, block: LlamaBlock) -> jax.Array:
+                return apply(block, x)
+
+            x = run(x, self.layers)
+        else:
+            for block in self.layers:
+                x = block(x, positions)
+        return self.lm_head(self.norm(x))
+
+
 class MLP(nnx.Module):
     """A plain MLP: ``layers/<i>/kernel`` and ``layers/<i>/bias``."""
 
@@ -205,6 +346,32 @@ TINY = GPTConfig()
 SMALL = GPTConfig(vocab=256, d_model=128, n_heads=8, d_ff=512, n_layers=4, max_len=64)
 LLAMA2_70B = GPTConfig(vocab=32000, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672, n_layers=80,
                        max_len=4096, norm="rms", learned_pos=False, tied=False)
+
+
+LLAMA_TINY = LlamaConfig()
+LLAMA_SMALL = LlamaConfig(vocab=256, d_model=128, n_heads=8, n_kv_heads=4, d_ff=384, n_layers=4, max_len=64)
+# Llama-3.2-1B shapes: 16 layers, d_model 2048, 32/8 heads, SwiGLU 8192, vocab 128256; its head is
+# untied here, so 1.50B params (1.24B with the tied head of the original).
+LLAMA_1B = LlamaConfig(vocab=128256, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192, n_layers=16,
+                       max_len=2048, rope_theta=500000.0, scan_layers=True)
+
+
+def llama_tiny(seed: int = 0) -> Llama:
+    return Llama(LLAMA_TINY, nnx.Rngs(seed))
+
+
+def llama_tiny_scan(seed: int = 0) -> Llama:
+    """The tiny Llama with its blocks stacked (nnx.vmap) and scanned under nnx.remat."""
+    return Llama(LlamaConfig(scan_layers=True), nnx.Rngs(seed))
+
+
+def llama_small(seed: int = 0) -> Llama:
+    return Llama(LLAMA_SMALL, nnx.Rngs(seed))
+
+
+def llama_1b(seed: int = 0) -> Llama:
+    """Llama-3.2-1B-shaped (scanned layers). Build it abstractly: ``nnx.eval_shape(llama_1b)``."""
+    return Llama(LLAMA_1B, nnx.Rngs(seed))
 
 
 def gpt_tiny(seed: int = 0) -> GPT:

@@ -17,10 +17,13 @@ from shardplan.core import cost, optimizers
 from shardplan.core.leaves import Leaf, Resolution
 from shardplan.core.lowering import Lowering
 from shardplan.core.plan import Plan
-from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD, resolve_leaves
-from shardplan.core.shapes import load_shapes, parse_batch_arg
+from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD, resolve_inputs, resolve_leaves
+from shardplan.core.shapes import ITEMSIZE, load_shapes, parse_batch_arg
+from shardplan.core.stepcost import StepCost
 from shardplan.errors import Diagnostic, as_error, error
 from shardplan.lang.loader import load, load_sources
+
+MAX_SIMULATED_DEVICES = 1024  # XLA:CPU compiles for more; time and memory grow with the device count
 
 if TYPE_CHECKING:
     from shardplan.runtime.placement import Placement
@@ -316,3 +319,146 @@ def stored_plan(directory: str | os.PathLike, step: int | None = None) -> Plan:
     sources = meta.get("plan_sources") or [[(meta.get("plan_files") or ["<checkpoint>"])[0], meta.get("plan_text", "")]]
     mesh = meta.get("mesh") or None
     return load_sources(tuple((str(f), str(t)) for f, t in sources), mesh=mesh)
+
+
+# -- step cost ---------------------------------------------------------------------------------
+COMPILE_TIMEOUT_S = 1800
+
+
+def analyze(
+    plan: str | os.PathLike | Plan,
+    *,
+    model: str,
+    step: str,
+    batch: dict | list[str],
+    optimizer: str = "adamw",
+    backend: str | None = None,
+    mode: str = "exact",
+    mesh: dict[str, int | None] | None = None,
+    devices: int | None = None,
+    timeout_s: float = COMPILE_TIMEOUT_S,
+) -> StepCost:
+    """What one training step costs per device on the plan's whole mesh (``check --step``).
+
+    Args:
+        plan: a ``.splan`` path or a loaded plan.
+        model: ``FILE.py:FACTORY`` (built abstractly; nothing is allocated).
+        step: ``FILE.py:LOSS_FN``, ``loss_fn(model, batch) -> scalar`` as for ``train_step``.
+        batch: input shapes, ``{"tokens": ((256, 4096), "int32")}`` or command-line items
+            (``["tokens=int32[256,4096]"]``).
+        optimizer: an optimizer name (``shardplan.core.optimizers``).
+        backend: the backend to cost (default: the plan's).
+        mode: ``exact``: compile the real step for the mesh in a child process with that many
+            simulated CPU devices and read XLA's program.
+        mesh, devices: the mesh, as for :func:`check` (a ``*`` axis needs ``devices``).
+
+    Raises:
+        ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace,
+            a loss that is not a scalar, or a mesh too large to simulate.
+    """
+    import json
+    import subprocess
+    import sys
+
+    from shardplan.core.backends import BACKENDS
+    from shardplan.errors import Diagnostic, Span
+
+    p = _plan(plan, mesh)
+    name = backend or p.backend
+    if name not in BACKENDS:
+        raise as_error(
+            [
+                error(
+                    "unknown-backend",
+                    f"unknown backend '{name}'",
+                    f"use one of: {', '.join(BACKENDS)}",
+                    path="--backend",
+                )
+            ]
+        )
+    if mode != "exact":
+        raise as_error([error("bad-argument", f"unknown mode '{mode}'", "use mode='exact'", path="mode")])
+    optimizers.lookup(optimizer)
+    shapes = parse_batch_arg(batch) if isinstance(batch, list) else dict(batch)
+    if not shapes:
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    "the step needs the batch's shapes",
+                    "pass --batch 'tokens=int32[256,4096],labels=int32[256,4096]'",
+                    path="--batch",
+                )
+            ]
+        )
+    sizes = p.mesh_shape(devices)
+    n = math.prod(sizes.values())
+    if n > MAX_SIMULATED_DEVICES:
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    f"the mesh {sizes} has {n} devices; exact mode simulates at most "
+                    f"{MAX_SIMULATED_DEVICES} CPU devices",
+                    "check a smaller mesh with --compile",
+                    path="--compile",
+                )
+            ]
+        )
+    # Fail early, in this process, on what needs no devices: the batch must divide over its axes.
+    resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
+    from shardplan.runtime.devices import simulate
+
+    env = simulate(n, dict(os.environ))
+    env["JAX_PLATFORMS"] = "cpu"
+    request = {
+        "sources": [list(x) for x in p.sources],
+        "mesh": sizes,
+        "model": model,
+        "step": step,
+        "batch": {k: [list(s), d] for k, (s, d) in shapes.items()},
+        "optimizer": optimizer,
+        "backend": name,
+    }
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "shardplan.tools.compile_worker"],
+            input=json.dumps(request),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    f"compiling the step for {n} simulated devices took over {timeout_s:.0f} s",
+                    "check a smaller mesh or model",
+                    path="--compile",
+                )
+            ]
+        ) from None
+    lines = proc.stdout.strip().splitlines()
+    try:
+        reply = json.loads(lines[-1]) if lines else {}
+    except json.JSONDecodeError:
+        reply = {}
+    if "cost" in reply:
+        return StepCost.from_json(reply["cost"])
+    if "error" in reply:
+        raise as_error(
+            [Diagnostic(**dict(d, span=Span(**d["span"]) if d.get("span") else None)) for d in reply["error"]]
+        )
+    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+    raise as_error(
+        [
+            error(
+                "loss-failed",
+                f"the compile process failed (exit {proc.returncode}): {tail}",
+                "run the step on a small mesh in Python to see the full error",
+                path="--compile",
+            )
+        ]
+    )

@@ -1,15 +1,28 @@
 """What a compiled step communicates: collectives read from optimized HLO text.
 
-Bytes are per device, per step: for all-reduce and all-to-all the buffer reduced/exchanged;
-for all-gather the gathered result; for reduce-scatter the operand (before scattering);
-for collective-permute the buffer sent.
+Jax-free: it reads the text ``compiled.as_text()`` prints. For each collective it gives
+the kind, the per-device bytes, how many times it runs per step (a collective inside a
+``while`` body, e.g. a scan over layers, runs once per iteration), its device groups and,
+given the mesh, the mesh axes it runs over, and where it comes from (the op name and the
+innermost source line outside jax/flax/shardplan, from the HLO's stack-frame tables).
+
+Bytes are per device, per execution: for all-reduce and all-to-all the buffer
+reduced/exchanged; for all-gather the gathered result; for reduce-scatter the operand
+(before scattering); for collective-permute the buffer sent.
+
+XLA:CPU never emits a reduce-scatter for GSPMD programs: it all-reduces and each device
+slices its block (an accelerator emits a reduce-scatter for the same program). An
+all-reduce whose every use is such a per-device slice is reported with
+``as_reduce_scatter=True`` so it can be compared with an accelerator's reduce-scatter.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -33,73 +46,386 @@ _DTYPE_BYTES = {
     "f8e5m2": 1,
 }
 _INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>\(.*?\)|\S+)\s+"
-    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)"
-    r"(?P<start>-start)?\("
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\(.*?\)|\S+)\s+(?P<op>[\w\-]+)\((?P<args>[^)]*)\)(?P<rest>.*)$"
 )
+_COMP = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 _ARRAY = re.compile(r"(\w+)\[([0-9,]*)\]")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FRAME = re.compile(r"stack_frame_id=(\d+)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_BODY = re.compile(r"\bbody=%([\w.\-]+)")
+_CALLEES = re.compile(r"\b(?:calls|to_apply|condition|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+# Frames in these are library code; the source of a collective is the innermost frame outside.
+_LIBRARY = ("/site-packages/", "/dist-packages/", "<frozen ", str(Path(__file__).resolve().parents[1]) + "/")
 
 
 @dataclass(frozen=True)
 class CollectiveOp:
+    """One collective instruction of a compiled step."""
+
     kind: str
     shapes: tuple[str, ...]
-    bytes: int
-    group_size: int
+    bytes: int  # per device, per execution
+    group_size: int = 1
+    groups: tuple[tuple[int, ...], ...] = ()  # device groups (logical device ids)
+    runs: int = 1  # executions per step (trip counts of enclosing while loops)
+    name: str = ""
+    op_name: str = ""  # jax's op name from the metadata, e.g. jit(step)/transpose(jvp())/dot_general
+    source: str = ""  # innermost user source 'file:line' from the stack frames, if any
+    as_reduce_scatter: bool = False  # an all-reduce whose every use is a per-device slice
+    moves: str = ""  # the jitted function's argument it moves, when it reads one: "sm/blocks/0/attn/query/kernel"
+    axes: tuple[str, ...] = field(default=())  # mesh axes, once :func:`with_axes` has named them
+
+    @property
+    def bytes_per_step(self) -> int:
+        return self.bytes * self.runs
 
 
-def _shape_bytes(shape: str) -> tuple[int, tuple[str, ...]]:
-    total, shapes = 0, []
+def _shape_bytes(shape: str) -> tuple[int, tuple[str, ...], int]:
+    """(bytes, array shapes, elements of the first array) of an HLO shape string."""
+    total, shapes, first = 0, [], -1
     for dtype, dims in _ARRAY.findall(shape):
         if dtype not in _DTYPE_BYTES:
             continue
         n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
         total += n * _DTYPE_BYTES[dtype]
         shapes.append(f"{dtype}[{dims}]")
-    return total, tuple(shapes)
+        first = n if first < 0 else first
+    return total, tuple(shapes), first
 
 
-def _group_size(line: str) -> int:
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _groups(line: str, n_devices: int | None) -> tuple[tuple[int, ...], ...]:
     m = _GROUPS_IOTA.search(line)
     if m:
-        return int(m.group(2))
+        shape, dims = _ints(m.group(1)), _ints(m.group(2))
+        perm = _ints(m.group(3)) if m.group(3) else list(range(len(dims)))
+        ids = _iota(dims, perm)
+        size = shape[-1]
+        return tuple(tuple(ids[i : i + size]) for i in range(0, len(ids), size))
+    m = _GROUPS_MESH.search(line)
+    if m:
+        axes = [(a.split("=")[0].strip().strip("'"), int(a.split("=")[1])) for a in m.group(1).split(",") if a]
+        over = {a.strip().strip("'") for a in m.group(2).split(",") if a.strip()}
+        return _mesh_groups(axes, over)
     m = _GROUPS_LIST.search(line)
     if m:
-        return len([x for x in m.group(1).split(",") if x])
-    return 1
+        return tuple(tuple(_ints(g)) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))
+    m = _PAIRS.search(line)
+    if m:  # collective-permute: each (source, target) pair exchanges
+        return tuple(tuple(_ints(p)) for p in re.findall(r"\{([0-9]+,[0-9]+)\}", m.group(1)))
+    if n_devices:
+        return (tuple(range(n_devices)),)
+    return ()
 
 
-def parse(hlo_text: str) -> list[CollectiveOp]:
-    """Every collective instruction in optimized HLO (async ``-start`` halves counted once)."""
-    ops = []
+def _iota(dims: list[int], perm: list[int]) -> list[int]:
+    """iota(prod(dims)).reshape(dims).transpose(perm).flatten(), without numpy."""
+    strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
+    out_dims = [dims[p] for p in perm]
+    out_strides = [strides[p] for p in perm]
+    ids = []
+    for flat in range(math.prod(dims)):
+        rem, idx = flat, 0
+        for d, s in zip(reversed(out_dims), reversed(out_strides), strict=True):
+            rem, i = divmod(rem, d)
+            idx += i * s
+        ids.append(idx)
+    return ids
+
+
+def _mesh_groups(axes: list[tuple[str, int]], over: set[str]) -> tuple[tuple[int, ...], ...]:
+    """Groups of the mesh form: device ids are an iota over ``axes``; a group varies along ``over``."""
+    sizes = [s for _, s in axes]
+    strides = [math.prod(sizes[i + 1 :]) for i in range(len(sizes))]
+    inner = [i for i, (name, _) in enumerate(axes) if name in over]
+    outer = [i for i, (name, _) in enumerate(axes) if name not in over]
+
+    def coords(dims: list[int]) -> list[list[int]]:
+        out: list[list[int]] = [[]]
+        for d in dims:
+            out = [c + [k] for c in out for k in range(sizes[d])]
+        return out
+
+    groups = []
+    for oc in coords(outer):
+        base = sum(k * strides[d] for d, k in zip(outer, oc, strict=True))
+        groups.append(tuple(base + sum(k * strides[d] for d, k in zip(inner, ic, strict=True)) for ic in coords(inner)))
+    return tuple(groups)
+
+
+@dataclass
+class _Instr:
+    name: str
+    shape: str
+    op: str
+    operands: list[str]
+    line: str
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
+    comps: dict[str, list[_Instr]] = {}
+    entry, current = "", None
     for line in hlo_text.split("\n"):
-        m = _INSTR.match(line)
-        if not m:
+        c = None if line.startswith(" ") else _COMP.match(line)  # headers are not indented
+        if c:
+            current = c.group("name")
+            comps[current] = []
+            if c.group("entry"):
+                entry = current
             continue
-        kind = m.group("op")
-        shape = m.group("shape")
-        if m.group("start"):  # async start: result tuple holds (operand, result); count the result
-            inner = _ARRAY.findall(shape)
-            shape = f"{inner[-1][0]}[{inner[-1][1]}]" if inner else shape
-        nbytes, shapes = _shape_bytes(shape)
-        group = _group_size(line)
-        if kind == "reduce-scatter":
-            nbytes *= group
-        ops.append(CollectiveOp(kind, shapes, nbytes, group))
-    return ops
+        if current is None:
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if m:
+            comps[current].append(
+                _Instr(m.group("name"), m.group("shape"), m.group("op"), _OPERAND.findall(m.group("args")), line)
+            )
+    return comps, entry
 
 
-def summarize(ops: list[CollectiveOp]) -> dict[str, dict[str, int]]:
-    """{kind: {"count": instructions, "bytes": per-device bytes}} for every kind."""
-    out = {k: {"count": 0, "bytes": 0} for k in KINDS}
-    for op in ops:
-        out[op.kind]["count"] += 1
-        out[op.kind]["bytes"] += op.bytes
+def _runs(comps: dict[str, list[_Instr]], entry: str) -> dict[str, int]:
+    """How many times each computation runs per execution of the entry (while bodies x trip count)."""
+    runs = {entry: 1} if entry else {}
+    stack = [entry] if entry else []
+    while stack:
+        name = stack.pop()
+        for ins in comps.get(name, []):
+            trip = _TRIP.search(ins.line)
+            mult = int(trip.group(1)) if ins.op == "while" and trip else 1
+            callees = _BODY.findall(ins.line) + _CALLEES.findall(ins.line)
+            for b in _BRANCHES.findall(ins.line):
+                callees += _OPERAND.findall(b)
+            for callee in callees:
+                n = runs[name] * (mult if callee in _BODY.findall(ins.line) else 1)
+                if callee in comps and runs.get(callee, 0) < n:
+                    runs[callee] = n
+                    stack.append(callee)
+    return runs
+
+
+@dataclass(frozen=True)
+class _Frames:
+    files: dict[int, str]
+    locations: dict[int, tuple[int, int]]  # id -> (file id, line)
+    frames: dict[int, tuple[int, int]]  # id -> (location id, parent frame id)
+
+    def source(self, frame_id: int) -> str:
+        """The innermost frame outside libraries: the user's model or step code."""
+        seen = set()
+        fid = frame_id
+        while fid > 0 and fid not in seen:
+            seen.add(fid)
+            loc, parent = self.frames.get(fid, (0, 0))
+            file_id, line = self.locations.get(loc, (0, 0))
+            path = self.files.get(file_id, "")
+            if path and not any(p in path for p in _LIBRARY):
+                return f"{path}:{line}"
+            fid = parent - 1  # parent_frame_id is one past the parent's id (0: no parent)
+        return ""
+
+
+def _tables(hlo_text: str) -> _Frames:
+    files: dict[int, str] = {}
+    locations: dict[int, tuple[int, int]] = {}
+    frames: dict[int, tuple[int, int]] = {}
+    section = None
+    for line in hlo_text.split("\n"):
+        head = line.strip()
+        if head in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = head
+            continue
+        if not head or not head[0].isdigit():
+            if head and section and not head[0].isdigit():
+                section = None
+            continue
+        num, _, rest = head.partition(" ")
+        if section == "FileNames":
+            files[int(num)] = rest.strip().strip('"')
+        elif section == "FileLocations":
+            f = re.search(r"file_name_id=(\d+)", rest)
+            ln = re.search(r"\bline=(\d+)", rest)
+            locations[int(num)] = (int(f.group(1)) if f else 0, int(ln.group(1)) if ln else 0)
+        elif section == "StackFrames":
+            loc = re.search(r"file_location_id=(\d+)", rest)
+            par = re.search(r"parent_frame_id=(\d+)", rest)
+            frames[int(num)] = (int(loc.group(1)) if loc else 0, int(par.group(1)) if par else 0)
+    return _Frames(files, locations, frames)
+
+
+_ARG_PATH = re.compile(r"\['([^']*)'\]|\[(\d+)\]")
+_PASS_THROUGH = ("copy", "bitcast", "transpose", "reshape", "convert", "fusion", "get-tuple-element")
+
+
+def _argument(ins: _Instr, defs: dict[str, _Instr], depth: int = 8) -> str:
+    """The jitted function's argument a collective's operand is (through copies, layout
+    changes and one-operand fusions): its path from the parameter's metadata, e.g.
+    ``sm['blocks'][0]['attn']['key']['kernel'].value`` -> ``sm/blocks/0/attn/key/kernel``."""
+    current = ins
+    for _ in range(depth):
+        if current.op == "parameter":
+            m = _OP_NAME.search(current.line)
+            if not m:
+                return ""
+            name = m.group(1).replace("\\'", "'")
+            head = re.match(r"[A-Za-z_]\w*", name)
+            parts = [a or b for a, b in _ARG_PATH.findall(name)]
+            return "/".join(([head.group(0)] if head else []) + parts)
+        operands = [defs[o] for o in current.operands if o in defs and defs[o].op != "constant"]
+        if len(operands) != 1 or (current is not ins and not _same_data(current, operands[0])):
+            return ""
+        current = operands[0]
+    return ""
+
+
+def _same_data(ins: _Instr, operand: _Instr) -> bool:
+    """``ins`` only moves or relayouts ``operand``: a pass-through op with the same dtype and elements."""
+    a, b = _ARRAY.findall(ins.shape), _ARRAY.findall(operand.shape)
+    return (
+        ins.op in _PASS_THROUGH
+        and len(a) == len(b) == 1
+        and a[0][0] == b[0][0]
+        and _shape_bytes(ins.shape)[2] == _shape_bytes(operand.shape)[2]
+    )
+
+
+def _is_slice_user(user: _Instr, elements: int, group: int) -> bool:
+    """A per-device slice of an all-reduce result: a dynamic-slice (or a fusion built around
+    one) whose result is 1/group of the reduced buffer."""
+    if user.op == "get-tuple-element":
+        return False
+    by_device = any(o.startswith(("partition-id", "replica-id")) for o in user.operands)
+    slicing = user.op == "dynamic-slice" or (user.op == "fusion" and ("dynamic-slice" in user.name or by_device))
+    n = _shape_bytes(user.shape)[2]
+    return slicing and group > 1 and n > 0 and n * group == elements
+
+
+def _element_users(users: dict[str, list[_Instr]], ins: _Instr, index: int | None) -> list[_Instr]:
+    """Users of a collective's result, or of element ``index`` of its tuple result."""
+    if index is None:
+        return users.get(ins.name, [])
+    out = []
+    for gte in users.get(ins.name, []):
+        if gte.op == "get-tuple-element" and re.search(rf"\bindex={index}\b", gte.line):
+            out += users.get(gte.name, [])
     return out
 
 
-def report(compiled) -> dict[str, dict[str, int]]:
+def parse(hlo_text: str, n_devices: int | None = None) -> list[CollectiveOp]:
+    """Every collective instruction in optimized HLO (async ``-start`` halves counted once)."""
+    comps, entry = _computations(hlo_text)
+    runs = _runs(comps, entry)
+    frames = _tables(hlo_text)
+    users: dict[str, list[_Instr]] = {}
+    defs: dict[str, _Instr] = {}
+    for instrs in comps.values():
+        for ins in instrs:
+            defs[ins.name] = ins
+            for o in ins.operands:
+                users.setdefault(o, []).append(ins)
+    ops = []
+    for comp, instrs in comps.items():
+        for ins in instrs:
+            kind = ins.op[:-6] if ins.op.endswith("-start") else ins.op
+            if kind not in KINDS:
+                continue
+            shape = ins.shape
+            if ins.op.endswith("-start"):  # async start: result tuple holds (operand, result); count the result
+                inner = _ARRAY.findall(shape)
+                shape = f"{inner[-1][0]}[{inner[-1][1]}]" if inner else shape
+            nbytes, shapes, elements = _shape_bytes(shape)
+            groups = _groups(ins.line, n_devices)
+            group = len(groups[0]) if groups else 1
+            if kind == "reduce-scatter":
+                nbytes *= group
+            op_name = _OP_NAME.search(ins.line)
+            frame = _FRAME.search(ins.line)
+            base = CollectiveOp(
+                kind,
+                shapes,
+                nbytes,
+                group,
+                groups,
+                runs.get(comp, 1),
+                ins.name,
+                op_name.group(1) if op_name else "",
+                frames.source(int(frame.group(1))) if frame else "",
+            )
+            moves = _argument(ins, defs) if comp == entry else ""
+            if kind == "all-reduce":
+                # One entry per reduced array (XLA combines several into one tuple all-reduce),
+                # each checked for being only sliced per device: a reduce-scatter on an accelerator.
+                arrays = [f"{d}[{dims}]" for d, dims in _ARRAY.findall(shape) if d in _DTYPE_BYTES]
+                tuple_result = len(arrays) > 1 or shape.startswith("(")
+                for i, text in enumerate(arrays):
+                    b, _, n = _shape_bytes(text)
+                    us = _element_users(users, ins, i if tuple_result else None)
+                    rs = bool(us) and all(_is_slice_user(u, n, group) for u in us)
+                    ops.append(
+                        replace(
+                            base, shapes=(text,), bytes=b, as_reduce_scatter=rs, moves="" if tuple_result else moves
+                        )
+                    )
+                continue
+            ops.append(replace(base, moves=moves))
+    return ops
+
+
+def with_axes(ops: list[CollectiveOp], mesh: dict[str, int]) -> list[CollectiveOp]:
+    """Name each collective's mesh axes: the axes along which the devices of its first group
+    differ (logical device id = position in the mesh's row-major device order)."""
+    names, sizes = list(mesh), list(mesh.values())
+    total = math.prod(sizes)
+    out = []
+    for op in ops:
+        axes: tuple[str, ...] = ()
+        if op.groups:
+            ids = [i for i in op.groups[0] if i < total]
+            coords = [_unravel(i, sizes) for i in ids]
+            axes = tuple(n for k, n in enumerate(names) if len({c[k] for c in coords}) > 1)
+            if op.kind == "collective-permute":  # pairs: the union over every pair
+                varying = set()
+                for g in op.groups:
+                    cs = [_unravel(i, sizes) for i in g if i < total]
+                    varying |= {k for k in range(len(names)) if len({c[k] for c in cs}) > 1}
+                axes = tuple(names[k] for k in sorted(varying))
+        out.append(replace(op, axes=axes))
+    return out
+
+
+def _unravel(i: int, sizes: list[int]) -> tuple[int, ...]:
+    out = []
+    for s in reversed(sizes):
+        i, r = divmod(i, s)
+        out.append(r)
+    return tuple(reversed(out))
+
+
+def summarize(ops: list[CollectiveOp], *, reduce_scatter_on_cpu: bool = False) -> dict[str, dict[str, int]]:
+    """{kind: {"count": executions per step, "bytes": per-device bytes per step}} for every kind.
+
+    ``reduce_scatter_on_cpu``: count an all-reduce that every device only slices as the
+    reduce-scatter an accelerator would run (same bytes: the reduce-scatter's operand)."""
+    out = {k: {"count": 0, "bytes": 0} for k in KINDS}
+    for op in ops:
+        kind = "reduce-scatter" if reduce_scatter_on_cpu and op.as_reduce_scatter else op.kind
+        out[kind]["count"] += op.runs
+        out[kind]["bytes"] += op.bytes_per_step
+    return out
+
+
+def report(compiled: Any) -> dict[str, dict[str, int]]:
     """The collectives summary of a compiled jax function (``.lower(...).compile()``)."""
     return summarize(parse(compiled.as_text()))

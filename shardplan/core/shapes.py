@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from shardplan.core.leaves import Leaf
@@ -132,28 +133,62 @@ def load_shapes(path: str | os.PathLike) -> tuple[list[Leaf], list[Leaf] | None]
     return params, opt
 
 
+_BRACKET_ITEM = re.compile(r"^(?P<name>[^=\s]+)=(?P<dtype>\w+)\[(?P<dims>[0-9, ]*)\]$")
+_X_ITEM = re.compile(r"^(?P<name>[^=\s]+)=(?P<dims>[0-9x]+)(?::(?P<dtype>\w+))?$")
+
+
+def _split_items(items: list[str]) -> list[str]:
+    """Each argument may hold several items separated by commas outside brackets."""
+    out = []
+    for arg in items:
+        depth, start = 0, 0
+        for i, ch in enumerate(arg):
+            depth += ch == "["
+            depth -= ch == "]"
+            if ch == "," and depth == 0:
+                out.append(arg[start:i].strip())
+                start = i + 1
+        out.append(arg[start:].strip())
+    return [x for x in out if x]
+
+
 def parse_batch_arg(items: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
-    """``["tokens=8x16:int32"]`` -> {"tokens": ((8, 16), "int32")} (dtype default float32).
+    """Input shapes from the command line -> {name: (shape, dtype)}.
+
+    Either form, comma-separated or repeated: ``tokens=int32[256,4096]`` or
+    ``tokens=256x4096:int32`` (dtype default float32).
 
     Raises:
-        ArgumentError: an item is not NAME=DxD[:dtype] with positive dims and a known dtype.
+        ArgumentError: an item is malformed, a dim is not positive, or the dtype unknown.
     """
     out: dict[str, tuple[tuple[int, ...], str]] = {}
-    for item in items or []:
-        name, eq, rest = item.partition("=")
-        dims, _, dtype = rest.partition(":")
-        dtype = dtype or "float32"
-        parts = dims.split("x")
-        if not eq or not name or dtype not in ITEMSIZE or not all(d.isdigit() and int(d) > 0 for d in parts):
+    for item in _split_items(items or []):
+        m = _BRACKET_ITEM.match(item) or _X_ITEM.match(item)
+        dims: list[str] = []
+        dtype = ""
+        if m:
+            sep = "," if "[" in item else "x"
+            dims = [d.strip() for d in m.group("dims").split(sep)]
+            dtype = m.group("dtype") or "float32"
+        if not m or dtype not in ITEMSIZE or not all(d.isdigit() and int(d) > 0 for d in dims):
             raise as_error(
                 [
                     error(
                         "bad-argument",
-                        f"cannot read --batch '{item}'",
-                        f"write NAME=8x16:int32 (positive dims; dtypes: {', '.join(sorted(ITEMSIZE))})",
+                        f"cannot read the batch item '{item}'",
+                        "write NAME=DTYPE[D0,D1,...] (e.g. tokens=int32[256,4096]) or NAME=D0xD1:DTYPE, "
+                        f"with positive dims; dtypes: {', '.join(sorted(ITEMSIZE))}",
                         path="--batch",
                     )
                 ]
             )
-        out[name] = (tuple(int(d) for d in parts), dtype)
+        if m.group("name") in out:
+            raise as_error(
+                [
+                    error(
+                        "bad-argument", f"batch input '{m.group('name')}' given twice", "give each once", path="--batch"
+                    )
+                ]
+            )
+        out[m.group("name")] = (tuple(int(d) for d in dims), dtype)
     return out

@@ -49,7 +49,7 @@ def dump_shapes(model: Any, path: str | os.PathLike, optimizer: Any = None) -> N
     Path(path).write_text(shapes_json(params, opt))
 
 
-def load_factory(spec: str):
+def load_factory(spec: str, what: str = "--model") -> Callable[..., Any]:
     """``path/to/file.py:factory`` or ``package.module:factory`` -> the callable.
 
     Raises:
@@ -61,9 +61,9 @@ def load_factory(spec: str):
             [
                 error(
                     "bad-model-arg",
-                    f"cannot read model '{spec}'",
+                    f"cannot read {what} '{spec}'",
                     "write FILE.py:FACTORY or package.module:FACTORY",
-                    path="--model",
+                    path=what,
                 )
             ]
         )
@@ -77,12 +77,16 @@ def load_factory(spec: str):
                             "bad-model-arg",
                             f"no such file: {target}",
                             "check the path to the model file",
-                            path="--model",
+                            path=what,
                         )
                     ]
                 )
-            sys.path.insert(0, str(file.parent))
+            if str(file.parent) not in sys.path:
+                sys.path.insert(0, str(file.parent))
             mod_name = f"_shardplan_model_{abs(hash(str(file)))}"
+            loaded = sys.modules.get(mod_name)
+            if loaded is not None:  # the model and the step from one file: one module
+                return _attribute(loaded, target, name, what)
             loader_spec = importlib.util.spec_from_file_location(mod_name, file)
             assert loader_spec is not None and loader_spec.loader is not None  # a .py file always has one
             module = importlib.util.module_from_spec(loader_spec)
@@ -99,10 +103,14 @@ def load_factory(spec: str):
                     "model-import",
                     f"importing '{target}' failed: {type(e).__name__}: {e}",
                     "fix the model module, or check with --shapes from dump_shapes",
-                    path="--model",
+                    path=what,
                 )
             ]
         ) from None
+    return _attribute(module, target, name, what)
+
+
+def _attribute(module: Any, target: str, name: str, what: str) -> Callable[..., Any]:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise as_error(
@@ -110,8 +118,8 @@ def load_factory(spec: str):
                 error(
                     "bad-model-arg",
                     f"'{target}' has no callable '{name}'",
-                    "name a function (or class) that builds the model with no arguments",
-                    path="--model",
+                    "name a function (or class) defined in that module",
+                    path=what,
                 )
             ]
         )

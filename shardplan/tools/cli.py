@@ -84,18 +84,25 @@ def cmd_check(args, out: Console, err: Console) -> int:
     for r in results:
         for note in r.notes:
             err.print(f"note: {note}", style="dim", markup=False, highlight=False)
+    costs = _step_costs(args, results) if args.step else None
     all_diags = [d for r in results for d in r.warnings]
     if args.format == "json":
         docs = [report.to_json(r.plan, r.resolution, list(r.warnings), budget) for r in results]
+        for doc, cost in zip(docs, costs or [], strict=False):
+            doc["step_cost"] = cost.to_json()
+            if budget is not None:
+                doc["step_cost"]["fits"] = cost.memory.peak <= budget
         out.print_json(json.dumps(docs[0] if len(docs) == 1 else {"plans": docs}))
     else:
         if first.resolution is not None:
             report.print_text(
                 out, first.plan, first.resolution, expand=args.expand, show_opt=args.show_opt, budget=budget
             )
-            report.print_communication(out, first.plan, first.resolution)
+            report.print_communication(out, first.plan, first.resolution, note=costs is None)
+        if costs is not None:
+            report.print_step_cost(out, first.plan.name or args.plan, costs[0])
         if others:
-            report.print_comparison(out, [(r.plan, r.resolution) for r in results], budget)
+            report.print_comparison(out, [(r.plan, r.resolution) for r in results], budget, costs)
         report.print_diagnostics(err, all_diags)
         if first.resolution is None:
             plan = first.plan
@@ -108,9 +115,33 @@ def cmd_check(args, out: Console, err: Console) -> int:
             )
     if budget is not None and not all(r.fits(budget) for r in results):
         return EXIT_ERRORS
+    if budget is not None and costs is not None and any(c.memory.peak > budget for c in costs):
+        err.print(f"a step needs more than --device-memory {fmt_bytes(budget)} per device", markup=False)
+        return EXIT_ERRORS
     if args.strict and all_diags:
         return EXIT_ERRORS
     return EXIT_OK
+
+
+def _step_costs(args, results) -> list:
+    if not args.model:
+        raise _UsageError("--step needs the model's code: give --model FILE.py:FACTORY (not --shapes)")
+    if not args.batch:
+        raise _UsageError("--step needs the batch's shapes: --batch 'tokens=int32[256,4096],labels=int32[256,4096]'")
+    optimizer = "adamw" if args.optimizer in ("none", "recorded") else args.optimizer
+    return [
+        api.analyze(
+            r.plan,
+            model=args.model,
+            step=args.step,
+            batch=args.batch,
+            optimizer=optimizer,
+            backend=args.backend,
+            mode="exact" if args.compile else "fast",
+            devices=args.devices,
+        )
+        for r in results
+    ]
 
 
 def cmd_show(args, out: Console, err: Console) -> int:
@@ -262,6 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--replicated-threshold", help="warn for replicated tensors above this (default 64MiB)")
     c.add_argument("--expand", action="store_true", help="one row per layer instead of grouping x N")
     c.add_argument("--show-opt", action="store_true", help="list optimizer-state leaves too")
+    st = c.add_argument_group("the training step (what a step costs)")
+    st.add_argument("--step", metavar="FILE:LOSS_FN", help="loss_fn(model, batch) -> scalar, as for train_step")
+    st.add_argument("--batch", action="append", help="input shapes: 'tokens=int32[256,4096],labels=int32[256,4096]'")
+    st.add_argument(
+        "--compile",
+        action="store_true",
+        help="exact mode: compile the real step for the whole mesh (simulated CPU devices in a child process) "
+        "and read XLA's program",
+    )
+    st.add_argument("--backend", choices=backends.NAMES, help="the backend to cost (default: the plan's)")
     c.add_argument("--vs", action="append", metavar="PLAN", help="compare with another plan, side by side (repeatable)")
     c.set_defaults(func=cmd_check)
 

@@ -15,6 +15,7 @@ from shardplan.core.cost import communication, summary
 from shardplan.core.format import fmt_bytes, fmt_shape, layer_group
 from shardplan.core.leaves import Decision, Resolution
 from shardplan.core.plan import Plan
+from shardplan.core.stepcost import StepCost
 from shardplan.errors import MAX_SHOWN, Diagnostic
 
 
@@ -66,9 +67,12 @@ def _how(d: Decision) -> str:
     }[d.how]
 
 
-def print_communication(console: Console, plan: Plan, res: Resolution) -> None:
+LOWERING_TITLE = "communication per training step, per device: backend shard_map (its lowering, from specs alone)"
+
+
+def print_communication(console: Console, plan: Plan, res: Resolution, *, note: bool = True) -> None:
     comm = communication(plan, res)
-    table = Table(title="communication per training step, per device (shard_map lowering)", header_style="bold")
+    table = Table(title=LOWERING_TITLE, header_style="bold")
     for col in ("collective", "mesh axes", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
     for kind, by in comm["by_axis"].items():
@@ -77,9 +81,55 @@ def print_communication(console: Console, plan: Plan, res: Resolution) -> None:
     if not any(comm["by_axis"].values()):
         table.add_row("none", "-", "0 B")
     console.print(table)
+    if note and plan.backend != "shard_map":
+        console.print(
+            f"[dim]this plan runs on the {plan.backend} backend, where XLA chooses the collectives: the table "
+            "above is not its communication. Name the step (--step FILE:LOSS_FN --batch ...) and add --compile "
+            "for what XLA compiles for the whole mesh.[/]"
+        )
 
 
-def print_comparison(console: Console, results, budget: int | None = None) -> None:
+def print_step_cost(console: Console, name: str, cost: StepCost, *, limit: int = 15) -> None:
+    """One step's cost: FLOPs, memory, and every collective with where it comes from."""
+    mesh = ",".join(f"{k}={v}" for k, v in cost.mesh.items())
+    what = "XLA's compiled program" if cost.mode == "exact" else "the step's jaxpr (no compile)"
+    console.print(
+        f"[bold]step cost[/] {escape(name)}: backend [bold]{cost.backend}[/], {cost.mode} mode ({what}), "
+        f"mesh {mesh}, per device; analysed in {cost.seconds:.1f} s"
+    )
+    m = cost.memory
+    mem = Table(title="memory per device", header_style="bold")
+    for col in ("params", "optimizer state", "batch", "temporaries", "outputs - aliased", "peak"):
+        mem.add_column(col, justify="right")
+    mem.add_row(*(fmt_bytes(x) for x in (m.params, m.opt_state, m.batch, m.temporaries, m.outputs - m.aliased, m.peak)))
+    console.print(mem)
+    console.print(f"compute: {cost.flops / 1e9:,.3f} GFLOP per device per step")
+    by = Table(title="communication per step, per device, by kind and mesh axes", header_style="bold")
+    for col in ("collective", "mesh axes", "count", "bytes"):
+        by.add_column(col, justify="right" if col in ("count", "bytes") else "left")
+    counts: dict[tuple[str, str], list[int]] = {}
+    for c in cost.communication:
+        acc = counts.setdefault((c.kind, ",".join(c.axes) or "-"), [0, 0])
+        acc[0] += c.count
+        acc[1] += c.bytes
+    for (kind, axes), (count, nbytes) in sorted(counts.items()):
+        by.add_row(kind, axes, str(count), fmt_bytes(nbytes))
+    if not counts:
+        by.add_row("none", "-", "0", "0 B")
+    console.print(by)
+    top = Table(title=f"largest collectives (of {len(cost.communication)} groups)", header_style="bold")
+    for col in ("collective", "axes", "bytes", "op", "source", "moves (rule)"):
+        top.add_column(col, justify="right" if col == "bytes" else "left")
+    for c in sorted(cost.communication, key=lambda c: -c.bytes)[:limit]:
+        source = os.path.basename(c.source) if c.source else ""
+        moves = f"{c.moves} ({_short(c.rule)})" if c.rule else c.moves
+        top.add_row(c.kind, ",".join(c.axes), fmt_bytes(c.bytes), escape(c.op), escape(source), escape(moves))
+    console.print(top)
+    for n in cost.notes:
+        console.print(f"[dim]note: {escape(n)}[/]")
+
+
+def print_comparison(console: Console, results, budget: int | None = None, costs: Sequence | None = None) -> None:
     table = Table(title="plans side by side (per device)", header_style="bold")
     table.add_column("")
     for plan, res in results:
@@ -94,7 +144,18 @@ def print_comparison(console: Console, results, budget: int | None = None) -> No
         ("reduce-scatter / step", lambda p, r: communication(p, r)["totals"]["reduce-scatter"]),
     ]
     for name, fn in rows:
-        table.add_row(name, *[fmt_bytes(fn(p, r)) for p, r in results])
+        table.add_row(
+            name + " (shard_map lowering)" if "/ step" in name else name, *[fmt_bytes(fn(p, r)) for p, r in results]
+        )
+    if costs is not None:
+        c0 = costs[0]
+        label = f"{c0.backend}, {c0.mode}" if all(c.backend == c0.backend for c in costs) else "each plan's backend"
+        table.add_row(f"step peak memory ({label})", *[fmt_bytes(c.memory.peak) for c in costs])
+        table.add_row(f"step GFLOP ({label})", *[f"{c.flops / 1e9:,.3f}" for c in costs])
+        for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+            values = [c.bytes_by_kind().get(kind, 0) for c in costs]
+            if any(values):
+                table.add_row(f"{kind} / step ({label})", *[fmt_bytes(v) for v in values])
     if budget is not None:
         table.add_row(
             f"fits {fmt_bytes(budget)}",
@@ -196,7 +257,7 @@ def to_json(plan: Plan, res: Resolution | None, diagnostics, budget: int | None 
             for d in res.decisions
         ]
         out["summary"] = summary(res)
-        out["communication"] = communication(plan, res)
+        out["communication"] = dict(communication(plan, res), backend="shard_map", mode="lowering (specs only)")
         if budget is not None:
             out["summary"]["device_memory"] = budget
             out["summary"]["fits"] = out["summary"]["total_bytes_per_device"] <= budget

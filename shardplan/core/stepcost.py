@@ -1,0 +1,109 @@
+"""What one training step costs per device: the step-cost stage's result, as data.
+
+Made by the exact mode (``shardplan.runtime.exact``: XLA's compiled program of the chosen
+backend) or the fast mode (``shardplan.runtime.fast``: the step's jaxpr, no compile). Every
+figure says which backend and mode it is for; what a mode does not model is listed in
+``notes``, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Mode = Literal["fast", "exact"]
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+@dataclass(frozen=True)
+class Communication:
+    """One collective (or a group of identical ones) per device per step."""
+
+    kind: str
+    axes: tuple[str, ...]  # the mesh axes it runs over
+    bytes: int  # per device per step, all executions
+    count: int  # executions per step
+    op: str = ""  # the jax op it comes from, e.g. transpose(jvp())/dot_general
+    source: str = ""  # model source 'file:line'
+    moves: str = ""  # the param / optimizer-state / input path it moves, when it moves one
+    rule: str = ""  # the plan rule 'file:line' that placed that path
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Per-device bytes. ``peak`` is what the step needs at once."""
+
+    params: int
+    opt_state: int
+    batch: int
+    gradients: int = 0
+    activations: int = 0  # saved for the backward pass
+    gathered: int = 0  # most gathered weight bytes alive at once
+    temporaries: int = 0  # XLA's temp buffers (exact mode)
+    outputs: int = 0
+    aliased: int = 0  # outputs that reuse argument buffers (donation)
+    peak: int = 0
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Per-device cost of one training step of a plan on its mesh."""
+
+    mode: Mode
+    backend: str
+    mesh: dict[str, int]
+    flops: float  # per device, forward + backward + optimizer update
+    memory: Memory
+    communication: tuple[Communication, ...]
+    transcendentals: float = 0.0
+    seconds: float = 0.0  # how long the analysis took
+    notes: tuple[str, ...] = field(default=())
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        out = dict.fromkeys(KINDS, 0)
+        for c in self.communication:
+            out[c.kind] = out.get(c.kind, 0) + c.bytes
+        return out
+
+    def bytes_by_axes(self) -> dict[str, dict[str, int]]:
+        """{kind: {"data,model": bytes}} per device per step."""
+        out: dict[str, dict[str, int]] = {k: {} for k in KINDS}
+        for c in self.communication:
+            key = ",".join(c.axes) or "-"
+            out.setdefault(c.kind, {})
+            out[c.kind][key] = out[c.kind].get(key, 0) + c.bytes
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "mode": self.mode,
+            "backend": self.backend,
+            "mesh": dict(self.mesh),
+            "flops_per_device": self.flops,
+            "transcendentals_per_device": self.transcendentals,
+            "memory_per_device": self.memory.__dict__,
+            "communication_per_device": {
+                "by_kind": self.bytes_by_kind(),
+                "by_axes": self.bytes_by_axes(),
+                "collectives": [c.__dict__ for c in self.communication],
+            },
+            "analysis_seconds": self.seconds,
+            "notes": list(self.notes),
+        }
+
+    @staticmethod
+    def from_json(doc: dict) -> StepCost:
+        comm = tuple(
+            Communication(**dict(c, axes=tuple(c["axes"]))) for c in doc["communication_per_device"]["collectives"]
+        )
+        return StepCost(
+            doc["mode"],
+            doc["backend"],
+            dict(doc["mesh"]),
+            doc["flops_per_device"],
+            Memory(**doc["memory_per_device"]),
+            comm,
+            doc.get("transcendentals_per_device", 0.0),
+            doc.get("analysis_seconds", 0.0),
+            tuple(doc.get("notes", ())),
+        )

@@ -1,0 +1,179 @@
+"""Exact mode: compile the real training step of a backend for the plan's whole mesh and read
+what XLA made of it (memory analysis, cost analysis, every collective).
+
+Nothing is allocated: params, optimizer state and batch are ``ShapeDtypeStruct``s carrying
+the plan's shardings. The mesh needs as many devices as it has; ``shardplan.api.analyze``
+runs the compile in a child process with that many simulated CPU devices, so a
+data=32,model=8 plan compiles on a laptop. On CPU, XLA never emits reduce-scatters for GSPMD (it
+all-reduces and slices); those all-reduces are reported as the reduce-scatters an
+accelerator runs (see ``shardplan.core.hlo``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from shardplan.core import hlo
+from shardplan.core.leaves import Resolution
+from shardplan.core.stepcost import Communication, Memory, StepCost
+from shardplan.errors import as_error, error
+
+
+def abstract_state(state: Any, shardings: Any) -> Any:
+    """``state`` (arrays or ShapeDtypeStructs in Variables) as ShapeDtypeStructs carrying ``shardings``."""
+    import jax
+    from jax.sharding import Sharding
+
+    def one(sh: Any, sub: Any) -> Any:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sub)
+
+    return jax.tree.map(one, shardings, state, is_leaf=lambda x: isinstance(x, Sharding))
+
+
+def compile_step(
+    plan: Any,
+    factory: Any,
+    loss_fn: Any,
+    batch: dict[str, tuple[tuple[int, ...], str]],
+    optimizer: str,
+    backend: str,
+    mesh: Any = None,
+) -> StepCost:
+    """Compile the step in this process (which needs the mesh's devices) and read it."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from shardplan.runtime import backends, specs
+    from shardplan.runtime import model as model_mod
+    from shardplan.runtime.mesh import make_mesh, mesh_shape_of
+    from shardplan.runtime.placement import Placement
+
+    t0 = time.perf_counter()
+    mesh = mesh if mesh is not None else make_mesh(plan, devices=jax.devices()[: math.prod(plan.mesh_shape().values())])
+    sizes = mesh_shape_of(mesh)
+    tx = model_mod.make_tx(optimizer)
+    if tx is None:
+        raise as_error(
+            [
+                error(
+                    "unknown-optimizer",
+                    "a training step needs an optimizer, not 'none'",
+                    "use adam, adamw or sgd",
+                    path="--optimizer",
+                )
+            ]
+        )
+    abs_model, abs_opt = model_mod.abstract_model_and_optimizer(factory, tx)
+    params, opt = specs.resolve_model(plan, abs_model, abs_opt, mesh=sizes)
+    assert opt is not None
+    placement = Placement(plan, mesh, params, opt)
+    batch_abs = {name: jax.ShapeDtypeStruct(shape, np.dtype(dtype)) for name, (shape, dtype) in batch.items()}
+    inputs = specs.resolve_batch(plan, batch_abs, mesh=sizes)
+    batch_in = abstract_state(batch_abs, inputs.shardings(mesh))
+    sm = abstract_state(nnx.state(abs_model), params.shardings(mesh))
+    so = abstract_state(nnx.state(abs_opt), opt.shardings(mesh))
+    check_loss(loss_fn, abs_model, batch_abs)
+    with nnx.use_eager_sharding(False):
+        step = backends.get(backend).build(placement, loss_fn, abs_model, abs_opt)
+        compiled = step.lower(sm, so, batch_in).compile()
+    text = compiled.as_text()
+    mem = compiled.memory_analysis()
+    costs = compiled.cost_analysis()
+    costs = costs[0] if isinstance(costs, list) else costs
+    ops = hlo.with_axes(hlo.parse(text, mesh.devices.size), sizes)
+    batch_bytes = inputs.bytes_per_device()
+    memory = Memory(
+        params=params.bytes_per_device(),
+        opt_state=opt.bytes_per_device(),
+        batch=batch_bytes,
+        temporaries=int(mem.temp_size_in_bytes),
+        outputs=int(mem.output_size_in_bytes),
+        aliased=int(mem.alias_size_in_bytes),
+        # XLA:CPU's peak_memory_in_bytes leaves temporaries out: arguments + outputs - aliased + temps.
+        peak=int(
+            mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+        ),
+    )
+    return StepCost(
+        "exact",
+        backend,
+        sizes,
+        float(costs.get("flops", 0.0)),
+        memory,
+        communications(ops, params, opt, inputs),
+        float(costs.get("transcendentals", 0.0)),
+        time.perf_counter() - t0,
+        (
+            "all-reduces whose every use is a per-device slice are counted as the reduce-scatters "
+            "an accelerator runs (XLA:CPU emits no reduce-scatter for GSPMD)",
+        ),
+    )
+
+
+def communications(
+    ops: list[hlo.CollectiveOp], params: Resolution, opt: Resolution, inputs: Resolution
+) -> tuple[Communication, ...]:
+    """Collectives grouped by (kind, axes, op, source, moved leaf), each moved leaf with its rule."""
+    origin = {f"sm/{d.path}": d for d in params.decisions}
+    origin.update({f"so/{d.path}": d for d in opt.decisions})
+    origin.update({f"batch/{d.path}": d for d in inputs.decisions})
+    groups: dict[tuple, list[int]] = {}
+    for op in ops:
+        kind = "reduce-scatter" if op.as_reduce_scatter else op.kind
+        op_name = op.op_name.split("/", 1)[-1] if op.op_name.startswith("jit(") else op.op_name
+        key = (kind, op.axes, op_name, op.source, op.moves)
+        acc = groups.setdefault(key, [0, 0])
+        acc[0] += op.bytes_per_step
+        acc[1] += op.runs
+    out = []
+    for (kind, axes, op_name, source, moves), (nbytes, count) in groups.items():
+        d = origin.get(moves)
+        path = moves.split("/", 1)[1] if d is not None else moves
+        out.append(
+            Communication(
+                kind,
+                axes,
+                nbytes,
+                count,
+                op_name,
+                source,
+                path,
+                d.origin if d is not None and d.how in ("rule", "default", "batch") else "",
+            )
+        )
+    return tuple(sorted(out, key=lambda c: (c.kind, -c.bytes)))
+
+
+def check_loss(loss_fn: Any, abs_model: Any, batch: dict) -> None:
+    """The loss must trace on the abstract model and batch and return a float scalar."""
+    import jax
+    from flax import nnx
+
+    try:
+        out = nnx.eval_shape(loss_fn, abs_model, batch)
+    except Exception as e:  # the user's code: show their error, not ours
+        raise as_error(
+            [
+                error(
+                    "loss-failed",
+                    f"the step failed to trace: {type(e).__name__}: {e}",
+                    "loss_fn(model, batch) must run on the model and a batch of these shapes",
+                    path="--step",
+                )
+            ]
+        ) from None
+    if not (hasattr(out, "shape") and out.shape == () and jax.numpy.issubdtype(out.dtype, jax.numpy.floating)):
+        got = f"shape {out.shape}" if hasattr(out, "shape") else type(out).__name__
+        raise as_error(
+            [
+                error(
+                    "loss-not-scalar",
+                    f"the loss function returned {got}, not a float scalar",
+                    "reduce the loss to one number, e.g. .mean()",
+                    path="--step",
+                )
+            ]
+        )
