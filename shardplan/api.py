@@ -376,8 +376,8 @@ def analyze(
                 )
             ]
         )
-    if mode != "exact":
-        raise as_error([error("bad-argument", f"unknown mode '{mode}'", "use mode='exact'", path="mode")])
+    if mode not in ("exact", "fast"):
+        raise as_error([error("bad-argument", f"unknown mode '{mode}'", "use 'fast' or 'exact'", path="mode")])
     optimizers.lookup(optimizer)
     shapes = parse_batch_arg(batch) if isinstance(batch, list) else dict(batch)
     if not shapes:
@@ -407,6 +407,22 @@ def analyze(
         )
     # Fail early, in this process, on what needs no devices: the batch must divide over its axes.
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
+    if mode == "fast":
+        if name != "auto":
+            raise as_error(
+                [
+                    error(
+                        "bad-argument",
+                        f"fast mode models the auto backend, not {name}",
+                        "add --compile for the shard_map backend's compiled program",
+                        path="--backend",
+                    )
+                ]
+            )
+        from shardplan.runtime import fast
+        from shardplan.runtime.model import load_factory
+
+        return fast.analyze(p, load_factory(model), load_factory(step, what="--step"), shapes, optimizer, sizes)
     from shardplan.runtime.devices import simulate
 
     env = simulate(n, dict(os.environ))

@@ -383,6 +383,89 @@ def parse(hlo_text: str, n_devices: int | None = None) -> list[CollectiveOp]:
     return ops
 
 
+# What XLA's cost analysis counts as one flop per output element (transcendentals apart).
+_ELEMENTWISE_FLOP = {
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "maximum",
+    "minimum",
+    "compare",
+    "select",
+    "negate",
+    "abs",
+    "and",
+    "or",
+    "xor",
+    "not",
+    "remainder",
+    "clamp",
+    "sign",
+    "floor",
+    "ceil",
+    "round-nearest-even",
+    "round-nearest-afz",
+    "power",
+    "atan2",
+    "is-finite",
+}
+_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def _dims_of(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def loop_flops(hlo_text: str, entry_only: bool = False) -> float:
+    """FLOPs that XLA's cost analysis leaves out: it counts a ``while`` body once, but the body
+    runs once per iteration. Returns the body FLOPs x (trip count - 1) summed over loops
+    (matmuls 2*M*N*K, elementwise ops and reductions one per element, as the cost analysis counts)."""
+    comps, entry = _computations(hlo_text)
+    runs = _runs(comps, entry)
+    memo: dict[str, float] = {}
+
+    def own(name: str, stack: frozenset[str]) -> float:
+        """FLOPs of one execution of ``name`` and what it calls, except nested while bodies."""
+        if name in memo:
+            return memo[name]
+        defs = {i.name: i for i in comps.get(name, [])}
+        total = 0.0
+        for ins in comps.get(name, []):
+            n = _shape_bytes(ins.shape)[2] if _ARRAY.search(ins.shape) else 0
+            if ins.op == "dot":
+                lhs = defs.get(ins.operands[0]) if ins.operands else None
+                m = _CONTRACT.search(ins.line)
+                k = math.prod(_dims_of(lhs.shape)[int(i)] for i in _ints(m.group(1))) if lhs and m else 1
+                total += 2.0 * max(n, 0) * k
+            elif ins.op in _ELEMENTWISE_FLOP:
+                total += max(n, 0)
+            elif ins.op == "reduce" and ins.operands:
+                src = defs.get(ins.operands[0])
+                total += _shape_bytes(src.shape)[2] if src else 0
+            if ins.op in ("fusion", "call", "conditional"):
+                for callee in _CALLS.findall(ins.line):
+                    if callee in comps and callee not in stack:
+                        total += own(callee, stack | {name})
+        memo[name] = total
+        return total
+
+    if entry_only:
+        return own(entry, frozenset())
+    extra = 0.0
+    for name, instrs in comps.items():
+        for ins in instrs:
+            if ins.op != "while":
+                continue
+            trip = _TRIP.search(ins.line)
+            body = _BODY.search(ins.line)
+            if trip and body and body.group(1) in comps:
+                extra += (int(trip.group(1)) - 1) * own(body.group(1), frozenset()) * runs.get(name, 1)
+    return extra
+
+
 def with_axes(ops: list[CollectiveOp], mesh: dict[str, int]) -> list[CollectiveOp]:
     """Name each collective's mesh axes: the axes along which the devices of its first group
     differ (logical device id = position in the mesh's row-major device order)."""

@@ -1,0 +1,799 @@
+"""Fast mode: what the auto backend's step costs, from the step's jaxpr (no XLA compile).
+
+The step (forward, backward and optimizer update: the auto backend's ``pure_step``) is
+traced over abstract values. The plan's shardings of params, optimizer state and batch
+are then propagated through the jaxpr's equations the way GSPMD does for the common
+cases, and every collective it needs is recorded with why:
+
+- a contraction over a dimension split on both sides runs locally and leaves a partial
+  sum (an all-reduce, or a reduce-scatter where the consumer is split on that axis, as a
+  data-parallel gradient feeding an FSDP-split optimizer update is);
+- an operand split where the consumer needs it whole is all-gathered (an FSDP weight
+  before its matmul; gathered once, reused by the backward pass as XLA's CSE does);
+- a mesh axis moving from one dimension to another is an all-to-all;
+- a lookup in a table split over its rows is a masked local lookup and an all-reduce.
+
+Per-device FLOPs count 2*M*N*K per matmul and one per element of other ops, divided by
+how the iteration space is split. What it does not model (an unknown primitive) is listed
+in the result's notes, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from shardplan.core.stepcost import Communication, Memory, StepCost
+
+Dims = tuple[tuple[str, ...], ...]
+
+# Elementwise primitives: output shape = operand shape (scalars broadcast by jax before).
+_ELEMENTWISE = {
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "max",
+    "min",
+    "pow",
+    "integer_pow",
+    "neg",
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "logistic",
+    "sin",
+    "cos",
+    "tan",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "square",
+    "abs",
+    "sign",
+    "floor",
+    "ceil",
+    "round",
+    "select_n",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "and",
+    "or",
+    "not",
+    "xor",
+    "convert_element_type",
+    "is_finite",
+    "stop_gradient",
+    "add_any",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "atan2",
+    "rem",
+    "nextafter",
+    "clamp",
+    "copy",
+    "copy_p",
+    "real",
+    "imag",
+    "conj",
+    "shift_left",
+    "shift_right_logical",
+    "shift_right_arithmetic",
+    "population_count",
+    "reduce_precision",
+}
+# Ops through which a pending partial sum stays pending: layout changes and conversions. GSPMD
+# all-reduces each operand of an add of partial sums (measured: a column-parallel layer's q, k
+# and v input gradients are three all-reduces, not one), so adds are not among them.
+_LINEAR = {
+    "convert_element_type",
+    "reduce_sum",
+    "transpose",
+    "reshape",
+    "broadcast_in_dim",
+    "copy",
+    "copy_p",
+    "squeeze",
+    "expand_dims",
+}
+_LAYOUT = {"reshape", "transpose", "squeeze", "expand_dims", "convert_element_type"}
+# Consumers XLA fuses a single-use elementwise producer into (loop and input fusion).
+_FUSES_PRODUCER = (
+    _ELEMENTWISE | _LAYOUT | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "broadcast_in_dim"}
+)
+_TRANSCENDENTAL = {
+    "exp",
+    "exp2",
+    "log",
+    "log1p",
+    "expm1",
+    "tanh",
+    "logistic",
+    "sin",
+    "cos",
+    "tan",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "pow",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "atan2",
+}
+_FREE = {"iota", "stop_gradient"}
+
+
+@dataclass(frozen=True)
+class Val:
+    """An abstract value and how it is split: per dim the mesh axes, and pending partial sums."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    dims: Dims
+    partial: frozenset[str] = frozenset()
+
+    @property
+    def axes(self) -> set[str]:
+        return {a for d in self.dims for a in d}
+
+
+@dataclass
+class _Ctx:
+    mesh: dict[str, int]
+    comm: list[Communication] = field(default_factory=list)
+    flops: float = 0.0
+    transcendentals: float = 0.0
+    unmodeled: dict[str, int] = field(default_factory=dict)
+    cache: dict[tuple, Val] = field(default_factory=dict)
+    gathered_now: int = 0
+    gathered_peak: int = 0
+
+    def split(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.mesh[a] for a in axes)
+
+    def local(self, v: Val) -> int:
+        n = v.itemsize
+        for size, axes in zip(v.shape, v.dims, strict=True):
+            n *= size // self.split(axes) if axes else size
+        return n
+
+    def add(self, kind: str, axes: tuple[str, ...], nbytes: int, mult: int, why: str, moves: str = "") -> None:
+        if axes and nbytes:
+            self.comm.append(Communication(kind, tuple(axes), nbytes * mult, mult, why, "", moves))
+
+
+def _norm(dims: Dims, rank: int) -> Dims:
+    return tuple(tuple(d) for d in dims) + ((),) * (rank - len(dims))
+
+
+class _Propagator:
+    """Shardings through one jaxpr (recursing into nested jaxprs)."""
+
+    def __init__(self, ctx: _Ctx, names: dict[Any, str]):
+        self.ctx = ctx
+        self.names = names  # top-level invar -> leaf path (for 'moves')
+        self.hints: dict[Any, Dims] = {}
+        self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
+        self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
+        self.virtual_outs: set[int] = set()  # outputs of the last run jaxpr that are broadcasts
+        self.depth = 0
+
+    # -- resharding ------------------------------------------------------------------------
+    def resolve(self, var: Any, v: Val, target: Dims | None, mult: int, why: str) -> Val:
+        """``v`` with its pending sums done: reduce-scatter over partial axes the target
+        splits a dim on (when ``v`` leaves that dim whole), all-reduce over the rest."""
+        if not v.partial:
+            return v
+        target = target if target is not None else self.hints.get(var, v.dims)
+        key = ("resolve", id(var), target)
+        hit = self.ctx.cache.get(key)
+        if hit is not None:
+            return hit
+        dims = [list(d) for d in v.dims]
+        scatter: list[str] = []
+        for i, t in enumerate(_norm(target, len(v.shape))):
+            for a in t:
+                if a in v.partial and a not in dims[i] and v.shape[i] % (self.ctx.split((*dims[i], a))) == 0:
+                    scatter.append(a)
+                    dims[i].append(a)
+        rest = tuple(a for a in sorted(v.partial) if a not in scatter)
+        if scatter:
+            self.ctx.add("reduce-scatter", tuple(scatter), self.ctx.local(v), mult, why)
+        out = Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims))
+        if rest:
+            self.ctx.add("all-reduce", rest, self.ctx.local(out), mult, why)
+        self.ctx.cache[key] = out
+        return out
+
+    def reshard(self, var: Any, v: Val, target: Dims, mult: int, why: str) -> Val:
+        """``v`` (no pending sums) laid out as ``target``: gathers, slices, all-to-alls."""
+        target = _norm(target, len(v.shape))
+        if v.dims == target:
+            return v
+        key = ("reshard", id(var), target)
+        hit = self.ctx.cache.get(key)
+        if hit is not None:
+            return hit
+        want = {a: i for i, d in enumerate(target) for a in d}
+        dims = [list(d) for d in v.dims]
+        moves = self.names.get(var, "")
+        # An axis that moves to another dim: all-to-all of the local buffer.
+        for i, d in enumerate(v.dims):
+            for a in d:
+                j = want.get(a)
+                if j is not None and j != i and a not in dims[j]:
+                    self.ctx.add(
+                        "all-to-all", (a,), self.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))), mult, why, moves
+                    )
+                    dims[i].remove(a)
+                    dims[j].append(a)
+        # Axes the target leaves out: all-gather (the gathered result's bytes).
+        for i, cur in enumerate(list(dims)):
+            drop = [a for a in cur if a not in target[i]]
+            if drop:
+                dims[i] = [a for a in cur if a in target[i]]
+                gathered = Val(v.shape, v.itemsize, _tuple(dims))
+                nbytes = self.ctx.local(gathered)
+                self.ctx.add("all-gather", tuple(drop), nbytes, mult, why, moves)
+                if moves:
+                    self.ctx.gathered_now += nbytes
+                    self.ctx.gathered_peak = max(self.ctx.gathered_peak, self.ctx.gathered_now)
+        # Axes the target adds: a free local slice.
+        for i, t in enumerate(target):
+            for a in t:
+                if a not in dims[i] and all(a not in d for d in dims):
+                    dims[i].append(a)
+        out = Val(v.shape, v.itemsize, _tuple(dims))
+        self.ctx.cache[key] = out
+        return out
+
+    # -- equations -------------------------------------------------------------------------
+    def run(self, jaxpr: Any, env: dict[Any, Val], mult: int) -> list[Val]:
+        """Propagate through ``jaxpr``; also track the bytes its intermediates hold at once
+        (``self.peak``: the most live at any point, on top of its inputs)."""
+        self._hints(jaxpr)
+        top = self.depth == 0
+        self.depth += 1
+        last: dict[Any, int] = {}
+        uses: dict[Any, int] = {}
+        for k, eqn in enumerate(jaxpr.eqns):
+            for x in eqn.invars:
+                if not hasattr(x, "val"):
+                    last[x] = k
+                    uses[x] = uses.get(x, 0) + 1
+        keep = {x for x in jaxpr.outvars if not hasattr(x, "val")}
+        fused = _fused_outputs(jaxpr, uses)
+        live = peak = 0
+        held: dict[Any, int] = {}
+        for k, eqn in enumerate(jaxpr.eqns):
+            ins = [self._read(env, x) for x in eqn.invars]
+            outer_peak, self.peak = self.peak, 0
+            self.virtual_outs = set()
+            outs = self.eqn(eqn, ins, mult)
+            inner, self.peak = self.peak, outer_peak
+            virtual = {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)}
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                env[var] = val
+                if var not in fused and var not in self.aliased and var not in virtual:
+                    held[var] = self.ctx.local(val)
+                    live += held[var]
+            # Gathered weights stay alive for their reuse in the backward pass (XLA's CSE).
+            peak = max(peak, live + inner + (self.ctx.gathered_now if top else 0))
+            for x in eqn.invars:
+                if not hasattr(x, "val") and last.get(x) == k and x in held and x not in keep:
+                    live -= held.pop(x)
+        self.peak = max(self.peak, peak)
+        # Outputs that are broadcasts (a call's jvp residuals, masks): recomputed where used.
+        self.virtual_outs = {i for i, x in enumerate(jaxpr.outvars) if x in fused}
+        self.depth -= 1
+        return [self._read(env, x) for x in jaxpr.outvars]
+
+    def _read(self, env: dict[Any, Val], x: Any) -> Val:
+        if hasattr(x, "val"):  # a literal
+            shape = tuple(getattr(x.aval, "shape", ()))
+            return Val(shape, _itemsize(x.aval), ((),) * len(shape))
+        return env[x]
+
+    def _hints(self, jaxpr: Any) -> None:
+        """Backward pass: an elementwise chain ending in a value of known layout wants that layout
+        (so a partial gradient is reduce-scattered straight into an FSDP-split update)."""
+        for eqn in reversed(jaxpr.eqns):
+            if eqn.primitive.name not in _ELEMENTWISE:
+                continue
+            out = self.hints.get(eqn.outvars[0])
+            if out is None:
+                continue
+            for x in eqn.invars:
+                if not hasattr(x, "val") and tuple(x.aval.shape) == tuple(eqn.outvars[0].aval.shape):
+                    self.hints.setdefault(x, out)
+
+    def eqn(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        name = eqn.primitive.name
+        outs_avals = [o.aval for o in eqn.outvars]
+        sub = _subjaxpr(eqn)
+        if sub is not None and name not in ("scan", "while", "cond"):
+            inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult)
+            return inner
+        if name == "scan":
+            return self.scan(eqn, ins, mult)
+        if name in _ELEMENTWISE:
+            return [self.elementwise(eqn, ins, mult)]
+        if name == "dot_general":
+            return [self.dot(eqn, ins, mult)]
+        if name in (
+            "reduce_sum",
+            "reduce_max",
+            "reduce_min",
+            "argmax",
+            "argmin",
+            "reduce_prod",
+            "reduce_and",
+            "reduce_or",
+        ):
+            return [self.reduce(eqn, ins[0], mult)]
+        if name == "broadcast_in_dim":
+            v = ins[0]
+            bdims = eqn.params["broadcast_dimensions"]
+            shape = tuple(outs_avals[0].shape)
+            dims: list[tuple[str, ...]] = [()] * len(shape)
+            for i, j in enumerate(bdims):
+                if v.shape[i] == shape[j]:
+                    dims[j] = v.dims[i]
+            return [Val(shape, _itemsize(outs_avals[0]), tuple(dims), v.partial)]
+        if name == "transpose":
+            v = ins[0]
+            perm = eqn.params["permutation"]
+            return [Val(tuple(v.shape[p] for p in perm), v.itemsize, tuple(v.dims[p] for p in perm), v.partial)]
+        if name in ("reshape", "squeeze", "expand_dims"):
+            return [self.reshape(eqn.invars[0], ins[0], tuple(outs_avals[0].shape), mult)]
+        if name in _FREE or name in (
+            "iota",
+            "rng_bit_generator",
+            "random_bits",
+            "random_seed",
+            "random_wrap",
+            "random_unwrap",
+            "threefry2x32",
+        ):
+            return [_replicated(a) for a in outs_avals]
+        if name == "gather":
+            return [self.gather(eqn, ins, mult)]
+        if name in ("scatter-add", "scatter_add", "scatter"):
+            return [self.scatter(eqn, ins, mult)]
+        if name in (
+            "slice",
+            "dynamic_slice",
+            "pad",
+            "concatenate",
+            "dynamic_update_slice",
+            "split",
+            "rev",
+            "cumsum",
+            "cumlogsumexp",
+            "cummax",
+            "sort",
+            "top_k",
+            "clamp",
+        ):
+            return self.layout_preserving(eqn, ins, mult)
+        self.ctx.unmodeled[name] = self.ctx.unmodeled.get(name, 0) + 1
+        return [_replicated(a) for a in outs_avals]
+
+    def _flops(self, n: float, mult: int, name: str) -> None:
+        self.ctx.flops += n * mult
+        if name in _TRANSCENDENTAL:
+            self.ctx.transcendentals += n * mult
+
+    def elementwise(self, eqn: Any, ins: list[Val], mult: int) -> Val:
+        out_aval = eqn.outvars[0].aval
+        shape = tuple(out_aval.shape)
+        name = eqn.primitive.name
+        # Operands of the output's rank (size-1 dims broadcast: they carry no split).
+        full = [(x, v) for x, v in zip(eqn.invars, ins, strict=True) if len(v.shape) == len(shape) and shape]
+        full = [(x, v if v.shape == shape else _broadcast(v, shape)) for x, v in full]
+        linear = name in _LINEAR
+        partials = {v.partial for _, v in full}
+        if linear and len(partials) == 1 and next(iter(partials)):
+            # Every operand has the same pending sum: it stays pending (a sum of partial sums).
+            target = max((v for _, v in full), key=lambda v: math.prod(self.ctx.split(d) for d in v.dims)).dims
+            for x, v in full:
+                self.reshard(x, replace(v, partial=frozenset()), target, mult, name)
+            out = Val(shape, _itemsize(out_aval), target, next(iter(partials)))
+            self._flops(self.ctx.local(out) / out.itemsize, mult, name)
+            return out
+        hint = self.hints.get(eqn.outvars[0])
+        done = [(x, self.resolve(x, v, hint, mult, name)) for x, v in full]
+        if not done:
+            return _replicated(out_aval)
+        target = (
+            hint
+            if hint is not None and _fits(shape, hint, self.ctx)
+            else max((v for _, v in done), key=lambda v: math.prod(self.ctx.split(d) for d in v.dims)).dims
+        )
+        for x, v in done:
+            self.reshard(x, v, target, mult, name)
+        out = Val(shape, _itemsize(out_aval), _norm(target, len(shape)))
+        self._flops(self.ctx.local(out) / out.itemsize, mult, name)
+        return out
+
+    def dot(self, eqn: Any, ins: list[Val], mult: int) -> Val:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lx, rx = eqn.invars
+        lhs, rhs = ins
+        out_aval = eqn.outvars[0].aval
+        # One pending sum at a time: a partial operand times a whole one stays partial.
+        if lhs.partial and rhs.partial:
+            rhs = self.resolve(rx, rhs, None, mult, "dot_general")
+        partial = set(lhs.partial | rhs.partial)
+        lhs, rhs = replace(lhs, partial=frozenset()), replace(rhs, partial=frozenset())
+        lfree = [i for i in range(len(lhs.shape)) if i not in lc and i not in lb]
+        rfree = [i for i in range(len(rhs.shape)) if i not in rc and i not in rb]
+        ldims, rdims = [list(d) for d in lhs.dims], [list(d) for d in rhs.dims]
+        # Batch dims: both sides must agree; keep the more split one.
+        for i, j in zip(lb, rb, strict=True):
+            if ldims[i] != rdims[j]:
+                keep = ldims[i] if self.ctx.split(tuple(ldims[i])) >= self.ctx.split(tuple(rdims[j])) else rdims[j]
+                ldims[i], rdims[j] = list(keep), list(keep)
+        # Contracting dims: split the same way on both sides -> local, then a pending sum.
+        for i, j in zip(lc, rc, strict=True):
+            a, b = ldims[i], rdims[j]
+            if a == b:
+                partial |= set(a)
+                continue
+            # One side split on the contraction: gather it there, or slice the other side and sum
+            # the partial results (GSPMD weighs the bytes; so do we).
+            ltotal = self.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims)))
+            rtotal = self.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims)))
+            used_l = {x for k, d in enumerate(ldims) if k != i for x in d}
+            used_r = {x for k, d in enumerate(rdims) if k != j for x in d}
+            extra_b = [x for x in a if x not in b and x not in used_r]
+            extra_a = [x for x in b if x not in a and x not in used_l]
+            if extra_b and len(extra_b) == len([x for x in a if x not in b]) and not extra_a and not b:
+                # rhs whole on this dim: slice it like lhs (free), sum later.
+                rdims[j] = list(a)
+                partial |= set(a)
+            elif extra_a and len(extra_a) == len([x for x in b if x not in a]) and not extra_b and not a:
+                ldims[i] = list(b)
+                partial |= set(b)
+            else:
+                # Conflict (the axis also splits the other operand elsewhere): gather the cheaper side.
+                if ltotal * self.ctx.split(tuple(a)) <= rtotal * self.ctx.split(tuple(b)):
+                    ldims[i] = [x for x in a if x in b]
+                else:
+                    rdims[j] = [x for x in b if x in a]
+                common = [x for x in ldims[i] if x in rdims[j]]
+                ldims[i], rdims[j] = list(common), list(common)
+                partial |= set(common)
+        # Free dims: an axis may split only one operand's free dims and not the contraction.
+        contract_axes = {x for i in lc for x in ldims[i]} | {x for i in lb for x in ldims[i]}
+        for i in lfree:
+            ldims[i] = [x for x in ldims[i] if x not in contract_axes]
+        used = {x for i in lfree for x in ldims[i]} | contract_axes
+        for j in rfree:
+            clash = [x for x in rdims[j] if x in used]
+            if clash:
+                # The same axis splits a free dim of each side: gather the cheaper one.
+                lbytes = self.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims)))
+                rbytes = self.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims)))
+                if rbytes <= lbytes:
+                    rdims[j] = [x for x in rdims[j] if x not in used]
+                else:
+                    for i in lfree:
+                        ldims[i] = [x for x in ldims[i] if x not in clash]
+        lt, rt = _tuple(ldims), _tuple(rdims)
+        self.reshard(lx, lhs, lt, mult, "dot_general")
+        self.reshard(rx, rhs, rt, mult, "dot_general")
+        out_dims = [lt[i] for i in lb] + [lt[i] for i in lfree] + [rt[j] for j in rfree]
+        shape = tuple(out_aval.shape)
+        out = Val(shape, _itemsize(out_aval), tuple(out_dims), frozenset(partial))
+        k = math.prod(lhs.shape[i] for i in lc)
+        kshards = self.ctx.split(tuple(x for i in lc for x in lt[i]))
+        self._flops(2 * (self.ctx.local(out) / out.itemsize) * (k / kshards), mult, "dot_general")
+        return out
+
+    def reduce(self, eqn: Any, v: Val, mult: int) -> Val:
+        axes = tuple(eqn.params.get("axes", ()))
+        out_aval = eqn.outvars[0].aval
+        kept = [i for i in range(len(v.shape)) if i not in axes]
+        reduced = tuple(x for i in axes for x in v.dims[i])
+        name = eqn.primitive.name
+        self._flops(self.ctx.local(v) / v.itemsize, mult, name)
+        out = Val(tuple(out_aval.shape), _itemsize(out_aval), tuple(v.dims[i] for i in kept))
+        if name == "reduce_sum":
+            return replace(out, partial=v.partial | frozenset(reduced))
+        v_done = self.resolve(eqn.invars[0], v, None, mult, name) if v.partial else v
+        del v_done
+        if reduced:  # max / min / argmax over a split dim: a small all-reduce of the result
+            self.ctx.add("all-reduce", reduced, self.ctx.local(out), mult, name)
+        return out
+
+    def reshape(self, var: Any, v: Val, shape: tuple[int, ...], mult: int) -> Val:
+        """Keep a split on the major factor of a merged/split dim; otherwise gather it."""
+        out: list[tuple[str, ...]] = [()] * len(shape)
+        i = j = 0
+        gathered = list(v.dims)
+        while i < len(v.shape) and j < len(shape):
+            a, b = v.shape[i], shape[j]
+            if a == b:
+                out[j] = v.dims[i]
+                i, j = i + 1, j + 1
+                continue
+            if a > b:  # split dim i into several output dims: the major one keeps the split
+                n = self.ctx.split(v.dims[i])
+                if v.dims[i] and b % n == 0:
+                    out[j] = v.dims[i]
+                elif v.dims[i]:
+                    gathered[i] = ()
+                prod = b
+                j += 1
+                while prod < a and j < len(shape):
+                    prod *= shape[j]
+                    j += 1
+                i += 1
+            else:  # merge dims i.. into output dim j: the major input dim's split carries over
+                out[j] = v.dims[i]
+                prod = a
+                i += 1
+                while prod < b and i < len(v.shape):
+                    if v.dims[i]:
+                        gathered[i] = ()
+                    prod *= v.shape[i]
+                    i += 1
+                j += 1
+        if tuple(gathered) != v.dims and not v.partial:
+            self.reshard(var, v, tuple(gathered), mult, "reshape")
+        return Val(shape, v.itemsize, tuple(out), v.partial)
+
+    def gather(self, eqn: Any, ins: list[Val], mult: int) -> Val:
+        table, idx = ins[0], ins[1]
+        out_aval = eqn.outvars[0].aval
+        dn = eqn.params["dimension_numbers"]
+        offset = tuple(dn.offset_dims)
+        collapsed = tuple(dn.collapsed_slice_dims)
+        shape = tuple(out_aval.shape)
+        # Batch dims of the output follow the indices; offset dims follow the table's kept dims.
+        batch_out = [k for k in range(len(shape)) if k not in offset]
+        dims: list[tuple[str, ...]] = [()] * len(shape)
+        for k, b in zip(batch_out, range(len(idx.shape)), strict=False):
+            dims[k] = idx.dims[b] if b < len(idx.dims) else ()
+        kept = [i for i in range(len(table.shape)) if i not in collapsed]
+        for k, i in zip(offset, kept, strict=False):
+            if table.shape[i] == shape[k]:
+                dims[k] = tuple(a for a in table.dims[i] if all(a not in d for d in dims))
+        rows = tuple(a for i in collapsed for a in table.dims[i])
+        out = Val(shape, _itemsize(out_aval), tuple(dims))
+        self._flops(self.ctx.local(out) / out.itemsize, mult, "gather")
+        if rows:
+            # A table split over its rows: a masked local lookup summed over those axes (an
+            # all-reduce of the output), or the table gathered first, whichever moves fewer
+            # bytes; an axis that also splits the output leaves only the gather.
+            whole = [tuple(a for a in d if a not in rows) for d in table.dims]
+            gather_bytes = self.ctx.local(Val(table.shape, table.itemsize, _tuple(whole)))
+            if any(a in out.axes for a in rows) or gather_bytes < self.ctx.local(out):
+                self.reshard(eqn.invars[0], table, _tuple(whole), mult, "gather")
+                return out
+            return replace(out, partial=frozenset(rows))
+        return out
+
+    def scatter(self, eqn: Any, ins: list[Val], mult: int) -> Val:
+        operand, updates = ins[0], ins[2] if len(ins) > 2 else ins[-1]
+        out_aval = eqn.outvars[0].aval
+        # The result (e.g. an embedding's gradient) takes the operand's layout; updates split
+        # over axes the result is not split on are summed across them.
+        out = Val(tuple(out_aval.shape), _itemsize(out_aval), operand.dims)
+        pending = frozenset(a for d in updates.dims for a in d if a not in out.axes) | updates.partial
+        self._flops(self.ctx.local(updates) / updates.itemsize, mult, "scatter-add")
+        return replace(out, partial=pending)
+
+    def layout_preserving(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        """Slices, pads, concatenations: keep splits on dims whose size is unchanged, gather the rest."""
+        outs = []
+        for o in eqn.outvars:
+            shape = tuple(o.aval.shape)
+            base = next((v for v in ins if len(v.shape) == len(shape)), None)
+            if base is None:
+                outs.append(_replicated(o.aval))
+                continue
+            dims = [d if base.shape[i] == shape[i] else () for i, d in enumerate(base.dims)]
+            for x, v in zip(eqn.invars, ins, strict=True):
+                if v is base or len(v.shape) == len(shape):
+                    v2 = self.resolve(x, v, None, mult, eqn.primitive.name)
+                    self.reshard(
+                        x,
+                        v2,
+                        _tuple([d if v.shape[i] == shape[i] else () for i, d in enumerate(dims)]),
+                        mult,
+                        eqn.primitive.name,
+                    )
+            outs.append(Val(shape, _itemsize(o.aval), _tuple(dims)))
+        return outs
+
+    def scan(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        length = int(eqn.params["length"])
+        body = eqn.params["jaxpr"].jaxpr
+        nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+        env: dict[Any, Val] = {}
+        for k, (var, v) in enumerate(zip(body.invars, ins, strict=True)):
+            if k >= nc + ncarry:  # scanned over: the body sees one slice (the leading dim dropped)
+                v = Val(v.shape[1:], v.itemsize, v.dims[1:], v.partial)
+            env[var] = v
+        outs = self.run(body, env, mult * length)
+        result = list(outs[:ncarry])
+        for o, v in zip(eqn.outvars[ncarry:], outs[ncarry:], strict=True):  # stacked outputs
+            result.append(Val(tuple(o.aval.shape), v.itemsize, ((),) + v.dims, v.partial))
+        return result
+
+
+def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
+    """Elementwise results XLA fuses into their single elementwise consumer (never materialized)."""
+    consumer: dict[Any, str] = {}
+    for eqn in jaxpr.eqns:
+        for x in eqn.invars:
+            if not hasattr(x, "val"):
+                consumer[x] = eqn.primitive.name
+    out = set()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in ("broadcast_in_dim", "iota"):  # recomputed inside each consumer's loop
+            out.update(eqn.outvars)
+        elif name in _ELEMENTWISE or name in _LAYOUT:
+            for v in eqn.outvars:
+                if uses.get(v, 0) == 1 and consumer.get(v) in _FUSES_PRODUCER:
+                    out.add(v)
+    return out
+
+
+def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:
+    """``v`` seen at the output's shape: its size-1 dims (broadcast) are whole."""
+    dims = tuple(d if v.shape[i] == shape[i] else () for i, d in enumerate(v.dims))
+    return Val(shape, v.itemsize, dims, v.partial)
+
+
+def _subjaxpr(eqn: Any) -> Any:
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if j is not None:
+            return j.jaxpr if hasattr(j, "jaxpr") else j
+    return None
+
+
+def _tuple(dims: list) -> Dims:
+    return tuple(tuple(d) for d in dims)
+
+
+def _itemsize(aval: Any) -> int:
+    import numpy as np
+
+    try:
+        return int(np.dtype(aval.dtype).itemsize)
+    except TypeError:  # PRNG key types
+        return 8
+
+
+def _replicated(aval: Any) -> Val:
+    shape = tuple(getattr(aval, "shape", ()))
+    return Val(shape, _itemsize(aval), ((),) * len(shape))
+
+
+def _fits(shape: tuple[int, ...], dims: Dims, ctx: _Ctx) -> bool:
+    return len(dims) <= len(shape) and all(shape[i] % ctx.split(d) == 0 for i, d in enumerate(dims) if d)
+
+
+def analyze(
+    plan: Any,
+    factory: Callable[[], Any],
+    loss_fn: Callable[[Any, Any], Any],
+    batch: dict[str, tuple[tuple[int, ...], str]],
+    optimizer: str,
+    mesh: dict[str, int],
+) -> StepCost:
+    """The auto backend's step cost on ``mesh`` from the traced step (no compile)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from shardplan.runtime import model as model_mod
+    from shardplan.runtime import specs
+    from shardplan.runtime.backends.auto import pure_step
+    from shardplan.runtime.exact import check_loss
+
+    t0 = time.perf_counter()
+    tx = model_mod.make_tx(optimizer)
+    abs_model, abs_opt = model_mod.abstract_model_and_optimizer(factory, tx)
+    params, opt = specs.resolve_model(plan, abs_model, abs_opt, mesh=mesh)
+    assert opt is not None
+    batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
+    inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
+    check_loss(loss_fn, abs_model, batch_abs)
+    step = pure_step(loss_fn, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
+    with nnx.use_eager_sharding(False):
+        closed = jax.make_jaxpr(step)(nnx.state(abs_model), nnx.state(abs_opt), batch_abs)
+    jaxpr = closed.jaxpr
+    decisions = list(params.decisions) + list(opt.decisions) + list(inputs.decisions)
+    prefixes = ["param"] * len(params.decisions) + ["opt"] * len(opt.decisions) + ["input"] * len(inputs.decisions)
+    if len(decisions) != len(jaxpr.invars):
+        raise RuntimeError(f"traced {len(jaxpr.invars)} inputs for {len(decisions)} leaves")
+    ctx = _Ctx(dict(mesh))
+    names: dict[Any, str] = {}
+    env: dict[Any, Val] = {}
+    for var, d, role in zip(jaxpr.invars, decisions, prefixes, strict=True):
+        env[var] = Val(tuple(var.aval.shape), _itemsize(var.aval), _norm(d.spec.dims, len(var.aval.shape)))
+        if role != "input":
+            names[var] = d.path
+    for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
+    prop = _Propagator(ctx, names)
+    # The step's outputs keep the plan's layout (the backend's out_shardings).
+    out_specs = list(params.decisions) + list(opt.decisions)
+    for var, d in zip(jaxpr.outvars, out_specs, strict=False):
+        if not hasattr(var, "val"):
+            prop.hints[var] = _norm(d.spec.dims, len(var.aval.shape))
+    prop.aliased = {v for v in jaxpr.outvars[: len(out_specs)] if not hasattr(v, "val")}
+    outs = prop.run(jaxpr, env, 1)
+    for var, v, d in zip(jaxpr.outvars, outs, out_specs, strict=False):
+        target = _norm(d.spec.dims, len(v.shape))
+        done = prop.resolve(var, v, target, 1, "out_shardings")
+        prop.reshard(var, done, target, 1, "out_shardings")
+    if len(outs) > len(out_specs):  # the loss: a scalar, summed over the batch axes
+        loss = outs[-1]
+        prop.resolve(jaxpr.outvars[-1], loss, (), 1, "loss")
+    comm = _merge(ctx.comm, params, opt)
+    notes = [
+        "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns; "
+        "XLA may choose other collectives (compare with --compile)"
+    ]
+    if ctx.unmodeled:
+        notes.append(
+            "not modelled (outputs taken as replicated, no communication counted): "
+            + ", ".join(f"{k} x{n}" for k, n in sorted(ctx.unmodeled.items()))
+        )
+    p_bytes, o_bytes, b_bytes = params.bytes_per_device(), opt.bytes_per_device(), inputs.bytes_per_device()
+    # The step's arguments stay alive (updated params and moments alias them); on top, the
+    # most its intermediates (activations saved for the backward pass, gradients, gathered
+    # weights, temporaries) hold at once in program order.
+    memory = Memory(
+        params=p_bytes,
+        opt_state=o_bytes,
+        batch=b_bytes,
+        gradients=p_bytes,
+        gathered=ctx.gathered_peak,
+        temporaries=prop.peak,
+        peak=p_bytes + o_bytes + b_bytes + prop.peak,
+    )
+    return StepCost(
+        "fast",
+        "auto",
+        dict(mesh),
+        ctx.flops,
+        memory,
+        tuple(comm),
+        ctx.transcendentals,
+        time.perf_counter() - t0,
+        tuple(notes),
+    )
+
+
+def _merge(comm: list[Communication], params: Any, opt: Any) -> list[Communication]:
+    rules = {d.path: d.origin for d in list(params.decisions) + list(opt.decisions) if d.how in ("rule", "default")}
+    groups: dict[tuple, list[int]] = {}
+    for c in comm:
+        key = (c.kind, c.axes, c.op, c.moves)
+        acc = groups.setdefault(key, [0, 0])
+        acc[0] += c.bytes
+        acc[1] += c.count
+    return sorted(
+        (Communication(k, a, b, n, op, "", mv, rules.get(mv, "")) for (k, a, op, mv), (b, n) in groups.items()),
+        key=lambda c: (c.kind, -c.bytes),
+    )
