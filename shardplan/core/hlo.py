@@ -62,7 +62,7 @@ _BODY = re.compile(r"\bbody=%([\w.\-]+)")
 _CALLEES = re.compile(r"\b(?:calls|to_apply|condition|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 # Frames in these are library code; the source of a collective is the innermost frame outside.
-_LIBRARY = ("/site-packages/", "/dist-packages/", "<frozen ", str(Path(__file__).resolve().parents[1]) + "/")
+LIBRARY_PATHS = ("/site-packages/", "/dist-packages/", "<frozen ", str(Path(__file__).resolve().parents[1]) + "/")
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class _Frames:
             loc, parent = self.frames.get(fid, (0, 0))
             file_id, line = self.locations.get(loc, (0, 0))
             path = self.files.get(file_id, "")
-            if path and not any(p in path for p in _LIBRARY):
+            if path and not any(p in path for p in LIBRARY_PATHS):
                 return f"{path}:{line}"
             fid = parent - 1  # parent_frame_id is one past the parent's id (0: no parent)
         return ""

@@ -155,6 +155,14 @@ def communications(
     return tuple(sorted(out, key=lambda c: (c.kind, -c.bytes)))
 
 
+def user_frame(tb: Any) -> str:
+    """'file:line' of the innermost traceback frame in the user's code (not jax, flax or shardplan)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(tb) if not any(p in f.filename for p in hlo.LIBRARY_PATHS)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
 def check_loss(loss_fn: Any, abs_model: Any, batch: dict) -> None:
     """The loss must trace on the abstract model and batch and return a float scalar."""
     import jax
@@ -162,12 +170,13 @@ def check_loss(loss_fn: Any, abs_model: Any, batch: dict) -> None:
 
     try:
         out = nnx.eval_shape(loss_fn, abs_model, batch)
-    except Exception as e:  # the user's code: show their error, not ours
+    except Exception as e:  # the user's code: show their error and their frame, not ours
+        where = user_frame(e.__traceback__)
         raise as_error(
             [
                 error(
                     "loss-failed",
-                    f"the step failed to trace: {type(e).__name__}: {e}",
+                    f"the step failed to trace{' at ' + where if where else ''}: {type(e).__name__}: {e}",
                     "loss_fn(model, batch) must run on the model and a batch of these shapes",
                     path="--step",
                 )

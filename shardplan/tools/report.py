@@ -72,7 +72,8 @@ LOWERING_TITLE = "communication per training step, per device: backend shard_map
 
 def print_communication(console: Console, plan: Plan, res: Resolution, *, note: bool = True) -> None:
     comm = communication(plan, res)
-    table = Table(title=LOWERING_TITLE, header_style="bold")
+    console.print(LOWERING_TITLE, markup=False, highlight=False)
+    table = Table(header_style="bold")
     for col in ("collective", "mesh axes", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
     for kind, by in comm["by_axis"].items():

@@ -1,0 +1,219 @@
+"""The step-cost stage: the HLO reader, exact mode against hand sums and an unrolled program,
+fast mode against exact mode, the CLI, and bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import shardplan
+from shardplan.core import hlo
+from tests.helpers import PLANS, ROOT
+
+MODELS = ROOT / "examples" / "models.py"
+STEP = f"{ROOT / 'examples' / 'train.py'}:lm_loss"
+BATCH = ["tokens=int32[16,16],labels=int32[16,16]"]
+
+
+def analyze(plan, model="gpt_tiny", mode="exact", **kw):
+    kw.setdefault("devices", 8)
+    return shardplan.api.analyze(PLANS / plan, model=f"{MODELS}:{model}", step=kw.pop("step", STEP),
+                                 batch=kw.pop("batch", BATCH), mode=mode, **kw)
+
+
+# -- reading HLO text (jax-free) ---------------------------------------------------------------
+
+HLO = """HloModule m, entry_computation_layout={()->f32[]}
+
+FileNames
+1 "/home/u/model.py"
+2 "/x/site-packages/flax/linear.py"
+
+FunctionNames
+1 "f"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=42 end_line=42 column=1 end_column=1}
+2 {file_name_id=2 function_name_id=1 line=7 end_line=7 column=1 end_column=1}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=2}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p = (s32[], f32[8,4]) parameter(0)
+  %v = f32[8,4]{1,0} get-tuple-element(%p), index=1
+  %ar.loop = f32[8,4]{1,0} all-reduce(%v), channel_id=9, replica_groups=[4,2]<=[8], to_apply=%add
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8,4]) tuple(%i, %ar.loop)
+}
+
+%cond (p: (s32[], f32[8,4])) -> pred[] {
+  %p = (s32[], f32[8,4]) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[16,4], w: f32[2,4]) -> f32[] {
+  %a = f32[16,4]{1,0} parameter(0), metadata={op_name="batch['x']"}
+  %w = f32[2,4]{1,0} parameter(1), metadata={op_name="sm['layers'][0]['kernel'].value"}
+  %pid = u32[] partition-id()
+  %ag = f32[8,4]{1,0} all-gather(%w), channel_id=1, replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, dimensions={0}, metadata={op_name="jit(step)/dot_general" stack_frame_id=2}
+  %ar = f32[16,4]{1,0} all-reduce(%a), channel_id=2, replica_groups={{0,2,4,6},{1,3,5,7}}, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp())/dot_general" stack_frame_id=2}
+  %slice = f32[4,4]{1,0} dynamic-slice(%ar, %pid, %pid), dynamic_slice_sizes={4,4}
+  %ar2 = f32[16,4]{1,0} all-reduce(%a), channel_id=3, replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add
+  %neg = f32[16,4]{1,0} negate(%ar2)
+  %init = (s32[], f32[8,4]) tuple(%pid, %ag)
+  %loop = (s32[], f32[8,4]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_hlo_reader_names_groups_axes_loops_sources_and_moved_arguments():
+    ops = {op.name: op for op in hlo.with_axes(hlo.parse(HLO, 8), {"data": 4, "model": 2})}
+    ag, ar, ar2, loop = ops["ag"], ops["ar"], ops["ar2"], ops["ar.loop"]
+    # The mesh form: a group varies along axis_0 (the first mesh axis).
+    assert ag.groups[0] == (0, 2, 4, 6) and ag.axes == ("data",) and ag.bytes == 8 * 4 * 4
+    assert ag.moves == "sm/layers/0/kernel"
+    # The innermost frame outside libraries is the user's model line.
+    assert ag.source == "/home/u/model.py:42" and ag.op_name == "jit(step)/dot_general"
+    # The list form, and the iota form with a transpose, both over data.
+    assert ar.axes == ("data",) and ar2.groups[0] == (0, 2, 4, 6) and ar2.axes == ("data",)
+    # Every use of ar is a per-device slice of 1/4: the reduce-scatter an accelerator runs; ar2 is not.
+    assert ar.as_reduce_scatter and not ar2.as_reduce_scatter
+    # A collective in a while body runs once per iteration.
+    assert loop.runs == 5 and loop.bytes_per_step == 5 * 8 * 4 * 4 and loop.axes == ("model",)
+    summary = hlo.summarize(list(ops.values()), reduce_scatter_on_cpu=True)
+    assert summary["reduce-scatter"] == {"count": 1, "bytes": 16 * 4 * 4}
+    assert summary["all-reduce"] == {"count": 1 + 5, "bytes": 16 * 4 * 4 + 5 * 8 * 4 * 4}
+
+
+# -- exact mode ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    from examples import models
+    from shardplan.runtime.model import abstract_model
+
+    return shardplan.resolve(shardplan.load(PLANS / "fsdp.splan"), abstract_model(models.gpt_tiny), devices=8)
+
+
+def test_exact_data_parallel_all_reduces_every_gradient_once(tiny_params):
+    cost = analyze("dp.splan")
+    params = sum(d.nbytes for d in tiny_params.decisions)
+    assert cost.mode == "exact" and cost.backend == "auto" and cost.mesh == {"data": 8}
+    # A hand sum: every gradient (the params' bytes) plus the scalar loss, over data.
+    assert cost.bytes_by_kind() == {"all-reduce": params + 4, "all-gather": 0, "reduce-scatter": 0,
+                                    "all-to-all": 0, "collective-permute": 0}
+    assert {c.axes for c in cost.communication} == {("data",)}
+    assert cost.memory.peak > cost.memory.params + cost.memory.opt_state and cost.flops > 0
+
+
+def test_exact_fsdp_gathers_and_reduce_scatters_each_split_weight(tiny_params):
+    cost = analyze("fsdp.splan")
+    split = sum(d.nbytes for d in tiny_params.decisions if not d.spec.is_replicated)
+    kinds = cost.bytes_by_kind()
+    assert kinds["all-gather"] == split and kinds["reduce-scatter"] == split
+    gathers = [c for c in cost.communication if c.kind == "all-gather"]
+    assert any(c.moves.endswith("/kernel") and c.rule.endswith("fsdp.splan:10") for c in gathers)
+    assert all("models.py" in c.source for c in gathers)
+
+
+def test_exact_flops_of_a_scanned_model_equal_the_unrolled_models(tmp_path):
+    """XLA's cost analysis counts a while body once; exact mode adds the other iterations, so a
+    scan over layers (no remat) costs what the same layers unrolled cost."""
+    factories = tmp_path / "f.py"
+    factories.write_text("from examples.models import Llama, LlamaConfig\nfrom flax import nnx\n"
+                         "def scanned():\n    return Llama(LlamaConfig(n_layers=4, scan_layers=True, remat='none'), "
+                         "nnx.Rngs(0))\n"
+                         "def unrolled():\n    return Llama(LlamaConfig(n_layers=4), nnx.Rngs(0))\n")
+    kw = dict(step=STEP, batch=BATCH, devices=8)
+    scanned = shardplan.api.analyze(PLANS / "dp.splan", model=f"{factories}:scanned", **kw)
+    unrolled = shardplan.api.analyze(PLANS / "dp.splan", model=f"{factories}:unrolled", **kw)
+    assert scanned.flops == pytest.approx(unrolled.flops, rel=0.02)
+    assert any("loop iterations" in n for n in scanned.notes)
+
+
+# -- fast mode against exact mode -----------------------------------------------------------------
+
+@pytest.mark.parametrize("model, plan", [("gpt_tiny", "dp.splan"), ("gpt_tiny", "fsdp.splan"),
+                                         ("gpt_tiny", "gpt_tp.splan"), ("llama_tiny", "llama_tp.splan"),
+                                         ("llama_tiny_scan", "dp.splan")])
+def test_fast_mode_matches_exact_mode(model, plan):
+    fast, exact = analyze(plan, model, mode="fast"), analyze(plan, model, mode="exact")
+    assert fast.mode == "fast" and fast.backend == "auto"
+    assert fast.flops == pytest.approx(exact.flops, rel=0.02)
+    for kind, nbytes in exact.bytes_by_kind().items():
+        assert fast.bytes_by_kind()[kind] == pytest.approx(nbytes, rel=0.10, abs=64), kind
+    assert fast.memory.peak == pytest.approx(exact.memory.peak, rel=0.5)
+
+
+def test_fast_mode_is_only_for_the_auto_backend():
+    with pytest.raises(shardplan.ArgumentError, match="fast mode models the auto backend"):
+        analyze("dp.splan", mode="fast", backend="shard_map")
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "shardplan", "check", *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_check_step_names_backend_and_mode_in_text_and_json():
+    args = [PLANS / "fsdp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8, "--step", STEP, "--batch", BATCH[0]]
+    r = cli(*args, "--compile")
+    assert r.returncode == 0, r.stderr
+    assert "backend auto, exact mode (XLA's compiled program)" in r.stdout and "reduce-scatter" in r.stdout
+    assert "backend shard_map (its lowering, from specs alone)" in r.stdout
+    doc = json.loads(cli(*args, "--format", "json").stdout)
+    assert doc["step_cost"]["mode"] == "fast" and doc["step_cost"]["backend"] == "auto"
+    assert doc["communication"]["backend"] == "shard_map"
+    assert doc["step_cost"]["communication_per_device"]["by_kind"]["reduce-scatter"] > 0
+
+
+def test_without_a_step_check_says_the_table_is_not_the_auto_backends():
+    r = cli(PLANS / "gpt_tp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8)
+    assert r.returncode == 0 and "runs on the auto backend, where XLA chooses the collectives" in r.stdout
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+def test_a_loss_that_is_not_a_scalar(tmp_path):
+    step = tmp_path / "s.py"
+    step.write_text("def per_token(model, batch):\n    return model(batch['tokens']).mean(-1)\n")
+    with pytest.raises(shardplan.PlanApplyError, match="not a float scalar"):
+        analyze("dp.splan", step=f"{step}:per_token", mode="fast")
+
+
+def test_a_step_that_fails_to_trace_shows_the_users_frame(tmp_path):
+    step = tmp_path / "s.py"
+    step.write_text("def broken(model, batch):\n    x = model(batch['tokens'])\n    return x @ x\n")
+    r = cli(PLANS / "dp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8, "--step", f"{step}:broken",
+            "--batch", BATCH[0], "--compile")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"{step}:3" in r.stderr and "error[loss-failed]" in r.stderr
+
+
+def test_batch_shapes_that_do_not_divide_over_the_batch_axes():
+    with pytest.raises(shardplan.PlanCheckError) as info:
+        analyze("dp.splan", batch=["tokens=int32[12,16],labels=int32[12,16]"])
+    assert info.value.diagnostics[0].code == "indivisible" and "data=8" in info.value.diagnostics[0].message
+
+
+def test_a_mesh_too_large_to_simulate_says_the_limit():
+    with pytest.raises(shardplan.ArgumentError, match="at most 1024 CPU devices"):
+        analyze("dp.splan", mesh={"data": 4096}, devices=None)
+
+
+@pytest.mark.parametrize("item", ["tokens=int32[0,4]", "tokens=int33[4,4]", "tokens", "tokens=int32[4,4"])
+def test_malformed_batch_shapes(item):
+    with pytest.raises(shardplan.ArgumentError, match="cannot read the batch item"):
+        analyze("dp.splan", batch=[item], mode="fast")
