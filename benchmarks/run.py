@@ -222,6 +222,80 @@ def bench_generation(quick: bool) -> dict:
             "speedup": t_naive / t_padded, "prompt_lengths": list(lengths), "compiles": compiles}
 
 
+# -- 6. step cost: fast mode vs exact mode -----------------------------------------------------
+def _factory(family: str, plan: str, quick: bool) -> str:
+    size = "tiny" if quick else "small"
+    if family == "gpt":
+        return f"gpt_{size}_annotated" if "logical" in plan else f"gpt_{size}"
+    return f"llama_{size}_scan" if "scan" in plan else f"llama_{size}"
+
+
+def bench_step_cost(quick: bool) -> dict:
+    """Fast mode (jaxpr) against exact mode (XLA's compiled program), auto backend, 8 devices:
+    every plan in plans/ x both model families (GPT, Llama)."""
+    import shardplan
+
+    plans = ["dp.splan", "gpt_tp.splan"] if quick else sorted(p.name for p in (ROOT / "plans").glob("*.splan"))
+    seq = 16 if quick else 32
+    batch = [f"tokens=int32[32,{seq}],labels=int32[32,{seq}]"]
+    rows = []
+    for plan in plans:
+        for family in ("gpt", "llama"):
+            model = f"{ROOT / 'examples' / 'models.py'}:{_factory(family, plan, quick)}"
+            kw = dict(model=model, step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=batch, devices=8)
+            fast = shardplan.api.analyze(ROOT / "plans" / plan, mode="fast", **kw)
+            exact = shardplan.api.analyze(ROOT / "plans" / plan, mode="exact", **kw)
+            fk, ek = fast.bytes_by_kind(), exact.bytes_by_kind()
+            comm = {k: {"fast": fk[k], "exact": ek[k], "error": abs(fk[k] - ek[k]) / ek[k] if ek[k] else
+                        (0.0 if fk[k] == 0 else float("inf"))} for k in ek if ek[k] or fk[k]}
+            rows.append({"plan": plan, "model": _factory(family, plan, quick), "comm": comm,
+                         "peak_fast": fast.memory.peak, "peak_exact": exact.memory.peak,
+                         "peak_error": abs(fast.memory.peak - exact.memory.peak) / exact.memory.peak,
+                         "flops_fast": fast.flops, "flops_exact": exact.flops,
+                         "flops_error": abs(fast.flops - exact.flops) / exact.flops,
+                         "fast_s": fast.seconds, "exact_s": exact.seconds})
+    return {"rows": rows}
+
+
+def bench_step_cost_scale(quick: bool) -> dict:
+    """Fast mode on the Llama-2-70B shapes (80 layers, data=32,model=8, full train step) against
+    nnx.eval_shape of the model alone, side by side; exact mode on 64 simulated devices for a
+    1.5B-param model (full runs only)."""
+    import subprocess
+
+    import shardplan
+    from flax import nnx
+
+    from examples import models
+
+    model = "llama2_70b" if not quick else "gpt_small"
+    mesh = {"data": 32, "model": 8} if not quick else {"data": 4, "model": 2}
+    factory = getattr(models, model)
+    t = time.perf_counter()
+    with nnx.use_eager_sharding(False):
+        nnx.eval_shape(factory)
+    t_eval = time.perf_counter() - t
+    t = time.perf_counter()
+    seq = 4096 if not quick else 32
+    cost = shardplan.api.analyze(ROOT / "plans" / "gpt_tp.splan", model=f"{ROOT / 'examples' / 'models.py'}:{model}",
+                                 step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", mode="fast", mesh=mesh,
+                                 batch=[f"tokens=int32[{mesh['data'] * 4},{seq}],labels=int32[{mesh['data'] * 4},{seq}]"])
+    t_fast = time.perf_counter() - t
+    out = {"model": model, "mesh": mesh, "eval_shape_s": t_eval, "fast_s": t_fast, "ratio": t_fast / t_eval,
+           "flops_per_device": cost.flops, "peak_per_device": cost.memory.peak,
+           "comm_per_device": cost.bytes_by_kind()}
+    if not quick:
+        cmd = [sys.executable, "-m", "shardplan", "check", str(ROOT / "plans" / "llama_scan_2d.splan"), "--model",
+               f"{ROOT / 'examples' / 'models.py'}:llama_1b", "--mesh", "data=16,model=4", "--step",
+               f"{ROOT / 'examples' / 'train.py'}:lm_loss", "--batch",
+               "tokens=int32[64,2048],labels=int32[64,2048]", "--compile", "--format", "json"]
+        t = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        out["exact_64_s"] = time.perf_counter() - t
+        out["exact_64_ok"] = r.returncode == 0
+    return out
+
+
 # -- the runner -------------------------------------------------------------------------------
 def _check(name, value, target, op, fmt="{:.2f}x") -> dict:
     met = value >= target if op == ">=" else value <= target
@@ -258,6 +332,9 @@ def main(argv=None) -> int:
     console.print("4. cost model done")
     res["generation"] = bench_generation(args.quick)
     console.print("5. generation done")
+    res["step_cost"] = bench_step_cost(args.quick)
+    res["step_cost_scale"] = bench_step_cost_scale(args.quick)
+    console.print("6. step cost done")
 
     r = res["resolution"]
     checks = [
@@ -277,6 +354,14 @@ def main(argv=None) -> int:
     g = res["generation"]
     checks.append(_check(f"generation: padded tokens/s vs recompile-per-length ({g['tokens']} tokens)",
                          g["speedup"], 1.0, ">="))
+    for row in res["step_cost"]["rows"]:
+        name = f"{row['plan']} x {row['model']}"
+        for kind, c in row["comm"].items():
+            checks.append(_check(f"fast vs exact {name}: {kind} bytes error", c["error"], 0.10, "<=", "{:.1%}"))
+        checks.append(_check(f"fast vs exact {name}: peak memory error", row["peak_error"], 0.15, "<=", "{:.1%}"))
+        checks.append(_check(f"fast vs exact {name}: FLOPs error", row["flops_error"], 0.02, "<=", "{:.2%}"))
+    sc = res["step_cost_scale"]
+    checks.append(_check(f"fast mode {sc['model']} full step / nnx.eval_shape of the model", sc["ratio"], 2.0, "<="))
 
     table = Table(title="shardplan vs plain JAX", header_style="bold")
     for col in ("measurement", "value", "target", "met"):

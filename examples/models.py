@@ -369,6 +369,10 @@ def llama_small(seed: int = 0) -> Llama:
     return Llama(LLAMA_SMALL, nnx.Rngs(seed))
 
 
+def llama_small_scan(seed: int = 0) -> Llama:
+    return Llama(LlamaConfig(**{**LLAMA_SMALL.__dict__, "scan_layers": True}), nnx.Rngs(seed))
+
+
 def llama_1b(seed: int = 0) -> Llama:
     """Llama-3.2-1B-shaped (scanned layers). Build it abstractly: ``nnx.eval_shape(llama_1b)``."""
     return Llama(LLAMA_1B, nnx.Rngs(seed))
@@ -384,6 +388,10 @@ def gpt_tiny_annotated(seed: int = 0) -> GPT:
 
 def gpt_small(seed: int = 0) -> GPT:
     return GPT(SMALL, nnx.Rngs(seed))
+
+
+def gpt_small_annotated(seed: int = 0) -> GPT:
+    return GPT(GPTConfig(**{**SMALL.__dict__, "annotate": True}), nnx.Rngs(seed))
 
 
 def mlp_small(seed: int = 0) -> MLP:

@@ -52,6 +52,7 @@ CODES: dict[str, Code] = {
         _e("duplicate-axis-rule", "check", "one logical axis name mapped twice in one file"),
         _e("unknown-backend", "check", "a backend that is not registered (`auto`, `shard_map`)"),
         _e("no-mesh", "check", "no mesh in the plan, its bases, or the command line"),
+        _e("unknown-link", "check", "a mesh axis tagged with a link other than `@ici` or `@dcn`"),
         _e("extends-cycle", "check", "a plan extends itself, directly or through its bases"),
         _e("cannot-read", "check", "a plan, base or shapes file that cannot be read"),
         # a plan against shapes and devices
@@ -79,6 +80,7 @@ CODES: dict[str, Code] = {
         _e("bad-model-arg", "argument", "a `--model` that is not `FILE.py:FACTORY` or `module:FACTORY`"),
         _e("bad-argument", "argument", "a command-line or API argument out of range or malformed"),
         _e("unknown-optimizer", "argument", "an optimizer name that is not registered"),
+        _e("unknown-chip", "argument", "a `--chip` that is not in the registry of accelerators"),
         _e("bad-axis-types", "argument", "`axis_types` other than `auto` or `explicit`"),
         _e("model-import", "argument", "the model's module fails to import"),
         _e("model-build", "argument", "the model factory fails under `nnx.eval_shape`"),

@@ -38,6 +38,17 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     steps = {k: v for k, v in g["compiles"].items() if "shardplan_" in k}
     assert steps == {"jit(shardplan_prefill)": 1, "jit(shardplan_decode)": 1}, g["compiles"]
     assert g["tokens"] == len(g["prompt_lengths"]) * 8 * 8
+    # Step cost: fast vs exact for each plan x model family, with the ratios the checks report.
+    rows = res["step_cost"]["rows"]
+    assert {(r["plan"], r["model"].split("_")[0]) for r in rows} == {
+        (p, f) for p in ("dp.splan", "gpt_tp.splan") for f in ("gpt", "llama")}
+    for r in rows:
+        assert r["flops_exact"] > 0 and r["peak_exact"] > 0
+        assert r["flops_error"] == abs(r["flops_fast"] - r["flops_exact"]) / r["flops_exact"]
+        assert r["comm"]["all-reduce"]["exact"] > 0  # every one of these plans reduces gradients
+    scale = res["step_cost_scale"]
+    assert scale["eval_shape_s"] > 0 and scale["ratio"] == scale["fast_s"] / scale["eval_shape_s"]
     # The table's verdicts are computed from these figures, one per check.
-    assert len(checks) == 3 + 4 + 2 * 5 + 1
+    step_checks = sum(len(r["comm"]) + 2 for r in rows) + 1
+    assert len(checks) == 3 + 4 + 2 * 5 + 1 + step_checks
     assert all(c["met"] in ("yes", "NO (missed)") for c in checks)

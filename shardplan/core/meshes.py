@@ -10,7 +10,7 @@ import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from shardplan.core.plan import MeshAxis, Plan
+from shardplan.core.plan import LINKS, MeshAxis, Plan
 from shardplan.errors import Diagnostic, Span, as_error, error
 
 MeshSizes = Mapping[str, "int | None"]  # None: a '*' axis, inferred from the device count
@@ -124,5 +124,54 @@ def with_mesh(plan: Plan, sizes: MeshSizes) -> Plan:
     if diags:
         raise as_error(diags)
     return replace(
-        plan, mesh=tuple(MeshAxis(n, s, None) for n, s in sizes.items()), mesh_span=None, mesh_source_line=""
+        plan,
+        mesh=tuple(MeshAxis(n, s, None, {a.name: a.link for a in plan.mesh}.get(n, "ici")) for n, s in sizes.items()),
+        mesh_span=None,
+        mesh_source_line="",
     )
+
+
+def parse_links_arg(items: list[str]) -> dict[str, str]:
+    """``["data=dcn"]`` (or ``data=dcn,model=ici``) -> {"data": "dcn"}.
+
+    Raises:
+        ArgumentError: not name=link with a link in LINKS.
+    """
+    out: dict[str, str] = {}
+    for part in (p.strip() for item in items for p in item.split(",")):
+        name, eq, link = part.partition("=")
+        if not eq or not name.strip().isidentifier() or link.strip() not in LINKS:
+            raise as_error(
+                [
+                    error(
+                        "bad-argument",
+                        f"cannot read the link '{part}'",
+                        f"write AXIS=LINK with LINK one of {', '.join(LINKS)}: --link data=dcn",
+                        path="--link",
+                    )
+                ]
+            )
+        out[name.strip()] = link.strip()
+    return out
+
+
+def with_links(plan: Plan, links: dict[str, str]) -> Plan:
+    """The plan with some mesh axes' links replaced (``--link data=dcn``).
+
+    Raises:
+        ArgumentError: an axis the mesh lacks.
+    """
+    names = [a.name for a in plan.mesh]
+    missing = [n for n in links if n not in names]
+    if missing:
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    f"--link names axis '{missing[0]}', which the mesh lacks",
+                    f"the mesh axes are: {', '.join(names)}",
+                    path="--link",
+                )
+            ]
+        )
+    return replace(plan, mesh=tuple(replace(a, link=links.get(a.name, a.link)) for a in plan.mesh))

@@ -17,6 +17,7 @@ from shardplan.core.spec import Spec
 from shardplan.errors import Diagnostic, PlanCheckError, Span, error
 
 RuleKind = Literal["param", "opt", "input"]
+LINKS = ("ici", "dcn")  # what a mesh axis's collectives cross: fast links in a host/slice, or the network
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class MeshAxis:
     name: str
     size: int | None  # None: inferred from the device count
     span: Span | None
+    link: str = "ici"  # "ici": fast links inside a host or slice; "dcn": the network between them
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import re2
 
 from shardplan.core.backends import NAMES as BACKENDS
 from shardplan.core.meshes import MeshSizes, closest, size_problems
-from shardplan.core.plan import AxisRule, MeshAxis, Plan, Rule, RuleKind
+from shardplan.core.plan import LINKS, AxisRule, MeshAxis, Plan, Rule, RuleKind
 from shardplan.core.spec import Spec
 from shardplan.errors import Diagnostic, PlanCheckError, Span, error, warning
 from shardplan.lang import syntax as ast
@@ -102,7 +102,17 @@ class _Checker:
                 "at most one axis size can be inferred from the device count; give the other a number",
                 extra.span,
             )
-        return tuple(MeshAxis(a.name, a.size, a.span) for a in node.axes)
+        for a in node.axes:
+            if a.link is not None and a.link not in LINKS:
+                near = closest(a.link, LINKS)
+                self.err(
+                    "unknown-link",
+                    f"unknown link '@{a.link}' for mesh axis '{a.name}'",
+                    (near + " " if near else "") + "write @ici (inside a host or slice, the default) or @dcn "
+                    "(the network between hosts or slices)",
+                    a.link_span or a.span,
+                )
+        return tuple(MeshAxis(a.name, a.size, a.span, a.link if a.link in LINKS else "ici") for a in node.axes)
 
     # -- specs --------------------------------------------------------------------------
     def spec(self, node: ast.SpecNode, axis_names: tuple[str, ...]) -> Spec:
@@ -242,7 +252,8 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
 
     mesh = c.mesh(mesh_node)
     if mesh_override is not None:
-        mesh = tuple(MeshAxis(n, s, None) for n, s in mesh_override.items())
+        written = {a.name: a.link for a in mesh}  # links tagged in the file carry over by name
+        mesh = tuple(MeshAxis(n, s, None, written.get(n, "ici")) for n, s in mesh_override.items())
         c.diags.extend(size_problems(mesh_override, "mesh"))
     elif mesh_node is None:
         m0 = modules[0]

@@ -93,9 +93,17 @@ class _ToAst(Transformer):
         return syntax.Extends(c[0][1:-1], self._s(meta))
 
     def mesh_axis(self, meta, c):
-        name, size = c
+        name, size = c[0], c[1]
+        link = c[2] if len(c) > 2 else None
         value = None if size.type == "STAR" else int(size)
-        return syntax.MeshAxisNode(str(name), value, self._s(meta), _tok_span(self.file, name))
+        return syntax.MeshAxisNode(
+            str(name),
+            value,
+            self._s(meta),
+            _tok_span(self.file, name),
+            str(link) if link is not None else None,
+            _tok_span(self.file, link) if link is not None else None,
+        )
 
     def mesh_stmt(self, meta, c):
         return syntax.MeshNode(tuple(c), self._s(meta))

@@ -45,6 +45,8 @@ class MeshAxisNode:
     size: int | None  # None: inferred from the device count ('*')
     span: Span
     name_span: Span
+    link: str | None = None  # "@ici" / "@dcn" as written
+    link_span: Span | None = None
 
 
 @dataclass(frozen=True)

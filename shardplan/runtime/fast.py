@@ -152,6 +152,7 @@ class Val:
 @dataclass
 class _Ctx:
     mesh: dict[str, int]
+    batch_axes: tuple[str, ...] = ()  # the axes inputs are split over (activations carry them)
     comm: list[Communication] = field(default_factory=list)
     flops: float = 0.0
     transcendentals: float = 0.0
@@ -577,11 +578,11 @@ class _Propagator:
         self._flops(self.ctx.local(out) / out.itemsize, mult, "gather")
         if rows:
             # A table split over its rows: a masked local lookup summed over those axes (an
-            # all-reduce of the output), or the table gathered first, whichever moves fewer
-            # bytes; an axis that also splits the output leaves only the gather.
+            # all-reduce of the output), as GSPMD does even where gathering the table would move
+            # fewer bytes (measured); an axis that also splits the activations (the output, or
+            # the batch) makes it gather the table instead.
             whole = [tuple(a for a in d if a not in rows) for d in table.dims]
-            gather_bytes = self.ctx.local(Val(table.shape, table.itemsize, _tuple(whole)))
-            if any(a in out.axes for a in rows) or gather_bytes < self.ctx.local(out):
+            if any(a in out.axes or a in self.ctx.batch_axes for a in rows):
                 self.reshard(eqn.invars[0], table, _tuple(whole), mult, "gather")
                 return out
             return replace(out, partial=frozenset(rows))
@@ -725,7 +726,7 @@ def analyze(
     prefixes = ["param"] * len(params.decisions) + ["opt"] * len(opt.decisions) + ["input"] * len(inputs.decisions)
     if len(decisions) != len(jaxpr.invars):
         raise RuntimeError(f"traced {len(jaxpr.invars)} inputs for {len(decisions)} leaves")
-    ctx = _Ctx(dict(mesh))
+    ctx = _Ctx(dict(mesh), plan.batch_axes)
     names: dict[Any, str] = {}
     env: dict[Any, Val] = {}
     for var, d, role in zip(jaxpr.invars, decisions, prefixes, strict=True):

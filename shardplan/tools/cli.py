@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from rich.console import Console
 
 from shardplan import api
-from shardplan.core import backends, optimizers
+from shardplan.core import backends, chips, optimizers, timing
 from shardplan.core.format import fmt_bytes, parse_bytes
-from shardplan.core.meshes import parse_mesh_arg
+from shardplan.core.meshes import parse_links_arg, parse_mesh_arg, with_links
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD
 from shardplan.core.shapes import ITEMSIZE
 from shardplan.errors import LaunchError, ShardPlanError, as_error, error
@@ -85,11 +85,20 @@ def cmd_check(args, out: Console, err: Console) -> int:
         for note in r.notes:
             err.print(f"note: {note}", style="dim", markup=False, highlight=False)
     costs = _step_costs(args, results) if args.step else None
+    if (args.chip or args.link) and costs is None:
+        raise _UsageError("--chip and --link estimate a step's time: name the step with --step and --batch")
+    times = None
+    if args.chip and costs is not None:
+        links = parse_links_arg(args.link or [])
+        chip = chips.lookup(args.chip)
+        times = [timing.step_time(c, with_links(r.plan, links), chip) for c, r in zip(costs, results, strict=True)]
     all_diags = [d for r in results for d in r.warnings]
     if args.format == "json":
         docs = [report.to_json(r.plan, r.resolution, list(r.warnings), budget) for r in results]
-        for doc, cost in zip(docs, costs or [], strict=False):
+        for i, (doc, cost) in enumerate(zip(docs, costs or [], strict=False)):
             doc["step_cost"] = cost.to_json()
+            if times is not None:
+                doc["step_cost"]["time"] = times[i].to_json()
             if budget is not None:
                 doc["step_cost"]["fits"] = cost.memory.peak <= budget
         out.print_json(json.dumps(docs[0] if len(docs) == 1 else {"plans": docs}))
@@ -100,9 +109,9 @@ def cmd_check(args, out: Console, err: Console) -> int:
             )
             report.print_communication(out, first.plan, first.resolution, note=costs is None)
         if costs is not None:
-            report.print_step_cost(out, first.plan.name or args.plan, costs[0])
+            report.print_step_cost(out, first.plan.name or args.plan, costs[0], times[0] if times else None)
         if others:
-            report.print_comparison(out, [(r.plan, r.resolution) for r in results], budget, costs)
+            report.print_comparison(out, [(r.plan, r.resolution) for r in results], budget, costs, times)
         report.print_diagnostics(err, all_diags)
         if first.resolution is None:
             plan = first.plan
@@ -303,6 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
         "and read XLA's program",
     )
     st.add_argument("--backend", choices=backends.NAMES, help="the backend to cost (default: the plan's)")
+    st.add_argument("--chip", choices=sorted(chips.CHIPS), help="estimate the step time and MFU on this accelerator")
+    st.add_argument(
+        "--link",
+        action="append",
+        metavar="AXIS=LINK",
+        help="which links a mesh axis crosses for the time estimate: ici (default) or dcn; overrides "
+        "the plan's @ici/@dcn tags (repeatable)",
+    )
     c.add_argument("--vs", action="append", metavar="PLAN", help="compare with another plan, side by side (repeatable)")
     c.set_defaults(func=cmd_check)
 

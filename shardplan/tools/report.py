@@ -16,6 +16,7 @@ from shardplan.core.format import fmt_bytes, fmt_shape, layer_group
 from shardplan.core.leaves import Decision, Resolution
 from shardplan.core.plan import Plan
 from shardplan.core.stepcost import StepCost
+from shardplan.core.timing import StepTime
 from shardplan.errors import MAX_SHOWN, Diagnostic
 
 
@@ -90,7 +91,9 @@ def print_communication(console: Console, plan: Plan, res: Resolution, *, note: 
         )
 
 
-def print_step_cost(console: Console, name: str, cost: StepCost, *, limit: int = 15) -> None:
+def print_step_cost(
+    console: Console, name: str, cost: StepCost, time: StepTime | None = None, *, limit: int = 15
+) -> None:
     """One step's cost: FLOPs, memory, and every collective with where it comes from."""
     mesh = ",".join(f"{k}={v}" for k, v in cost.mesh.items())
     what = "XLA's compiled program" if cost.mode == "exact" else "the step's jaxpr (no compile)"
@@ -126,11 +129,21 @@ def print_step_cost(console: Console, name: str, cost: StepCost, *, limit: int =
         moves = f"{c.moves} ({_short(c.rule)})" if c.rule else c.moves
         top.add_row(c.kind, ",".join(c.axes), fmt_bytes(c.bytes), escape(c.op), escape(source), escape(moves))
     console.print(top)
+    if time is not None:
+        links = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in sorted(time.comm_by_link.items())) or "none"
+        console.print(
+            f"[bold]step time on {time.chip}[/] (roofline: compute at peak, collectives over their links): "
+            f"compute {time.compute_s * 1e3:,.1f} ms, communication {time.comm_s * 1e3:,.1f} ms ({links}); "
+            f"step {time.overlapped_s * 1e3:,.1f} ms overlapped to {time.serial_s * 1e3:,.1f} ms serial, "
+            f"MFU at most {time.mfu_overlapped:.0%} to {time.mfu_serial:.0%}"
+        )
     for n in cost.notes:
         console.print(f"[dim]note: {escape(n)}[/]")
 
 
-def print_comparison(console: Console, results, budget: int | None = None, costs: Sequence | None = None) -> None:
+def print_comparison(
+    console: Console, results, budget: int | None = None, costs: Sequence | None = None, times: Sequence | None = None
+) -> None:
     table = Table(title="plans side by side (per device)", header_style="bold")
     table.add_column("")
     for plan, res in results:
@@ -153,6 +166,11 @@ def print_comparison(console: Console, results, budget: int | None = None, costs
         label = f"{c0.backend}, {c0.mode}" if all(c.backend == c0.backend for c in costs) else "each plan's backend"
         table.add_row(f"step peak memory ({label})", *[fmt_bytes(c.memory.peak) for c in costs])
         table.add_row(f"step GFLOP ({label})", *[f"{c.flops / 1e9:,.3f}" for c in costs])
+        if times is not None:
+            table.add_row(
+                f"step time on {times[0].chip} (overlapped .. serial)",
+                *[f"{t.overlapped_s * 1e3:,.1f} .. {t.serial_s * 1e3:,.1f} ms" for t in times],
+            )
         for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
             values = [c.bytes_by_kind().get(kind, 0) for c in costs]
             if any(values):
