@@ -217,3 +217,44 @@ def test_a_mesh_too_large_to_simulate_says_the_limit():
 def test_malformed_batch_shapes(item):
     with pytest.raises(shardplan.ArgumentError, match="cannot read the batch item"):
         analyze("dp.splan", batch=[item], mode="fast")
+
+
+# -- step time ------------------------------------------------------------------------------------
+
+def test_step_time_is_a_roofline_over_each_axis_links():
+    from shardplan.core import chips, timing
+    from shardplan.core.stepcost import Communication, Memory, StepCost
+
+    plan = shardplan.loads("mesh data = 4 @dcn, model = 8\ndefault replicated")
+    cost = StepCost("fast", "auto", {"data": 4, "model": 8}, 989e12, Memory(0, 0, 0),
+                    (Communication("all-reduce", ("model",), 8 * 10**9, 1),
+                     Communication("all-gather", ("data",), 4 * 10**9, 1)))
+    t = timing.step_time(cost, plan, chips.lookup("h100"))
+    assert t.compute_s == pytest.approx(1.0)  # 989 TFLOP at 989 TFLOP/s
+    assert t.comm_by_link["ici"] == pytest.approx(2 * 7 / 8 * 8e9 / 450e9)  # ring all-reduce over NVLink
+    assert t.comm_by_link["dcn"] == pytest.approx(3 / 4 * 4e9 / 50e9)  # all-gather over the network
+    assert t.serial_s == pytest.approx(t.compute_s + t.comm_s) and t.overlapped_s == pytest.approx(1.0)
+    relinked = timing.step_time(cost, shardplan.core.meshes.with_links(plan, {"data": "ici"}), chips.lookup("h100"))
+    assert set(relinked.comm_by_link) == {"ici"}
+
+
+def test_unknown_chip_and_link_are_located_errors():
+    from shardplan.core import chips
+
+    with pytest.raises(shardplan.ArgumentError, match="did you mean 'h100'"):
+        chips.lookup("h1000")
+    with pytest.raises(shardplan.PlanCheckError) as info:
+        shardplan.loads("mesh data = * @nvlink\ndefault replicated", "p.splan")
+    d = info.value.diagnostics[0]
+    assert d.code == "unknown-link" and (d.span.line, d.span.column) == (1, 16)
+    with pytest.raises(shardplan.ArgumentError, match="cannot read the link"):
+        shardplan.core.meshes.parse_links_arg(["data=fast"])
+
+
+def test_check_chip_prints_the_step_time():
+    r = cli(PLANS / "gpt_tp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8, "--step", STEP,
+            "--batch", BATCH[0], "--chip", "tpu-v5e", "--link", "data=dcn", "--format", "json")
+    assert r.returncode == 0, r.stderr
+    t = json.loads(r.stdout)["step_cost"]["time"]
+    assert t["chip"] == "tpu-v5e" and t["compute_s"] > 0 and set(t["comm_by_link"]) <= {"ici", "dcn"}
+    assert cli(PLANS / "dp.splan", "--chip", "h100").returncode == 2  # a time needs --step
