@@ -1,0 +1,84 @@
+"""The step-time estimate against published training runs (docs/stepcost.md).
+
+    python -m benchmarks.published
+
+MaxText on Cloud TPU v6e-256 (FSDP over the 256 chips, bf16, scanned layers under full remat):
+- Llama 2 70B, sequence 4096, 1024 sequences per step: 17.373 s per step, 943 tokens/s/device
+  (AI-Hypercomputer/tpu-recipes, training/trillium/Llama2-70B-MaxText/README.md; MaxText's
+  docs/reference/models/tiering.md lists it at 43.8% MFU, ~900 tokens/s/device);
+- Llama 3.1 8B, sequence 8192: 7,207 tokens/s/device, 45.46% MFU (MaxText tiering.md).
+Each is costed in fast mode with the same shapes (our Llama: RoPE, GQA, SwiGLU, naive
+attention) and timed on the tpu-v6e preset; the ratio predicted / published is printed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from flax import nnx
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN = '''plan "fsdp-scanned"
+mesh data = *
+batch (data, _)
+param "layers/.*/kernel" (_, data, _)
+param "embed/embedding" (data, _)
+param "lm_head/kernel" (data, _)
+default replicated
+'''
+
+
+def llama2_70b_bf16():
+    from examples.models import Llama, LlamaConfig
+
+    return Llama(LlamaConfig(vocab=32000, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672, n_layers=80,
+                             max_len=4096, scan_layers=True, remat="full", dtype="bfloat16"), nnx.Rngs(0))
+
+
+def llama31_8b_bf16():
+    from examples.models import Llama, LlamaConfig
+
+    return Llama(LlamaConfig(vocab=128256, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, n_layers=32,
+                             max_len=8192, rope_theta=500000.0, scan_layers=True, remat="full", dtype="bfloat16"),
+                 nnx.Rngs(0))
+
+
+# (factory, sequence, sequences per device, published tokens/s/device, published s/step or None)
+RUNS = [("llama2_70b_bf16", 4096, 4, 943.086, 17.373), ("llama31_8b_bf16", 8192, 2, 7207.0, None)]
+
+
+def run() -> list[dict]:
+    import shardplan
+    from shardplan.core import chips, timing
+
+    plan = shardplan.loads(PLAN, "fsdp-scanned.splan", mesh={"data": 256})
+    chip = chips.lookup("tpu-v6e")
+    rows = []
+    for name, seq, per_device, tokens_s, step_s in RUNS:
+        cost = shardplan.api.analyze(plan, model=f"{Path(__file__).resolve()}:{name}",
+                                     step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", mode="fast",
+                                     batch=[f"tokens=int32[{256 * per_device},{seq}],labels=int32[{256 * per_device},{seq}]"])
+        t = timing.step_time(cost, plan, chip)
+        tokens = per_device * seq
+        rows.append({"run": name, "tokens_per_device_step": tokens, "published_tokens_s": tokens_s,
+                     "published_step_s": step_s, "predicted_step_s": (t.overlapped_s, t.serial_s),
+                     "predicted_tokens_s": (tokens / t.serial_s, tokens / t.overlapped_s),
+                     "ratio_tokens_s": (tokens / t.serial_s / tokens_s, tokens / t.overlapped_s / tokens_s),
+                     "compute_s": t.compute_s, "comm_s": t.comm_s, "flops": cost.flops})
+    return rows
+
+
+def main() -> int:
+    sys.path.insert(0, str(ROOT))
+    for r in run():
+        lo, hi = r["ratio_tokens_s"]
+        print(f"{r['run']}: predicted {r['predicted_tokens_s'][0]:,.0f}..{r['predicted_tokens_s'][1]:,.0f} tokens/s/device "
+              f"(compute {r['compute_s']:.2f} s, communication {r['comm_s']:.2f} s per step), published "
+              f"{r['published_tokens_s']:,.0f}: predicted / published {lo:.2f}..{hi:.2f} "
+              f"({'within' if max(abs(lo - 1), abs(hi - 1)) <= 0.25 else 'NOT within'} 25%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
