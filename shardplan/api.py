@@ -360,22 +360,12 @@ def analyze(
     import subprocess
     import sys
 
-    from shardplan.core.backends import BACKENDS
+    from shardplan.core import backends
     from shardplan.errors import Diagnostic, Span
 
     p = _plan(plan, mesh)
     name = backend or p.backend
-    if name not in BACKENDS:
-        raise as_error(
-            [
-                error(
-                    "unknown-backend",
-                    f"unknown backend '{name}'",
-                    f"use one of: {', '.join(BACKENDS)}",
-                    path="--backend",
-                )
-            ]
-        )
+    backends.lookup(name, "--backend")
     if mode not in ("exact", "fast"):
         raise as_error([error("bad-argument", f"unknown mode '{mode}'", "use 'fast' or 'exact'", path="mode")])
     optimizers.lookup(optimizer)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardplan.errors import as_error, error
+
 
 @dataclass(frozen=True)
 class BackendInfo:
@@ -38,3 +40,17 @@ BACKENDS: dict[str, BackendInfo] = {
 
 NAMES: tuple[str, ...] = tuple(BACKENDS)
 DEFAULT = "auto"
+
+
+def lookup(name: str, where: str = "backend") -> BackendInfo:
+    """The registered backend ``name``.
+
+    Raises:
+        PlanCheckError: no backend of that name (``unknown-backend``).
+    """
+    info = BACKENDS.get(name)
+    if info is None:
+        raise as_error(
+            [error("unknown-backend", f"unknown backend '{name}'", f"use one of: {', '.join(BACKENDS)}", path=where)]
+        )
+    return info

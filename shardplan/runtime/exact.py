@@ -19,6 +19,7 @@ from shardplan.core import hlo
 from shardplan.core.leaves import Resolution
 from shardplan.core.stepcost import Communication, Memory, StepCost
 from shardplan.errors import as_error, error
+from shardplan.runtime.step import check_loss
 
 
 def abstract_state(state: Any, shardings: Any) -> Any:
@@ -75,7 +76,7 @@ def compile_step(
     batch_in = abstract_state(batch_abs, inputs.shardings(mesh))
     sm = abstract_state(nnx.state(abs_model), params.shardings(mesh))
     so = abstract_state(nnx.state(abs_opt), opt.shardings(mesh))
-    check_loss(loss_fn, abs_model, batch_abs)
+    check_loss(loss_fn, abs_model, batch_abs, where="--step")
     with nnx.use_eager_sharding(False):
         step = backends.get(backend).build(placement, loss_fn, abs_model, abs_opt)
         compiled = step.lower(sm, so, batch_in).compile()
@@ -153,44 +154,3 @@ def communications(
             )
         )
     return tuple(sorted(out, key=lambda c: (c.kind, -c.bytes)))
-
-
-def user_frame(tb: Any) -> str:
-    """'file:line' of the innermost traceback frame in the user's code (not jax, flax or shardplan)."""
-    import traceback
-
-    frames = [f for f in traceback.extract_tb(tb) if not any(p in f.filename for p in hlo.LIBRARY_PATHS)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
-
-
-def check_loss(loss_fn: Any, abs_model: Any, batch: dict) -> None:
-    """The loss must trace on the abstract model and batch and return a float scalar."""
-    import jax
-    from flax import nnx
-
-    try:
-        out = nnx.eval_shape(loss_fn, abs_model, batch)
-    except Exception as e:  # the user's code: show their error and their frame, not ours
-        where = user_frame(e.__traceback__)
-        raise as_error(
-            [
-                error(
-                    "loss-failed",
-                    f"the step failed to trace{' at ' + where if where else ''}: {type(e).__name__}: {e}",
-                    "loss_fn(model, batch) must run on the model and a batch of these shapes",
-                    path="--step",
-                )
-            ]
-        ) from None
-    if not (hasattr(out, "shape") and out.shape == () and jax.numpy.issubdtype(out.dtype, jax.numpy.floating)):
-        got = f"shape {out.shape}" if hasattr(out, "shape") else type(out).__name__
-        raise as_error(
-            [
-                error(
-                    "loss-not-scalar",
-                    f"the loss function returned {got}, not a float scalar",
-                    "reduce the loss to one number, e.g. .mean()",
-                    path="--step",
-                )
-            ]
-        )

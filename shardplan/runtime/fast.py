@@ -708,7 +708,7 @@ def analyze(
     from shardplan.runtime import model as model_mod
     from shardplan.runtime import specs
     from shardplan.runtime.backends.auto import pure_step
-    from shardplan.runtime.exact import check_loss
+    from shardplan.runtime.step import check_loss
 
     t0 = time.perf_counter()
     tx = model_mod.make_tx(optimizer)
@@ -717,7 +717,7 @@ def analyze(
     assert opt is not None
     batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
     inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
-    check_loss(loss_fn, abs_model, batch_abs)
+    check_loss(loss_fn, abs_model, batch_abs, where="--step")
     step = pure_step(loss_fn, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
     with nnx.use_eager_sharding(False):
         closed = jax.make_jaxpr(step)(nnx.state(abs_model), nnx.state(abs_opt), batch_abs)

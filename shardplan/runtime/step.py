@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
 
-from shardplan.core.backends import BACKENDS
+from shardplan.core import backends as backends_registry
+from shardplan.core import hlo
 from shardplan.errors import PlanApplyError, as_error, error
 from shardplan.runtime import backends
 from shardplan.runtime.placement import Placement
@@ -31,17 +33,7 @@ class TrainStep:
         backend: str | None = None,
     ):
         name = backend or placement.plan.backend
-        if name not in BACKENDS:
-            raise as_error(
-                [
-                    error(
-                        "unknown-backend",
-                        f"unknown backend '{name}'",
-                        f"use one of: {', '.join(BACKENDS)}",
-                        path="backend",
-                    )
-                ]
-            )
+        backends_registry.lookup(name)
         if placement.opt is None:
             raise PlanApplyError(
                 [
@@ -61,31 +53,7 @@ class TrainStep:
         self.fn = backends.get(name).build(placement, loss_fn, model, optimizer)
 
     def _check_loss(self, model, batch) -> None:
-        try:
-            out = nnx.eval_shape(self.loss_fn, model, batch)
-        except Exception as e:
-            raise PlanApplyError(
-                [
-                    error(
-                        "loss-failed",
-                        f"the loss function failed on this batch: {type(e).__name__}: {e}",
-                        "loss_fn(model, batch) must run on the model and batch as given",
-                        path="loss_fn",
-                    )
-                ]
-            ) from None
-        if not (hasattr(out, "shape") and out.shape == () and jax.numpy.issubdtype(out.dtype, jax.numpy.floating)):
-            got = f"shape {getattr(out, 'shape', None)}" if hasattr(out, "shape") else type(out).__name__
-            raise PlanApplyError(
-                [
-                    error(
-                        "loss-not-scalar",
-                        f"the loss function returned {got}, not a float scalar",
-                        "reduce the loss to one number, e.g. .mean()",
-                        path="loss_fn",
-                    )
-                ]
-            )
+        check_loss(self.loss_fn, model, batch)
         self._checked = True
 
     def place(self, batch: Any) -> Any:
@@ -114,3 +82,43 @@ def train_step(
 ) -> TrainStep:
     """The training step for ``placement`` on ``backend`` (default: the plan's ``backend``)."""
     return TrainStep(placement, loss_fn, model, optimizer, backend)
+
+
+def user_frame(tb: Any) -> str:
+    """'file:line' of the innermost traceback frame in the user's code (not jax, flax or shardplan)."""
+    frames = [f for f in traceback.extract_tb(tb) if not any(p in f.filename for p in hlo.LIBRARY_PATHS)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def check_loss(loss_fn: Any, model: Any, batch: Any, *, where: str = "loss_fn") -> None:
+    """The loss must trace on the model and batch (abstractly: nothing runs) and return a float scalar.
+
+    Raises:
+        PlanApplyError: it fails (naming the innermost frame of the user's code), or returns no scalar.
+    """
+    try:
+        out = nnx.eval_shape(loss_fn, model, batch)
+    except Exception as e:  # the user's code: show their error and their frame, not ours
+        frame = user_frame(e.__traceback__)
+        raise as_error(
+            [
+                error(
+                    "loss-failed",
+                    f"the loss function failed to trace{' at ' + frame if frame else ''}: {type(e).__name__}: {e}",
+                    "loss_fn(model, batch) must run on the model and a batch of these shapes",
+                    path=where,
+                )
+            ]
+        ) from None
+    if not (hasattr(out, "shape") and out.shape == () and jax.numpy.issubdtype(out.dtype, jax.numpy.floating)):
+        got = f"shape {out.shape}" if hasattr(out, "shape") else type(out).__name__
+        raise as_error(
+            [
+                error(
+                    "loss-not-scalar",
+                    f"the loss function returned {got}, not a float scalar",
+                    "reduce the loss to one number, e.g. .mean()",
+                    path=where,
+                )
+            ]
+        )

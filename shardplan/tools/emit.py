@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from importlib import resources
 
-from shardplan.core.backends import BACKENDS
+from shardplan.core import backends
 from shardplan.core.leaves import Resolution
 from shardplan.core.lowering import Collective, Lowering
 from shardplan.core.plan import Plan
 from shardplan.core.spec import Spec
-from shardplan.errors import as_error, error
 
 
 def _template(name: str) -> str:
@@ -78,18 +77,7 @@ def _reduce_lines(lowering: Lowering) -> list[str]:
 
 def emit(plan: Plan, params: Resolution, opt: Resolution, lowering: Lowering, backend: str) -> str:
     """The standalone module's source text for a backend registered in ``shardplan.core.backends``."""
-    info = BACKENDS.get(backend)
-    if info is None:
-        raise as_error(
-            [
-                error(
-                    "unknown-backend",
-                    f"unknown backend '{backend}'",
-                    f"use one of: {', '.join(BACKENDS)}",
-                    path="backend",
-                )
-            ]
-        )
+    info = backends.lookup(backend)
     mesh = params.mesh
     batch_spec = _p(plan.batch) if plan.batch is not None else "P()"
     rules = "[" + ", ".join(f"({r.pattern!r}, {_p(r.spec)})" for r in plan.inputs) + "]"
