@@ -160,6 +160,7 @@ class _Ctx:
     cache: dict[tuple, Val] = field(default_factory=dict)
     gathered_now: int = 0
     gathered_peak: int = 0
+    source: str = ""  # 'file:line' in the user's code of the equation being propagated
 
     def split(self, axes: tuple[str, ...]) -> int:
         return math.prod(self.mesh[a] for a in axes)
@@ -172,7 +173,7 @@ class _Ctx:
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: int, mult: int, why: str, moves: str = "") -> None:
         if axes and nbytes:
-            self.comm.append(Communication(kind, tuple(axes), nbytes * mult, mult, why, "", moves))
+            self.comm.append(Communication(kind, tuple(axes), nbytes * mult, mult, why, self.source, moves))
 
 
 def _norm(dims: Dims, rank: int) -> Dims:
@@ -323,6 +324,7 @@ class _Propagator:
     def eqn(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         name = eqn.primitive.name
         outs_avals = [o.aval for o in eqn.outvars]
+        self.ctx.source = _source(eqn)
         sub = _subjaxpr(eqn)
         if sub is not None and name not in ("scan", "while", "cond"):
             inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult)
@@ -662,6 +664,22 @@ def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:
     return Val(shape, v.itemsize, dims, v.partial)
 
 
+def _source(eqn: Any) -> str:
+    """'file:line' of the innermost frame of an equation's traceback in the user's code."""
+    from jax._src import source_info_util
+
+    from shardplan.core.hlo import LIBRARY_PATHS
+
+    try:
+        frames = source_info_util.user_frames(eqn.source_info.traceback)
+        for frame in frames:
+            if not any(p in frame.file_name for p in LIBRARY_PATHS):
+                return f"{frame.file_name}:{frame.start_line}"
+    except (AttributeError, TypeError):  # no traceback recorded
+        pass
+    return ""
+
+
 def _subjaxpr(eqn: Any) -> Any:
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         j = eqn.params.get(key)
@@ -790,11 +808,11 @@ def _merge(comm: list[Communication], params: Any, opt: Any) -> list[Communicati
     rules = {d.path: d.origin for d in list(params.decisions) + list(opt.decisions) if d.how in ("rule", "default")}
     groups: dict[tuple, list[int]] = {}
     for c in comm:
-        key = (c.kind, c.axes, c.op, c.moves)
+        key = (c.kind, c.axes, c.op, c.source, c.moves)
         acc = groups.setdefault(key, [0, 0])
         acc[0] += c.bytes
         acc[1] += c.count
     return sorted(
-        (Communication(k, a, b, n, op, "", mv, rules.get(mv, "")) for (k, a, op, mv), (b, n) in groups.items()),
+        (Communication(k, a, b, n, op, src, mv, rules.get(mv, "")) for (k, a, op, src, mv), (b, n) in groups.items()),
         key=lambda c: (c.kind, -c.bytes),
     )
