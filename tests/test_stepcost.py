@@ -258,3 +258,12 @@ def test_check_chip_prints_the_step_time():
     t = json.loads(r.stdout)["step_cost"]["time"]
     assert t["chip"] == "tpu-v5e" and t["compute_s"] > 0 and set(t["comm_by_link"]) <= {"ici", "dcn"}
     assert cli(PLANS / "dp.splan", "--chip", "h100").returncode == 2  # a time needs --step
+
+
+def test_exact_mode_compiles_for_a_mesh_larger_than_the_machine():
+    """64 simulated devices in the child process (this process has 8), a scanned model."""
+    cost = shardplan.api.analyze(PLANS / "llama_scan_2d.splan", model=f"{MODELS}:llama_tiny_scan", step=STEP,
+                                 batch=["tokens=int32[32,16],labels=int32[32,16]"], mesh={"data": 32, "model": 2})
+    assert cost.mesh == {"data": 32, "model": 2}
+    axes = {a for c in cost.communication for a in c.axes}
+    assert axes == {"data", "model"} and cost.flops > 0
