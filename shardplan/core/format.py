@@ -47,3 +47,12 @@ def parse_bytes(text: str) -> int:
 def layer_group(path: str) -> str:
     """The path with layer indices replaced by ``*``: the key that groups identical layers."""
     return LAYER_INDEX.sub("*", path)
+
+
+def fmt_seconds(t: float) -> str:
+    """``1.25 s``, ``12.5 ms``, ``40.0 us``."""
+    if t >= 1:
+        return f"{t:,.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.1f} ms"
+    return f"{t * 1e6:.1f} us"

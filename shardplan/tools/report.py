@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from shardplan.core.cost import communication, summary
-from shardplan.core.format import fmt_bytes, fmt_shape, layer_group
+from shardplan.core.format import fmt_bytes, fmt_seconds, fmt_shape, layer_group
 from shardplan.core.leaves import Decision, Resolution
 from shardplan.core.plan import Plan
 from shardplan.core.stepcost import StepCost
@@ -130,11 +130,11 @@ def print_step_cost(
         top.add_row(c.kind, ",".join(c.axes), fmt_bytes(c.bytes), escape(c.op), escape(source), escape(moves))
     console.print(top)
     if time is not None:
-        links = ", ".join(f"{k} {v * 1e3:,.1f} ms" for k, v in sorted(time.comm_by_link.items())) or "none"
+        links = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(time.comm_by_link.items())) or "none"
         console.print(
             f"[bold]step time on {time.chip}[/] (roofline: compute at peak, collectives over their links): "
-            f"compute {time.compute_s * 1e3:,.1f} ms, communication {time.comm_s * 1e3:,.1f} ms ({links}); "
-            f"step {time.overlapped_s * 1e3:,.1f} ms overlapped to {time.serial_s * 1e3:,.1f} ms serial, "
+            f"compute {fmt_seconds(time.compute_s)}, communication {fmt_seconds(time.comm_s)} ({links}); "
+            f"step {fmt_seconds(time.overlapped_s)} overlapped to {fmt_seconds(time.serial_s)} serial, "
             f"MFU at most {time.mfu_overlapped:.0%} to {time.mfu_serial:.0%}"
         )
     for n in cost.notes:
@@ -169,7 +169,7 @@ def print_comparison(
         if times is not None:
             table.add_row(
                 f"step time on {times[0].chip} (overlapped .. serial)",
-                *[f"{t.overlapped_s * 1e3:,.1f} .. {t.serial_s * 1e3:,.1f} ms" for t in times],
+                *[f"{fmt_seconds(t.overlapped_s)} .. {fmt_seconds(t.serial_s)}" for t in times],
             )
         for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
             values = [c.bytes_by_kind().get(kind, 0) for c in costs]
