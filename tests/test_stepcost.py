@@ -267,3 +267,9 @@ def test_exact_mode_compiles_for_a_mesh_larger_than_the_machine():
     assert cost.mesh == {"data": 32, "model": 2}
     axes = {a for c in cost.communication for a in c.axes}
     assert axes == {"data", "model"} and cost.flops > 0
+
+
+def test_fast_mode_says_where_it_is_unreliable():
+    cost = analyze("gpt_2d.splan", mode="fast")
+    assert any("2-D splits" in n and "--compile" in n for n in cost.notes)
+    assert not any("2-D splits" in n for n in analyze("fsdp.splan", mode="fast").notes)

@@ -773,6 +773,17 @@ def analyze(
         "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns; "
         "XLA may choose other collectives (compare with --compile)"
     ]
+    two_d = [
+        d.path
+        for d in params.decisions
+        if any(a in plan.batch_axes for a in d.spec.axes) and any(a not in plan.batch_axes for a in d.spec.axes)
+    ]
+    if two_d:
+        notes.append(
+            f"{len(two_d)} param(s) are split over a batch axis and another axis (e.g. {two_d[0]}): for "
+            "such 2-D splits XLA also moves activations (all-gathers, all-to-alls) in ways fast mode does "
+            "not predict (see docs/benchmarks.md); use --compile for this plan's communication"
+        )
     if ctx.unmodeled:
         notes.append(
             "not modelled (outputs taken as replicated, no communication counted): "
