@@ -349,7 +349,8 @@ def analyze(
         optimizer: an optimizer name (``shardplan.core.optimizers``).
         backend: the backend to cost (default: the plan's).
         mode: ``exact``: compile the real step for the mesh in a child process with that many
-            simulated CPU devices and read XLA's program.
+            simulated CPU devices and read XLA's program; ``fast``: propagate the plan's
+            shardings through the step's jaxpr (auto backend; no compile, any mesh size).
         mesh, devices: the mesh, as for :func:`check` (a ``*`` axis needs ``devices``).
 
     Raises:
@@ -383,18 +384,6 @@ def analyze(
         )
     sizes = p.mesh_shape(devices)
     n = math.prod(sizes.values())
-    if n > MAX_SIMULATED_DEVICES:
-        raise as_error(
-            [
-                error(
-                    "bad-argument",
-                    f"the mesh {sizes} has {n} devices; exact mode simulates at most "
-                    f"{MAX_SIMULATED_DEVICES} CPU devices",
-                    "check a smaller mesh with --compile",
-                    path="--compile",
-                )
-            ]
-        )
     # Fail early, in this process, on what needs no devices: the batch must divide over its axes.
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":
@@ -413,6 +402,18 @@ def analyze(
         from shardplan.runtime.model import load_factory
 
         return fast.analyze(p, load_factory(model), load_factory(step, what="--step"), shapes, optimizer, sizes)
+    if n > MAX_SIMULATED_DEVICES:
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    f"the mesh {sizes} has {n} devices; exact mode simulates at most "
+                    f"{MAX_SIMULATED_DEVICES} CPU devices",
+                    "check a smaller mesh with --compile",
+                    path="--compile",
+                )
+            ]
+        )
     from shardplan.runtime.devices import simulate
 
     env = simulate(n, dict(os.environ))

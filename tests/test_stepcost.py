@@ -210,7 +210,7 @@ def test_batch_shapes_that_do_not_divide_over_the_batch_axes():
 
 def test_a_mesh_too_large_to_simulate_says_the_limit():
     with pytest.raises(shardplan.ArgumentError, match="at most 1024 CPU devices"):
-        analyze("dp.splan", mesh={"data": 4096}, devices=None)
+        analyze("dp.splan", mesh={"data": 4096}, devices=None, batch=["tokens=int32[4096,16],labels=int32[4096,16]"])
 
 
 @pytest.mark.parametrize("item", ["tokens=int32[0,4]", "tokens=int33[4,4]", "tokens", "tokens=int32[4,4"])
@@ -273,3 +273,9 @@ def test_fast_mode_says_where_it_is_unreliable():
     cost = analyze("gpt_2d.splan", mode="fast")
     assert any("2-D splits" in n and "--compile" in n for n in cost.notes)
     assert not any("2-D splits" in n for n in analyze("fsdp.splan", mode="fast").notes)
+
+
+def test_fast_mode_costs_meshes_too_large_to_simulate():
+    cost = analyze("dp.splan", mode="fast", mesh={"data": 2048}, devices=None,
+                   batch=["tokens=int32[2048,16],labels=int32[2048,16]"])
+    assert cost.mesh == {"data": 2048} and cost.bytes_by_kind()["all-reduce"] > 0
