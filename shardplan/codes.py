@@ -54,6 +54,7 @@ CODES: dict[str, Code] = {
         _e("no-mesh", "check", "no mesh in the plan, its bases, or the command line"),
         _e("unknown-link", "check", "a mesh axis tagged with a link other than `@ici` or `@dcn`"),
         _e("extends-cycle", "check", "a plan extends itself, directly or through its bases"),
+        _e("extends-too-deep", "check", "a chain of `extends` more than 32 files deep"),
         _e("cannot-read", "check", "a plan, base or shapes file that cannot be read"),
         # a plan against shapes and devices
         _e("spec-too-long", "check", "against a model: a spec longer than the array's rank"),

@@ -62,8 +62,9 @@ class Diagnostic:
                 width = max(self.span.end_column - col, 1)
             else:
                 width = max(len(self.source_line) - col + 1, 1)
-            out.append(f"    {self.source_line}")
-            out.append("    " + " " * (col - 1) + "^" * width)
+            line, caret = _excerpt(self.source_line, col, width)
+            out.append(f"    {line}")
+            out.append(f"    {caret}")
         if self.hint:
             out.append(f"  hint: {self.hint}")
         return "\n".join(out)
@@ -86,6 +87,34 @@ class Diagnostic:
         if self.path is not None:
             d["path"] = self.path
         return d
+
+
+EXCERPT = 100  # characters of a source line shown around a caret
+
+
+def _shown(text: str) -> str:
+    """One character as shown: tabs as 4 spaces, other control characters escaped."""
+    out = []
+    for ch in text:
+        if ch == "\t":
+            out.append("    ")
+        elif ch.isprintable() or ch == " ":
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+    return "".join(out)
+
+
+def _excerpt(line: str, col: int, width: int) -> tuple[str, str]:
+    """The source line (a window of it when long) and a caret under columns col..col+width,
+    aligned after tabs and escapes are expanded."""
+    start = max(0, min(col - 1 - EXCERPT // 4, len(line) - EXCERPT))
+    end = min(len(line), start + EXCERPT)
+    head = "..." if start > 0 else ""
+    tail = "..." if end < len(line) else ""
+    before = _shown(line[start : col - 1]) if col - 1 >= start else ""
+    marked = _shown(line[col - 1 : min(col - 1 + width, end)]) or " "
+    return head + _shown(line[start:end]) + tail, " " * (len(head) + len(before)) + "^" * max(len(marked), 1)
 
 
 def render_all(diagnostics: Sequence[Diagnostic], limit: int = MAX_SHOWN) -> str:

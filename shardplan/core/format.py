@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 
@@ -35,6 +36,8 @@ def parse_bytes(text: str) -> int:
         value = float(m.group(1))
     except ValueError:
         raise ValueError(f"cannot read a size from '{text}' (write e.g. 80GB or 16GiB)") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"'{text}' is not a size (a finite, non-negative number)")
     unit = (m.group(2) or "").upper().rstrip("B")
     scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}.get(
         unit

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import re2
+
+from shardplan.errors import as_error, error
 
 _DIGITS = str.maketrans("0123456789", "0000000000")
 # Inside a character class, a range whose ends are not both letters (e.g. [!-@]) can hold
@@ -37,15 +39,31 @@ class RuleSet(Generic[R]):
     def __init__(self, rules: Sequence[R]):
         self.rules: tuple[R, ...] = tuple(rules)
         self.blind = all(digit_blind(r.pattern) for r in rules)
-        self._set = None
-        if rules:
-            opts = re2.Options()
-            opts.log_errors = False
-            s = re2.Set.FullMatchSet(opts)
-            for r in rules:
-                s.Add(r.pattern)
-            s.Compile()
-            self._set = s
+        # One RE2 set has a memory budget (thousands of rules exceed it: "failed to compile
+        # Set"); rules are compiled in chunks, halved until each fits.
+        self._sets: list[tuple[int, Any]] = []
+        start = 0
+        while start < len(self.rules):
+            size = min(CHUNK, len(self.rules) - start)
+            while True:
+                compiled = _compile([r.pattern for r in self.rules[start : start + size]])
+                if compiled is not None or size == 1:
+                    break
+                size = max(size // 2, 1)
+            if compiled is None:
+                rule = self.rules[start]
+                raise as_error(
+                    [
+                        error(
+                            "unsupported-regex",
+                            f"regex '{rule.pattern[:80]}' is too large to compile",
+                            "simplify the regex or split it into several rules",
+                            span=getattr(rule, "pattern_span", None),
+                        )
+                    ]
+                )
+            self._sets.append((start, compiled))
+            start += size
 
     def key(self, path: str) -> str:
         """What a match can depend on: the path, with digits zeroed when every rule is digit-blind."""
@@ -53,4 +71,25 @@ class RuleSet(Generic[R]):
 
     def matches(self, path: str) -> list[int]:
         """Indices of every rule whose regex full-matches ``path`` (empty: none)."""
-        return (self._set.Match(path) or []) if self._set is not None else []
+        out: list[int] = []
+        for offset, compiled in self._sets:
+            hits = compiled.Match(path)
+            if hits:
+                out += [offset + i for i in hits]
+        return out
+
+
+CHUNK = 1024  # rules per RE2 set (smaller where a chunk exceeds RE2's memory budget)
+
+
+def _compile(patterns: list[str]) -> Any:
+    opts = re2.Options()
+    opts.log_errors = False
+    s = re2.Set.FullMatchSet(opts)
+    for p in patterns:
+        s.Add(p)
+    try:
+        s.Compile()
+    except re2.error:
+        return None
+    return s

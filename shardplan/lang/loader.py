@@ -46,7 +46,7 @@ def read_file(path: Path, span: Span | None = None, line: str | None = None) -> 
             raise _cannot_read(path, f"{st.st_size:,} bytes; a plan is at most {MAX_PLAN_BYTES:,}", span, line)
         with open(path, "rb") as f:
             data = f.read(MAX_PLAN_BYTES + 1)
-        return data.decode("utf-8")
+        return data.decode("utf-8").removeprefix("\ufeff")  # a BOM is not part of the plan
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
         raise _cannot_read(path, reason, span, line) from None
@@ -75,7 +75,19 @@ def _chain(module: syntax.Module, base_dir: Path, read: Reader) -> tuple[syntax.
             )
         target = where / ext[0].path
         key = os.path.abspath(target)
-        if key in seen or len(chain) > MAX_EXTENDS_DEPTH:
+        if len(chain) > MAX_EXTENDS_DEPTH:
+            raise PlanCheckError(
+                [
+                    error(
+                        "extends-too-deep",
+                        f"the chain of extends is deeper than {MAX_EXTENDS_DEPTH} files",
+                        "flatten the chain: let a plan extend a base that holds the shared rules",
+                        span=ext[0].span,
+                        source_line=m.line(ext[0].span.line),
+                    )
+                ]
+            )
+        if key in seen:
             raise PlanCheckError(
                 [
                     error(
@@ -112,7 +124,7 @@ def loads(
     Raises:
         ShardPlanError: every problem found, each located.
     """
-    module = parse(text, file)
+    module = parse(text.removeprefix("\ufeff"), file)
     return check(_chain(module, Path(base_dir) if base_dir else Path.cwd(), read), mesh_override=mesh)
 
 

@@ -413,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         err.print(f"shardplan {args.command}: error: {e}", highlight=False)
         return EXIT_USAGE
     except ShardPlanError as e:
+        if getattr(args, "format", None) == "json":  # machine-readable output carries the errors too
+            doc = {"ok": False, "error": type(e).__name__, "diagnostics": [d.to_json() for d in e.diagnostics]}
+            out.print_json(json.dumps(doc))
         report.print_diagnostics(err, e.diagnostics)
         n = len(e.errors)
         err.print(f"[red]{n} error{'s' if n != 1 else ''}[/]")

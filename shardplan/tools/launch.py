@@ -113,7 +113,46 @@ def launch(
     first_failure: tuple[int, int] | None = None
     failed_at = None
     killed: set[int] = set()
+    # Ctrl-C or SIGTERM on the launcher stops every rank (each runs in its own process group,
+    # so the terminal's SIGINT does not reach them): none outlives the launcher.
+    interrupted: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda signum, frame: interrupted.append(signum))
+    try:
+        code, summary = _supervise(
+            procs, first_failure, failed_at, killed, interrupted, start, failure_grace_s, timeout_s, n
+        )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for t in pumps:
+        t.join(timeout=5)
+    results = [RankResult(r, None if r in killed else p.returncode, r in killed) for r, p in enumerate(procs)]
+    return code, results, summary
+
+
+def _supervise(
+    procs: list[subprocess.Popen],
+    first_failure: tuple[int, int] | None,
+    failed_at: float | None,
+    killed: set[int],
+    interrupted: list[int],
+    start: float,
+    failure_grace_s: float,
+    timeout_s: float | None,
+    n: int,
+) -> tuple[int, str]:
     while True:
+        if interrupted:
+            for rank, p in enumerate(procs):
+                if p.poll() is None:
+                    killed.add(rank)
+                    _kill(p)
+            name = signal.Signals(interrupted[0]).name
+            stopped = f"; ranks {', '.join(map(str, sorted(killed)))} stopped" if killed else ""
+            return 128 + interrupted[0], f"interrupted by {name}{stopped}"
         codes = [p.poll() for p in procs]
         if first_failure is None:
             for rank, code in enumerate(codes):
@@ -134,9 +173,6 @@ def launch(
                 p.wait()
             break
         time.sleep(0.05)
-    for t in pumps:
-        t.join(timeout=5)
-    results = [RankResult(r, None if r in killed else p.returncode, r in killed) for r, p in enumerate(procs)]
     if first_failure is not None:
         rank, code = first_failure
         summary = f"rank {rank} {_describe(code)}"
@@ -144,10 +180,10 @@ def launch(
             summary += (
                 f"; ranks {', '.join(map(str, sorted(killed)))} stopped by the launcher after {failure_grace_s:g} s"
             )
-        return 1, results, summary
+        return 1, summary
     if killed:
-        return 1, results, f"timed out after {timeout_s:g} s; ranks {', '.join(map(str, sorted(killed)))} killed"
-    return 0, results, f"all {n} ranks exited 0"
+        return 1, f"timed out after {timeout_s:g} s; ranks {', '.join(map(str, sorted(killed)))} killed"
+    return 0, f"all {n} ranks exited 0"
 
 
 def _kill(p: subprocess.Popen) -> None:
