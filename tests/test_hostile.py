@@ -113,3 +113,18 @@ def test_a_signal_to_the_launcher_stops_every_rank(sig):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_rich_markup_in_plan_names_and_paths_is_shown_as_written(tmp_path):
+    p = tmp_path / "p.splan"
+    p.write_text('plan "[bold red]mine[/]"\nmesh data = *\nparam "[x]" replicated\ndefault replicated\n')
+    r = cli("check", p, "--shapes", _shapes(tmp_path, "[weird]/kernel"), "--devices", 8, "--optimizer", "sgd")
+    assert r.returncode == 0, r.stderr
+    assert "[bold red]mine[/]" in r.stdout and "[weird]/kernel" in r.stdout
+
+
+def _shapes(tmp_path, path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"format": "shardplan-shapes/1",
+                             "params": [{"path": path, "shape": [8, 8], "dtype": "float32"}]}))
+    return f
