@@ -7,8 +7,11 @@ inside the functions that need devices or models, never at module import.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -357,10 +360,6 @@ def analyze(
         ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace,
             a loss that is not a scalar, or a mesh too large to simulate.
     """
-    import json
-    import subprocess
-    import sys
-
     from shardplan.core import backends
     from shardplan.errors import Diagnostic, Span
 

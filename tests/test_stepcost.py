@@ -279,3 +279,10 @@ def test_fast_mode_costs_meshes_too_large_to_simulate():
     cost = analyze("dp.splan", mode="fast", mesh={"data": 2048}, devices=None,
                    batch=["tokens=int32[2048,16],labels=int32[2048,16]"])
     assert cost.mesh == {"data": 2048} and cost.bytes_by_kind()["all-reduce"] > 0
+
+
+def test_step_needs_the_models_code_and_the_batch():
+    r = cli(PLANS / "dp.splan", "--shapes", "x.json", "--step", STEP, "--batch", BATCH[0])
+    assert r.returncode == 2 and "--step needs the model's code" in r.stderr and "Traceback" not in r.stderr
+    r = cli(PLANS / "dp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8, "--step", STEP)
+    assert r.returncode == 2 and "--step needs the batch's shapes" in r.stderr

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shardplan.core.hlo import KINDS
+
 Mode = Literal["fast", "exact"]
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclass(frozen=True)

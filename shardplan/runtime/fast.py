@@ -30,68 +30,71 @@ from shardplan.core.stepcost import Communication, Memory, StepCost
 
 Dims = tuple[tuple[str, ...], ...]
 
-# Elementwise primitives: output shape = operand shape (scalars broadcast by jax before).
-_ELEMENTWISE = {
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "max",
-    "min",
-    "pow",
-    "integer_pow",
-    "neg",
+# Elementwise primitives (output shape = operand shape; jax broadcasts scalars before). The
+# transcendental ones are counted apart as well, as XLA's cost analysis does.
+_TRANSCENDENTAL = {
+    "atan2",
+    "cbrt",
+    "cos",
+    "erf",
+    "erf_inv",
+    "erfc",
     "exp",
     "exp2",
+    "expm1",
     "log",
     "log1p",
-    "expm1",
-    "tanh",
     "logistic",
-    "sin",
-    "cos",
-    "tan",
-    "sqrt",
+    "pow",
     "rsqrt",
-    "cbrt",
-    "square",
+    "sin",
+    "sqrt",
+    "tan",
+    "tanh",
+}
+_ELEMENTWISE = _TRANSCENDENTAL | {
     "abs",
-    "sign",
-    "floor",
-    "ceil",
-    "round",
-    "select_n",
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
-    "and",
-    "or",
-    "not",
-    "xor",
-    "convert_element_type",
-    "is_finite",
-    "stop_gradient",
+    "add",
     "add_any",
-    "erf",
-    "erfc",
-    "erf_inv",
-    "atan2",
-    "rem",
-    "nextafter",
+    "and",
+    "ceil",
     "clamp",
+    "conj",
+    "convert_element_type",
     "copy",
     "copy_p",
-    "real",
+    "div",
+    "eq",
+    "floor",
+    "ge",
+    "gt",
     "imag",
-    "conj",
-    "shift_left",
-    "shift_right_logical",
-    "shift_right_arithmetic",
+    "integer_pow",
+    "is_finite",
+    "le",
+    "lt",
+    "max",
+    "min",
+    "mul",
+    "ne",
+    "neg",
+    "nextafter",
+    "not",
+    "or",
     "population_count",
+    "real",
     "reduce_precision",
+    "rem",
+    "round",
+    "select_n",
+    "shift_left",
+    "shift_right_arithmetic",
+    "shift_right_logical",
+    "sign",
+    "square",
+    "stop_gradient",
+    "sub",
+    "xor",
 }
 # Ops through which a pending partial sum stays pending: layout changes and conversions. GSPMD
 # all-reduces each operand of an add of partial sums (measured: a column-parallel layer's q, k
@@ -112,26 +115,6 @@ _LAYOUT = {"reshape", "transpose", "squeeze", "expand_dims", "convert_element_ty
 _FUSES_PRODUCER = (
     _ELEMENTWISE | _LAYOUT | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "broadcast_in_dim"}
 )
-_TRANSCENDENTAL = {
-    "exp",
-    "exp2",
-    "log",
-    "log1p",
-    "expm1",
-    "tanh",
-    "logistic",
-    "sin",
-    "cos",
-    "tan",
-    "sqrt",
-    "rsqrt",
-    "cbrt",
-    "pow",
-    "erf",
-    "erfc",
-    "erf_inv",
-    "atan2",
-}
 _FREE = {"iota", "stop_gradient"}
 
 
@@ -516,8 +499,8 @@ class _Propagator:
         out = Val(tuple(out_aval.shape), _itemsize(out_aval), tuple(v.dims[i] for i in kept))
         if name == "reduce_sum":
             return replace(out, partial=v.partial | frozenset(reduced))
-        v_done = self.resolve(eqn.invars[0], v, None, mult, name) if v.partial else v
-        del v_done
+        if v.partial:  # max / min of a pending sum: the sum is done first
+            self.resolve(eqn.invars[0], v, None, mult, name)
         if reduced:  # max / min / argmax over a split dim: a small all-reduce of the result
             self.ctx.add("all-reduce", reduced, self.ctx.local(out), mult, name)
         return out

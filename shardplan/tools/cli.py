@@ -71,6 +71,7 @@ def cmd_check(args, out: Console, err: Console) -> int:
         raise _UsageError("give --model or --shapes, not both")
     if args.vs and not (args.model or args.shapes):
         raise _UsageError("--vs compares plans against a model: give --model or --shapes")
+    _check_step_args(args)
     if args.devices is not None and args.devices < 1:
         raise _UsageError(f"--devices {args.devices}: give a positive device count")
     options = dict(
@@ -85,8 +86,6 @@ def cmd_check(args, out: Console, err: Console) -> int:
         for note in r.notes:
             err.print(f"note: {note}", style="dim", markup=False, highlight=False)
     costs = _step_costs(args, results) if args.step else None
-    if (args.chip or args.link) and costs is None:
-        raise _UsageError("--chip and --link estimate a step's time: name the step with --step and --batch")
     times = None
     if args.chip and costs is not None:
         links = parse_links_arg(args.link or [])
@@ -132,11 +131,16 @@ def cmd_check(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
-def _step_costs(args, results) -> list:
-    if not args.model:
+def _check_step_args(args) -> None:
+    if args.step and not args.model:
         raise _UsageError("--step needs the model's code: give --model FILE.py:FACTORY (not --shapes)")
-    if not args.batch:
+    if args.step and not args.batch:
         raise _UsageError("--step needs the batch's shapes: --batch 'tokens=int32[256,4096],labels=int32[256,4096]'")
+    if (args.chip or args.link) and not args.step:
+        raise _UsageError("--chip and --link estimate a step's time: name the step with --step and --batch")
+
+
+def _step_costs(args, results) -> list:
     optimizer = "adamw" if args.optimizer in ("none", "recorded") else args.optimizer
     return [
         api.analyze(

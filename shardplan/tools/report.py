@@ -15,7 +15,7 @@ from shardplan.core.cost import communication, summary
 from shardplan.core.format import fmt_bytes, fmt_seconds, fmt_shape, layer_group
 from shardplan.core.leaves import Decision, Resolution
 from shardplan.core.plan import Plan
-from shardplan.core.stepcost import StepCost
+from shardplan.core.stepcost import KINDS, StepCost
 from shardplan.core.timing import StepTime
 from shardplan.errors import MAX_SHOWN, Diagnostic
 
@@ -171,7 +171,7 @@ def print_comparison(
                 f"step time on {times[0].chip} (overlapped .. serial)",
                 *[f"{fmt_seconds(t.overlapped_s)} .. {fmt_seconds(t.serial_s)}" for t in times],
             )
-        for kind in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"):
+        for kind in KINDS:
             values = [c.bytes_by_kind().get(kind, 0) for c in costs]
             if any(values):
                 table.add_row(f"{kind} / step ({label})", *[fmt_bytes(v) for v in values])
