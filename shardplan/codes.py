@@ -76,6 +76,8 @@ CODES: dict[str, Code] = {
         ),
         _w("unmapped-logical-axis", "an annotation name with no `axis` rule"),
         _w("annotations-unreachable", "a catch-all param rule with `axis` rules"),
+        _w("unused-axis-rule", "against a model: an `axis` rule whose logical name no array is annotated with"),
+        _w("annotation-rank", "against a model: an annotation naming fewer dims than the array has"),
         # arguments
         _e("bad-mesh-arg", "argument", "a `--mesh` / `mesh=` argument that is not `name=size,...`"),
         _e("bad-model-arg", "argument", "a `--model` that is not `FILE.py:FACTORY` or `module:FACTORY`"),

@@ -9,14 +9,17 @@ from shardplan.core.plan import Plan
 
 
 def summary(res: Resolution) -> dict:
-    """Per-device bytes of params and optimizer state, their total, and leaf counts."""
-    p, o = res.bytes_per_device("param"), res.bytes_per_device("opt")
+    """Per-device bytes of params, other model state (batch statistics, RNG state, caches) and
+    optimizer state, their total, and leaf counts."""
+    p, s, o = res.bytes_per_device("param"), res.bytes_per_device("state"), res.bytes_per_device("opt")
     return {
         "param_bytes_per_device": p,
+        "state_bytes_per_device": s,
         "opt_bytes_per_device": o,
-        "total_bytes_per_device": p + o,
+        "total_bytes_per_device": p + s + o,
         "param_bytes_global": sum(d.nbytes for d in res.decisions if d.role == "param"),
         "n_params": sum(1 for d in res.decisions if d.role == "param"),
+        "n_state": sum(1 for d in res.decisions if d.role == "state"),
         "n_opt_leaves": sum(1 for d in res.decisions if d.role == "opt"),
     }
 

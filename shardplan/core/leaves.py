@@ -9,8 +9,13 @@ from typing import Literal, NamedTuple
 from shardplan.core.spec import Spec
 from shardplan.errors import Diagnostic
 
-Role = Literal["param", "opt", "input"]
-How = Literal["rule", "axes", "default", "mirror", "scalar", "replicated", "batch"]
+Role = Literal["param", "state", "opt", "input"]
+How = Literal["rule", "axes", "default", "mirror", "scalar", "replicated", "batch", "state"]
+
+# Variable kinds that are trained (and get optimizer state). Any other kind a model holds
+# (``batch_stat``, ``rng_key``, ``rng_count``, ``cache``, a user's Variable subclass) is
+# model *state*: placed by the plan, never counted as params, never given optimizer state.
+PARAM_KINDS = (None, "param", "opt_state")
 
 
 # Leaf and Decision are NamedTuples, not frozen dataclasses: a 100k-leaf state makes 100k
@@ -23,6 +28,11 @@ class Leaf(NamedTuple):
     dtype: str
     itemsize: int
     names: tuple | None = None  # nnx.with_partitioning logical names, if any
+    kind: str | None = None  # the NNX Variable kind (snake_case type name); None: a bare array
+
+    @property
+    def is_param(self) -> bool:
+        return self.kind in PARAM_KINDS
 
     @property
     def nbytes(self) -> int:

@@ -52,6 +52,7 @@ def lookup(name: str, where: str = "--optimizer") -> OptimizerInfo:
 def optimizer_leaves(params: list[Leaf], name: str) -> list[Leaf]:
     """The state leaves of optimizer ``name`` for these params, with nnx.Optimizer's paths."""
     info = lookup(name)
+    params = [p for p in params if p.is_param]  # nnx.Optimizer(wrt=nnx.Param): no state for BatchStat, RNGs
     out = [Leaf("opt_state/0/count", (), "int32", 4)] if info.has_count else []
     for moment in info.moments:
         out += [Leaf(f"opt_state/0/{moment}/{p.path}", p.shape, p.dtype, p.itemsize) for p in params]

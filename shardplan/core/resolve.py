@@ -19,6 +19,7 @@ import math
 
 from shardplan.core.format import fmt_bytes, fmt_shape
 from shardplan.core.leaves import Decision, How, Leaf, Resolution, Role
+from shardplan.core.meshes import closest
 from shardplan.core.plan import Plan, Rule, RuleKind
 from shardplan.core.spec import REPLICATED, Spec
 from shardplan.errors import Diagnostic, PlanCheckError, error, warning
@@ -43,6 +44,7 @@ class _Resolver:
         self.seen: dict[str, dict[str, list]] = {"param": {}, "opt": {}, "input": {}}
         self.fit_memo: dict[tuple, tuple[bool, tuple[int, ...]]] = {}
         self.last_mirror = [""]
+        self.grouped: dict[tuple[str, object], list] = {}
 
     # -- checking one decided spec against one leaf --------------------------------------
     def shard(self, shape: tuple[int, ...], spec: Spec) -> tuple[bool, tuple[int, ...]]:
@@ -114,9 +116,22 @@ class _Resolver:
         self.seen[kind][key][0] += 1
         return ruleset.rules[hit[0]] if hit[0] >= 0 else None
 
+    def note(self, code: str, key: object, leaf: Leaf | Decision) -> None:
+        """A per-leaf warning, grouped with others of the same code and key (see flush)."""
+        self.grouped.setdefault((code, key), []).append(leaf)
+
+    def flush(self) -> None:
+        """One warning per group of per-leaf warnings: 37 params annotated with one unmapped
+        name are one warning naming a few of them, not 37."""
+        for (code, key), items in self.grouped.items():
+            self.diags.append(_grouped_warning(code, key, items))
+        self.grouped.clear()
+
     def from_annotation(self, leaf: Leaf) -> Spec | None:
         if not self.axis_map or not leaf.names:
             return None
+        if len(leaf.names) < len(leaf.shape):
+            self.note("annotation-rank", None, leaf)
         dims: list[tuple[str, ...]] = []
         seen: dict[str, str] = {}
         for name in leaf.names:
@@ -125,15 +140,7 @@ class _Resolver:
                 continue
             rule = self.axis_map.get(name)
             if rule is None:
-                self.diags.append(
-                    warning(
-                        "unmapped-logical-axis",
-                        f"{leaf.path} is annotated with logical axis '{name}', which "
-                        "no axis rule maps; that dimension stays whole",
-                        f"add 'axis {name} -> <mesh axis>' (or 'axis {name} -> _' to silence this)",
-                        path=leaf.path,
-                    )
-                )
+                self.note("unmapped-logical-axis", name, leaf)
                 dims.append(())
                 continue
             for a in rule.axes:
@@ -188,6 +195,42 @@ class _Resolver:
             )
         )
         return None
+
+    # -- model state that is not a param -----------------------------------------------
+    def state(self, leaf: Leaf) -> Decision:
+        """BatchNorm statistics, RNG keys and counters, caches: placed by a ``param`` rule or an
+        annotation that names them, else replicated; the ``default`` is for params only."""
+        rule = self.match("param", leaf.path)
+        if rule is not None:
+            return self.decide(leaf, rule.spec, "rule", rule.origin, "state", rule, f"the rule at {rule.origin}")
+        spec = self.from_annotation(leaf)
+        if spec is not None:
+            what = f"its annotation {leaf.names} via the axis rules"
+            return self.decide(leaf, spec, "axes", "annotation", "state", None, what)
+        origin = f"{leaf.kind}, not a param"
+        return Decision(
+            leaf.path, leaf.shape, leaf.dtype, leaf.itemsize, REPLICATED, "state", origin, "state", leaf.shape
+        )
+
+    def axis_usage(self, leaves: list[Leaf] | tuple[Leaf, ...]) -> None:
+        """Warn at each ``axis`` rule whose logical name no leaf's annotation carries."""
+        if not self.plan.axes:
+            return
+        names = {n for leaf in leaves if leaf.names for n in leaf.names if n is not None}
+        for rule in self.plan.axes:
+            if rule.logical in names:
+                continue
+            if not names:
+                msg = (
+                    f"axis rule '{rule.logical}' cannot apply: no array of this model carries logical-axis "
+                    "annotations (nnx.with_partitioning), so every axis rule is a no-op"
+                )
+                hint = "annotate the model's params with nnx.with_partitioning, or place them with param rules"
+            else:
+                msg = f"axis rule '{rule.logical}' maps a logical axis that no param is annotated with"
+                near = closest(rule.logical, names)
+                hint = f"{near + ' ' if near else ''}the model's logical axes: {', '.join(sorted(names)[:12])}"
+            self.diags.append(warning("unused-axis-rule", msg, hint, span=rule.span, source_line=rule.source_line))
 
     # -- optimizer state ----------------------------------------------------------------
     def opt(self, leaf: Leaf, params: dict[str, Decision]) -> Decision:
@@ -267,15 +310,53 @@ class _Resolver:
         for d in decisions:
             # Whole on every device: no split, or split only over axes of size 1.
             if d.role != "input" and d.shard_shape == d.shape and d.nbytes > threshold:
-                self.diags.append(
-                    warning(
-                        "large-replicated",
-                        f"{d.path} ({fmt_shape(d.shape)} {d.dtype}, {fmt_bytes(d.nbytes)}) is "
-                        f"replicated on every device (decided by {d.origin})",
-                        "shard it with a rule, or raise the threshold (--replicated-threshold)",
-                        path=d.path,
-                    )
-                )
+                self.note("large-replicated", d.origin if d.how != "mirror" else "mirror", d)
+
+
+def _examples(items: list, n: int = 3) -> str:
+    shown = ", ".join(x.path for x in items[:n])
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+def _grouped_warning(code: str, key: object, items: list) -> Diagnostic:
+    """The one warning for a group of leaves that share a problem."""
+    first, n = items[0], len(items)
+    where = first.path if n == 1 else f"{first.path} (+{n - 1} more)"
+    if code == "unmapped-logical-axis":
+        who = f"{first.path} is" if n == 1 else f"{n} arrays ({_examples(items)}) are"
+        return warning(
+            "unmapped-logical-axis",
+            f"{who} annotated with logical axis '{key}', which no axis rule maps; that dimension stays whole",
+            f"add 'axis {key} -> <mesh axis>' (or 'axis {key} -> _' to silence this)",
+            path=where,
+        )
+    if code == "annotation-rank":
+        if n == 1:
+            msg = (
+                f"{first.path} has rank {len(first.shape)} (shape {fmt_shape(first.shape)}) but its annotation "
+                f"names {len(first.names)} dims {first.names}; the dims after them stay whole"
+            )
+        else:
+            msg = (
+                f"{n} arrays have annotations shorter than their rank ({_examples(items)}); "
+                "the dims after them stay whole"
+            )
+        return warning("annotation-rank", msg, "annotate every dim (None for a dim that stays whole)", path=where)
+    # large-replicated
+    total = sum(d.nbytes for d in items)
+    big = max(items, key=lambda d: d.nbytes)
+    by = "the params they mirror" if key == "mirror" else key
+    if n == 1:
+        msg = (
+            f"{big.path} ({fmt_shape(big.shape)} {big.dtype}, {fmt_bytes(big.nbytes)}) is "
+            f"replicated on every device (decided by {by})"
+        )
+    else:
+        msg = (
+            f"{n} arrays ({fmt_bytes(total)} in all; largest {big.path}, {fmt_shape(big.shape)} {big.dtype}, "
+            f"{fmt_bytes(big.nbytes)}) are replicated on every device (decided by {by})"
+        )
+    return warning("large-replicated", msg, "shard them with a rule, or raise the threshold (--replicated-threshold)", path=where)
 
 
 def _mirror(leaf: Leaf, params: dict[str, Decision], last: list) -> Decision | None:
@@ -336,10 +417,12 @@ def resolve_leaves(
     """
     _check_mesh_names(plan, mesh)
     r = _Resolver(plan, mesh, replicated_threshold)
-    pdec = [d for d in (r.param(leaf) for leaf in params) if d is not None]
+    pdec = [d for d in (r.param(leaf) if leaf.is_param else r.state(leaf) for leaf in params) if d is not None]
     if report_params:
         r.usage("param", "param")
+        r.axis_usage(params)
     else:
+        r.grouped.clear()
         r.diags = [d for d in r.diags if d.severity == "error"]
     by_path = {d.path: d for d in pdec}
     odec = [r.opt(leaf, by_path) for leaf in opt_state]
@@ -347,6 +430,7 @@ def resolve_leaves(
         r.usage("opt", "optimizer-state leaf")
     decisions = (pdec if report_params else []) + odec
     r.big_replicated(decisions)
+    r.flush()
     warnings = _raise_or_warnings(r.diags, plan.warnings)
     return Resolution(dict(mesh), tuple(decisions), warnings)
 

@@ -7,9 +7,10 @@ checked where the model code cannot be imported; :func:`load_shapes` reads it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-from pathlib import Path
+import stat
 
 from shardplan.core.leaves import Leaf
 from shardplan.errors import PlanCheckError, as_error, error
@@ -40,6 +41,8 @@ def leaf_json(leaf: Leaf) -> dict:
     d: dict = {"path": leaf.path, "shape": list(leaf.shape), "dtype": leaf.dtype}
     if leaf.names:
         d["names"] = list(leaf.names)
+    if leaf.kind is not None and leaf.kind != "param":
+        d["kind"] = leaf.kind
     return d
 
 
@@ -51,86 +54,116 @@ def shapes_json(params: list[Leaf], opt_state: list[Leaf] | None = None) -> str:
     return json.dumps(doc, indent=1)
 
 
+MAX_SHAPES_BYTES = 256 * 2**20  # a 100k-leaf model's shapes file is ~10 MiB
+MAX_DIM = 2**48  # no real array dimension is larger; bigger numbers are a mistake
+MAX_ELEMENTS = 2**62
+
+
+def _bad(where: str, message: str, hint: str = "write the file with shardplan.dump_shapes(model, path)"):
+    return PlanCheckError([error("bad-shapes", message, hint, path=where)])
+
+
+def _read(path: str | os.PathLike) -> str:
+    """The file's text: a regular file of at most MAX_SHAPES_BYTES, UTF-8."""
+    where = str(path)
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            reason = "not a regular file"
+        elif st.st_size > MAX_SHAPES_BYTES:
+            reason = f"{st.st_size:,} bytes; a shapes file is at most {MAX_SHAPES_BYTES:,}"
+        else:
+            with open(path, "rb") as f:
+                data = f.read(MAX_SHAPES_BYTES + 1)
+            try:
+                return data.decode("utf-8").removeprefix("\ufeff")
+            except UnicodeDecodeError as e:
+                line = data.count(b"\n", 0, e.start) + 1
+                col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+                raise _bad(f"{where}:{line}:{col}", f"not UTF-8 (byte 0x{data[e.start]:02x})") from None
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+    raise PlanCheckError(
+        [
+            error(
+                "cannot-read",
+                f"cannot read shapes file: {reason}",
+                "write one with shardplan.dump_shapes(model, path)",
+                path=where,
+            )
+        ]
+    )
+
+
+def _leaf(where: str, item: object) -> Leaf:
+    """One leaf record, every field checked: no coercion of floats, strings or booleans."""
+    if not isinstance(item, dict):
+        raise _bad(where, f"a leaf record is an object {{path, shape, dtype}}, not {type(item).__name__}")
+    path, shape, dtype = item.get("path"), item.get("shape"), item.get("dtype")
+    if not isinstance(path, str) or not path:
+        raise _bad(where + ".path", "'path' must be a non-empty string")
+    if not isinstance(shape, list) or len(shape) > 64:
+        raise _bad(where + ".shape", "'shape' must be a list of at most 64 dims")
+    for i, dim in enumerate(shape):
+        if type(dim) is not int or not 0 <= dim <= MAX_DIM:
+            shown = repr(dim)[:40]
+            raise _bad(f"{where}.shape[{i}]", f"dim {shown} is not an integer in 0..2**48", "dims are whole numbers")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise _bad(where + ".shape", f"{len(shape)} dims of more than 2**62 elements in all")
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        shown = repr(dtype)[:40]
+        raise _bad(where + ".dtype", f"unknown dtype {shown}", f"dtypes: {', '.join(sorted(ITEMSIZE))}")
+    names = item.get("names")
+    if names is not None:
+        if not isinstance(names, list) or not all(n is None or isinstance(n, str) for n in names):
+            raise _bad(where + ".names", "'names' must be a list of logical axis names (strings or null)")
+        if len(names) > len(shape):
+            raise _bad(where + ".names", f"{len(names)} names for an array of rank {len(shape)}")
+    kind = item.get("kind")
+    if kind is not None and (not isinstance(kind, str) or not kind.isidentifier()):
+        raise _bad(where + ".kind", "'kind' must be a Variable kind such as batch_stat or rng_key")
+    return Leaf(path, tuple(shape), dtype, ITEMSIZE[dtype], tuple(names) if names else None, kind)
+
+
 def load_shapes(path: str | os.PathLike) -> tuple[list[Leaf], list[Leaf] | None]:
     """Read a shapes JSON: (param leaves, optimizer-state leaves or None if not recorded).
+
+    Every field is validated: a located ``bad-shapes`` error names the entry and field
+    (``file: params[3].shape[1]``); nothing is coerced.
 
     Raises:
         PlanCheckError: the file is unreadable or not in the shapes format.
     """
     where = str(path)
+    text = _read(path)
     try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise PlanCheckError(
-            [
-                error(
-                    "cannot-read",
-                    f"cannot read shapes file: {e.strerror}",
-                    "write one with shardplan.dump_shapes(model, path)",
-                    path=where,
-                )
-            ]
-        ) from None
+        doc = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
-        raise PlanCheckError(
-            [
-                error(
-                    "bad-shapes",
-                    f"not JSON (line {e.lineno}, column {e.colno}): {e.msg}",
-                    "write the file with shardplan.dump_shapes(model, path)",
-                    path=where,
-                )
-            ]
-        ) from None
+        raise _bad(f"{where}:{e.lineno}:{e.colno}", f"not JSON: {e.msg}") from None
+    except (ValueError, RecursionError) as e:
+        raise _bad(where, f"not JSON: {str(e)[:200]}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise _bad(where, f'not a shapes file (expected "format": "{FORMAT}")')
 
-    def leaves(items, key) -> list[Leaf]:
-        out = []
+    def leaves(key: str) -> list[Leaf]:
+        items = doc.get(key)
         if not isinstance(items, list):
-            raise PlanCheckError(
-                [
-                    error(
-                        "bad-shapes",
-                        f"'{key}' must be a list of leaves",
-                        "write the file with shardplan.dump_shapes",
-                        path=where,
-                    )
-                ]
-            )
-        for i, it in enumerate(items):
-            try:
-                shape = tuple(int(s) for s in it["shape"])
-                dtype = str(it["dtype"])
-                names = it.get("names")
-                if any(s < 0 for s in shape) or dtype not in ITEMSIZE or not isinstance(it["path"], str):
-                    raise ValueError
-                out.append(Leaf(it["path"], shape, dtype, ITEMSIZE[dtype], tuple(names) if names else None))
-            except (KeyError, TypeError, ValueError):
-                raise PlanCheckError(
-                    [
-                        error(
-                            "bad-shapes",
-                            f"{key}[{i}] is not a leaf record {{path, shape, dtype}} with a known dtype",
-                            f"fix entry {i}; dtypes: {', '.join(sorted(ITEMSIZE))}",
-                            path=where,
-                        )
-                    ]
-                ) from None
+            raise _bad(f"{where}: {key}", f"'{key}' must be a list of leaves")
+        out = [_leaf(f"{where}: {key}[{i}]", it) for i, it in enumerate(items)]
+        seen: set[str] = set()
+        for i, leaf in enumerate(out):
+            if leaf.path in seen:
+                raise _bad(f"{where}: {key}[{i}].path", f"path {leaf.path!r} appears twice", "each path once")
+            seen.add(leaf.path)
         return out
 
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise PlanCheckError(
-            [
-                error(
-                    "bad-shapes",
-                    f'not a shapes file (expected "format": "{FORMAT}")',
-                    "write the file with shardplan.dump_shapes(model, path)",
-                    path=where,
-                )
-            ]
-        )
-    params = leaves(doc.get("params"), "params")
-    opt = leaves(doc["opt_state"], "opt_state") if "opt_state" in doc else None
+    params = leaves("params")
+    opt = leaves("opt_state") if "opt_state" in doc else None
     return params, opt
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 _BRACKET_ITEM = re.compile(r"^(?P<name>[^=\s]+)=(?P<dtype>\w+)\[(?P<dims>[0-9, ]*)\]$")

@@ -8,6 +8,7 @@ so ``nnx.state(model)`` gives paths like ``blocks/3/attn/query/kernel``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -77,10 +78,30 @@ def _dtype(dtype) -> tuple[str, int]:
     return hit
 
 
+_KINDS: dict[type, str] = {}
+
+
+def variable_kind(t: type) -> str:
+    """The kind of a Variable type: ``param`` for ``nnx.Param`` and its subclasses, else the
+    type's name in snake_case (``BatchStat`` -> ``batch_stat``, ``RngKey`` -> ``rng_key``)."""
+    hit = _KINDS.get(t)
+    if hit is None:
+        if issubclass(t, nnx.Param):
+            hit = "param"
+        elif issubclass(t, nnx.OptState):
+            hit = "opt_state"
+        else:
+            hit = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", t.__name__).lower()
+        _KINDS[t] = hit
+    return hit
+
+
 def _leaf(path: str, x) -> Leaf:
     names = None
+    kind = None
     if _is_var(x):
         names = logical_names(x)
+        kind = variable_kind(type(x))
         x = x.get_value()
     if isinstance(x, (int, float, bool, complex)):
         x = np.asarray(x)
@@ -99,7 +120,7 @@ def _leaf(path: str, x) -> Leaf:
     name, itemsize = _dtype(dtype)
     if type(shape) is not tuple:
         shape = tuple(int(s) for s in shape)
-    return Leaf(path, shape, name, itemsize, names)
+    return Leaf(path, shape, name, itemsize, names, kind)
 
 
 def _walk(x, prefix: str, out: list) -> None:

@@ -65,6 +65,7 @@ def _how(d: Decision) -> str:
         "scalar": "scalar",
         "replicated": "no param",
         "batch": f"batch {_short(d.origin)}",
+        "state": d.origin,
     }[d.how]
 
 
@@ -151,6 +152,7 @@ def print_comparison(
         table.add_column(escape(f"{plan.name or plan.files[0]}\n{mesh}"), justify="right")
     rows = [
         ("params", lambda p, r: summary(r)["param_bytes_per_device"]),
+        ("other state", lambda p, r: summary(r)["state_bytes_per_device"]),
         ("optimizer state", lambda p, r: summary(r)["opt_bytes_per_device"]),
         ("total", lambda p, r: summary(r)["total_bytes_per_device"]),
         ("all-reduce / step", lambda p, r: communication(p, r)["totals"]["all-reduce"]),
@@ -196,13 +198,15 @@ def print_text(
     console.print(
         f"[bold]plan[/] {escape(plan.name or plan.files[0])}  [bold]mesh[/] {mesh}  [bold]backend[/] {plan.backend}"
     )
-    roles = ("param", "opt") if show_opt else ("param",)
+    roles = ("param", "state", "opt") if show_opt else ("param", "state")
     table = Table(show_lines=False, header_style="bold")
     for col in ("param path", "global shape", "dtype", "spec", "shard / device", "bytes / device", "rule"):
         table.add_column(col, justify="right" if col.startswith("bytes") else "left")
     for row in group([d for d in res.decisions if d.role in roles], expand):
         d = row.first
         path = escape(row.path) + (f"  [dim]x{row.count}[/]" if row.count > 1 else "")
+        if d.role == "state":
+            path += "  [dim](state)[/]"
         table.add_row(
             path,
             fmt_shape(d.shape),
@@ -216,7 +220,9 @@ def print_text(
     s = summary(res)
     console.print(
         f"per device: params {fmt_bytes(s['param_bytes_per_device'])} "
-        f"({s['n_params']} arrays), optimizer state {fmt_bytes(s['opt_bytes_per_device'])} "
+        f"({s['n_params']} arrays), "
+        + (f"other state {fmt_bytes(s['state_bytes_per_device'])} ({s['n_state']} arrays), " if s["n_state"] else "")
+        + f"optimizer state {fmt_bytes(s['opt_bytes_per_device'])} "
         f"({s['n_opt_leaves']} arrays), total [bold]{fmt_bytes(s['total_bytes_per_device'])}[/]"
     )
     if budget is not None:
@@ -224,7 +230,7 @@ def print_text(
         verdict = "[green]fits[/]" if total <= budget else "[red]does not fit[/]"
         console.print(
             f"device memory budget {fmt_bytes(budget)}: {verdict} "
-            f"({100 * total / budget:.1f}% used by params + optimizer state)"
+            f"({100 * total / budget:.1f}% used by params, state and optimizer state at rest)"
         )
 
 
