@@ -170,7 +170,8 @@ def main(argv=None) -> int:
                 if ckpt and args.save_every and (start + i + 1) % args.save_every == 0:
                     ckpt.save(start + i + 1, model, optimizer)
         if ckpt:
-            ckpt.save(start + args.steps, model, optimizer)
+            if not (args.save_every and args.steps and (start + args.steps) % args.save_every == 0):
+                ckpt.save(start + args.steps, model, optimizer)  # not saved by --save-every already
             ckpt.wait()
         shardplan.verify(placement, model, optimizer)
         if args.metrics and jax.process_index() == 0:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardplan.core import cost, optimizers
@@ -318,7 +319,7 @@ def stored_plan(directory: str | os.PathLike, step: int | None = None) -> Plan:
                 )
             ]
         )
-    meta = checkpoint.step_info(manager, chosen).meta
+    meta = checkpoint.read_meta(Path(manager.directory) / str(chosen))
     sources = meta.get("plan_sources") or [[(meta.get("plan_files") or ["<checkpoint>"])[0], meta.get("plan_text", "")]]
     mesh = meta.get("mesh") or None
     return load_sources(tuple((str(f), str(t)) for f, t in sources), mesh=mesh)

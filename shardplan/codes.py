@@ -54,6 +54,7 @@ CODES: dict[str, Code] = {
         _e("no-mesh", "check", "no mesh in the plan, its bases, or the command line"),
         _e("unknown-link", "check", "a mesh axis tagged with a link other than `@ici` or `@dcn`"),
         _e("extends-cycle", "check", "a plan extends itself, directly or through its bases"),
+        _e("bad-extends", "check", "`extends` naming a file that is not a `.splan` plan file"),
         _e("extends-too-deep", "check", "a chain of `extends` more than 32 files deep"),
         _e("cannot-read", "check", "a plan, base or shapes file that cannot be read"),
         # a plan against shapes and devices
@@ -97,6 +98,8 @@ CODES: dict[str, Code] = {
         _e("loss-not-scalar", "apply", "the loss function does not return a float scalar"),
         _e("sharding-mismatch", "apply", "a live array placed other than the plan says (`verify`)"),
         _e("not-a-checkpoint", "apply", "a checkpoint directory that is missing, not a directory, or empty"),
+        _e("corrupt-checkpoint", "apply", "a checkpoint step shardplan wrote whose files are damaged (file named)"),
+        _e("foreign-checkpoint", "apply", "a step folder not written by shardplan (another tool's, or stray)"),
         _e("no-such-step", "apply", "a checkpoint step that is not complete in the directory"),
         _e("checkpoint-mismatch", "apply", "a checkpoint whose trees differ from the model's (each path named)"),
         _e("not-a-causal-lm", "apply", "generation on a model without the cache call convention"),

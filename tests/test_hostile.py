@@ -40,10 +40,12 @@ def test_an_extends_chain_too_deep_is_not_called_a_cycle(tmp_path):
     assert {d.code for d in info.value.diagnostics} == {"extends-too-deep"}
 
 
-@pytest.mark.parametrize("target", ["/dev/zero", "fifo"])
+@pytest.mark.parametrize("target", ["dev.splan", "fifo.splan"])
 def test_extends_of_a_device_or_a_fifo_is_refused_without_reading(tmp_path, target):
-    if target == "fifo":
-        os.mkfifo(tmp_path / "fifo")
+    if target == "fifo.splan":
+        os.mkfifo(tmp_path / "fifo.splan")
+    else:
+        os.symlink("/dev/zero", tmp_path / "dev.splan")
     (tmp_path / "p.splan").write_text(f'extends "{target}"\nmesh data = *\n')
     with pytest.raises(shardplan.PlanCheckError, match="not a regular file") as info:
         shardplan.load(tmp_path / "p.splan")

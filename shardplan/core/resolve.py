@@ -356,7 +356,9 @@ def _grouped_warning(code: str, key: object, items: list) -> Diagnostic:
             f"{n} arrays ({fmt_bytes(total)} in all; largest {big.path}, {fmt_shape(big.shape)} {big.dtype}, "
             f"{fmt_bytes(big.nbytes)}) are replicated on every device (decided by {by})"
         )
-    return warning("large-replicated", msg, "shard them with a rule, or raise the threshold (--replicated-threshold)", path=where)
+    return warning(
+        "large-replicated", msg, "shard them with a rule, or raise the threshold (--replicated-threshold)", path=where
+    )
 
 
 def _mirror(leaf: Leaf, params: dict[str, Decision], last: list) -> Decision | None:

@@ -100,6 +100,20 @@ def _chain(module: syntax.Module, base_dir: Path, read: Reader) -> tuple[syntax.
                 ]
             )
         seen.add(key)
+        if target.suffix != ".splan":
+            # The policy: a base is a plan file. Never open a .env, a key or /etc/passwd because
+            # a plan names it, and so never echo a line of one in a diagnostic.
+            raise PlanCheckError(
+                [
+                    error(
+                        "bad-extends",
+                        f"'{ext[0].path}' is not a .splan file; a plan extends only plan files",
+                        "name a .splan file (bases may live anywhere, e.g. a shared ../common/base.splan)",
+                        span=ext[0].span,
+                        source_line=m.line(ext[0].span.line),
+                    )
+                ]
+            )
         text = read(target, ext[0].span, m.line(ext[0].span.line))
         chain.append(parse(text, str(target)))
 

@@ -13,6 +13,7 @@ device reads only its own shards and no host gathers a whole array.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from shardplan.errors import Diagnostic, PlanApplyError, ShardPlanError, error
+from shardplan.errors import Diagnostic, PlanApplyError, ShardPlanError, as_error, error
 from shardplan.runtime.placement import Placement
 from shardplan.version import version
 
@@ -65,6 +66,100 @@ def _not_a_checkpoint(directory: Path, why: str) -> ShardPlanError:
             )
         ]
     )
+
+
+META_KEYS = {"plan_text": str, "plan_files": list, "mesh": dict, "shardplan_version": str}
+MAX_META_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class StepProblem:
+    """Why one step folder cannot be read: ``corrupt`` (written by shardplan, now damaged) or
+    ``foreign`` (not a shardplan step: another tool's checkpoint, or a stray folder)."""
+
+    step: int
+    kind: str  # "corrupt" | "foreign"
+    file: str  # the file or folder at fault
+    why: str
+
+    def diagnostic(self) -> Diagnostic:
+        message = f"step {self.step} is {self.kind}: {self.why}"
+        if self.kind == "corrupt":
+            hint = "restore another step (--step), or delete the damaged step folder"
+            return error("corrupt-checkpoint", message, hint, path=self.file)
+        hint = "point at a directory written by shardplan's Checkpointer, or move the folder away"
+        return error("foreign-checkpoint", message, hint, path=self.file)
+
+    def as_error(self) -> ShardPlanError:
+        return as_error([self.diagnostic()])
+
+
+def _json_file(path: Path) -> tuple[Any, str | None]:
+    """(parsed JSON, None) or (None, why it cannot be read)."""
+    try:
+        if not path.is_file():
+            return None, "missing"
+        if path.stat().st_size > MAX_META_BYTES:
+            return None, f"{path.stat().st_size:,} bytes, too large for metadata"
+        return json.loads(path.read_bytes().decode("utf-8")), None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        return None, f"unreadable ({type(e).__name__}: {str(e)[:120]})"
+
+
+def read_meta(step_dir: Path) -> dict:
+    """The ``meta`` item of a step folder, validated; the error names the file."""
+    problem = inspect_step(step_dir)
+    if problem is not None:
+        raise problem.as_error()
+    meta, _ = _json_file(step_dir / "meta" / "metadata")
+    return meta
+
+
+def inspect_step(step_dir: Path) -> StepProblem | None:
+    """Read a step folder's files without Orbax: None when it is a readable shardplan step."""
+    try:
+        step = int(step_dir.name)
+    except ValueError:
+        step = -1
+    items = sorted(p.name for p in step_dir.iterdir() if p.is_dir()) if step_dir.is_dir() else []
+    meta_file = step_dir / "meta" / "metadata"
+    if "meta" not in items:
+        held = f"it holds {', '.join(items[:6])}" if items else "it holds no checkpoint items"
+        return StepProblem(step, "foreign", str(step_dir), f"no shardplan 'meta' item ({held})")
+    meta, why = _json_file(meta_file)
+    if why is not None:
+        return StepProblem(step, "corrupt", str(meta_file), f"the plan metadata is {why}")
+    if not isinstance(meta, dict) or not any(k in meta for k in META_KEYS):
+        return StepProblem(step, "foreign", str(meta_file), "its 'meta' item was not written by shardplan")
+    for key, typ in META_KEYS.items():
+        if not isinstance(meta.get(key), typ):
+            return StepProblem(step, "corrupt", str(meta_file), f"the plan metadata lacks a valid '{key}'")
+    sources = meta.get("plan_sources")
+    if sources is not None and not (
+        isinstance(sources, list)
+        and all(isinstance(x, list) and len(x) == 2 and all(isinstance(y, str) for y in x) for x in sources)
+    ):
+        return StepProblem(step, "corrupt", str(meta_file), "the plan metadata has malformed 'plan_sources'")
+    top, why = _json_file(step_dir / "_CHECKPOINT_METADATA")
+    if why is not None and why != "missing":
+        return StepProblem(step, "corrupt", str(step_dir / "_CHECKPOINT_METADATA"), f"the step metadata is {why}")
+    if "model" not in items:
+        return StepProblem(step, "corrupt", str(step_dir), "it has no 'model' item")
+    for item in ("model", "optimizer"):
+        if item not in items:
+            continue
+        tree, why = _json_file(step_dir / item / "_METADATA")
+        if why is not None or not isinstance(tree, dict) or "tree_metadata" not in tree:
+            return StepProblem(
+                step, "corrupt", str(step_dir / item / "_METADATA"), f"the {item} tree metadata is {why or 'malformed'}"
+            )
+        if not (step_dir / item / "manifest.ocdbt").is_file():
+            return StepProblem(step, "corrupt", str(step_dir / item), f"the {item} array data is missing (no manifest)")
+    return None
+
+
+def problems(directory: Path, steps: list[int]) -> list[StepProblem]:
+    return [p for s in steps if (p := inspect_step(directory / str(s))) is not None]
 
 
 class Checkpointer:
@@ -142,7 +237,15 @@ class Checkpointer:
         if not steps:
             raise _not_a_checkpoint(self.directory, "it holds no complete step")
         if step is None:
-            return steps[-1]
+            step = steps[-1]
+        if step in steps:
+            problem = inspect_step(self.directory / str(step))
+            if problem is not None:
+                good = [s for s in steps if inspect_step(self.directory / str(s)) is None]
+                d = problem.diagnostic()
+                hint = f"readable steps: {', '.join(map(str, good))}; {d.hint}" if good else d.hint
+                raise as_error([error(d.code, d.message, hint, path=d.path)])
+            return step
         if step not in steps:
             raise PlanApplyError(
                 [
@@ -238,9 +341,17 @@ class Checkpointer:
         targets = {name: self._target(obj, res) for name, (obj, res) in items.items()}
         for name, target in targets.items():
             self._check_tree(step, name, target)
-        restored = self.manager.restore(
-            step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(t) for name, t in targets.items()})
-        )
+        try:
+            restored = self.manager.restore(
+                step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(t) for name, t in targets.items()})
+            )
+        except Exception as e:  # damaged array data: Orbax/TensorStore errors of many kinds
+            raise StepProblem(
+                step,
+                "corrupt",
+                str(self.directory / str(step)),
+                f"reading its arrays failed ({type(e).__name__}: {str(e)[:200]})",
+            ).as_error() from None
         for name, (obj, _) in items.items():
             state = nnx.state(obj)
             nnx.replace_by_pure_dict(state, restored[name])
@@ -277,10 +388,15 @@ def check_directory(directory: Path) -> None:
 
 
 def step_info(manager: ocp.CheckpointManager, step: int) -> StepInfo:
-    restored = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    meta = dict(restored["meta"] or {})
+    """Meta and leaf shapes of a step; raises corrupt-/foreign-checkpoint for an unreadable one."""
+    meta = read_meta(Path(manager.directory) / str(step))
     leaves = {}
-    item_meta = manager.item_metadata(step)
+    try:
+        item_meta = manager.item_metadata(step)
+    except Exception as e:
+        raise StepProblem(
+            step, "corrupt", str(Path(manager.directory) / str(step)), f"its item metadata is unreadable ({e!s:.120})"
+        ).as_error() from None
     for item in ("model", "optimizer"):
         tree = item_meta[item] if item in item_meta else None
         if tree is None:

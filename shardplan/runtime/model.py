@@ -135,7 +135,7 @@ def abstract_model(factory, *, path: str = "--model") -> Any:
     """
     try:
         with nnx.use_eager_sharding(False):
-            return nnx.eval_shape(factory)
+            built = nnx.eval_shape(factory)
     except ShardPlanError:
         raise
     except Exception as e:
@@ -149,6 +149,32 @@ def abstract_model(factory, *, path: str = "--model") -> Any:
                 )
             ]
         ) from None
+    parts = built if isinstance(built, tuple) else (built,)
+    pytree = getattr(nnx, "Pytree", nnx.Module)
+    if not parts or not isinstance(parts[0], (nnx.Module, pytree)):
+        got = type(parts[0]).__name__ if parts else "an empty tuple"
+        raise as_error(
+            [
+                error(
+                    "model-build",
+                    f"the factory returned {got}, not an nnx.Module",
+                    "return the model from the factory (a missing `return`?)",
+                    path=path,
+                )
+            ]
+        )
+    if not nnx.state(parts[0]):
+        raise as_error(
+            [
+                error(
+                    "model-build",
+                    f"the factory's {type(parts[0]).__name__} has no arrays: nothing to place",
+                    "build the model's layers in its __init__ (nnx.Linear, nnx.Param, ...)",
+                    path=path,
+                )
+            ]
+        )
+    return built
 
 
 def abstract_model_and_optimizer(

@@ -10,6 +10,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 
@@ -214,12 +215,21 @@ def cmd_lower(args, out: Console, err: Console) -> int:
 
 
 def cmd_ckpt_info(args, out: Console, err: Console) -> int:
+    import logging
+
     from rich.table import Table
 
     from shardplan.runtime import checkpoint
 
+    logging.getLogger("absl").setLevel(logging.CRITICAL)  # damaged files are reported below, once
     manager = checkpoint.open_readonly(args.directory)
-    steps = sorted(manager.all_steps())
+    all_steps = sorted(manager.all_steps())
+    bad = checkpoint.problems(Path(manager.directory), all_steps)
+    steps = [s for s in all_steps if s not in {p.step for p in bad}]
+    if not steps:
+        raise as_error([p.diagnostic() for p in bad])
+    if args.step is not None and args.step in {p.step for p in bad}:
+        raise as_error([p.diagnostic() for p in bad if p.step == args.step])
     if args.step is not None and args.step not in steps:
         raise as_error(
             [
@@ -256,6 +266,8 @@ def cmd_ckpt_info(args, out: Console, err: Console) -> int:
             n = math.prod(shape) * ITEMSIZE.get(dtype, 0)
             table.add_row(report.escape(path), str(shape), dtype, fmt_bytes(n))
         out.print(table)
+    if bad:  # the readable steps are shown; the unreadable ones are errors, each named
+        raise as_error([p.diagnostic() for p in bad])
     return EXIT_OK
 
 
