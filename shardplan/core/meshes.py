@@ -7,10 +7,11 @@ and every axis the plan's specs name present.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
-from shardplan.core.plan import LINKS, MeshAxis, Plan
+from shardplan.core.plan import LINKS, MAX_DEVICES, MeshAxis, Plan
 from shardplan.errors import Diagnostic, Span, as_error, error
 
 MeshSizes = Mapping[str, "int | None"]  # None: a '*' axis, inferred from the device count
@@ -76,6 +77,16 @@ def size_problems(sizes: MeshSizes, where: str) -> list[Diagnostic]:
                     path=f"{where} {name}",
                 )
             )
+    known = [s for s in sizes.values() if s is not None and s > 0]
+    if math.prod(known) > MAX_DEVICES:
+        diags.append(
+            error(
+                "axis-size",
+                f"a mesh of {math.prod(known):,} devices; shardplan plans meshes of at most {MAX_DEVICES:,}",
+                "check the sizes (a typo with extra digits?)",
+                path=where,
+            )
+        )
     if sum(1 for s in sizes.values() if s is None) > 1:
         diags.append(
             error("two-inferred-sizes", "more than one mesh axis is '*'", "give every axis but one a size", path=where)

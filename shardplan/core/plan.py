@@ -16,6 +16,7 @@ from shardplan.core.matching import RuleSet
 from shardplan.core.spec import Spec
 from shardplan.errors import Diagnostic, PlanCheckError, Span, error
 
+MAX_DEVICES = 2**24  # 16.7M: beyond any machine built; a larger mesh or device count is a typo
 RuleKind = Literal["param", "opt", "input"]
 LINKS = ("ici", "dcn")  # what a mesh axis's collectives cross: fast links in a host/slice, or the network
 
@@ -121,12 +122,12 @@ class Plan:
         Raises:
             PlanCheckError: the sizes do not fit the device count.
         """
-        if devices is not None and devices < 1:
+        if devices is not None and not 1 <= devices <= MAX_DEVICES:
             raise PlanCheckError(
                 [
                     error(
                         "mesh-devices",
-                        f"a device count of {devices}: it must be at least 1",
+                        f"a device count of {devices}: it must be between 1 and {MAX_DEVICES:,}",
                         "pass a positive device count (--devices 8)",
                         path="--devices",
                     )
@@ -136,6 +137,17 @@ class Plan:
         star = [a for a in self.mesh if a.size is None]
         where: dict[str, Any] = dict(span=self.mesh_span, source_line=self.mesh_source_line)
         written = ", ".join(f"{a.name}={a.size if a.size is not None else '*'}" for a in self.mesh)
+        if known > MAX_DEVICES:
+            raise PlanCheckError(
+                [
+                    error(
+                        "axis-size",
+                        f"mesh {written} has {known:,} devices; a mesh has at most {MAX_DEVICES:,}",
+                        "check the sizes (a typo with extra digits?)",
+                        **where,
+                    )
+                ]
+            )
         if devices is None:
             if star:
                 raise PlanCheckError(

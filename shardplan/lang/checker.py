@@ -12,7 +12,7 @@ import re2
 
 from shardplan.core.backends import NAMES as BACKENDS
 from shardplan.core.meshes import MeshSizes, closest, size_problems
-from shardplan.core.plan import LINKS, AxisRule, MeshAxis, Plan, Rule, RuleKind
+from shardplan.core.plan import LINKS, MAX_DEVICES, AxisRule, MeshAxis, Plan, Rule, RuleKind
 from shardplan.core.spec import Spec
 from shardplan.errors import Diagnostic, PlanCheckError, Span, error, warning
 from shardplan.lang import syntax as ast
@@ -93,6 +93,13 @@ class _Checker:
                     "axis-size",
                     f"mesh axis '{a.name}' has size {a.size}; sizes must be positive",
                     "use a positive size, or * to take the remaining devices",
+                    a.span,
+                )
+            elif a.size > MAX_DEVICES:
+                self.err(
+                    "axis-size",
+                    f"mesh axis '{a.name}' has size {a.size:,}; a mesh has at most {MAX_DEVICES:,} devices",
+                    "check the size (a typo with extra digits?)",
                     a.span,
                 )
         for extra in stars[1:]:

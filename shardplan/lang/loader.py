@@ -36,6 +36,26 @@ def _cannot_read(path: Path, reason: str, span: Span | None, line: str | None) -
     )
 
 
+def _not_utf8(path: Path, data: bytes, e: UnicodeDecodeError) -> PlanCheckError:
+    """The first byte that is not UTF-8, located at its line and column in the file."""
+    start = data.rfind(b"\n", 0, e.start) + 1
+    end = data.find(b"\n", e.start)
+    line_no = data.count(b"\n", 0, e.start) + 1
+    line = data[start : end if end >= 0 else len(data)][:4096].decode("utf-8", "replace")
+    col = len(data[start : e.start].decode("utf-8", "replace")) + 1
+    return PlanCheckError(
+        [
+            error(
+                "cannot-read",
+                f"'{path}' is not UTF-8 text (byte 0x{data[e.start]:02x})",
+                "save the plan as UTF-8",
+                span=Span(str(path), line_no, col, line_no, col + 1),
+                source_line=line,
+            )
+        ]
+    )
+
+
 def read_file(path: Path, span: Span | None = None, line: str | None = None) -> str:
     """A plan file's text: a regular file of at most MAX_PLAN_BYTES, UTF-8."""
     try:
@@ -46,8 +66,11 @@ def read_file(path: Path, span: Span | None = None, line: str | None = None) -> 
             raise _cannot_read(path, f"{st.st_size:,} bytes; a plan is at most {MAX_PLAN_BYTES:,}", span, line)
         with open(path, "rb") as f:
             data = f.read(MAX_PLAN_BYTES + 1)
-        return data.decode("utf-8").removeprefix("\ufeff")  # a BOM is not part of the plan
-    except (OSError, UnicodeDecodeError) as e:
+        try:
+            return data.decode("utf-8").removeprefix("\ufeff")  # a BOM is not part of the plan
+        except UnicodeDecodeError as e:
+            raise _not_utf8(path, data, e) from None
+    except OSError as e:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else type(e).__name__
         raise _cannot_read(path, reason, span, line) from None
 

@@ -137,6 +137,8 @@ def _check_step_args(args) -> None:
         raise _UsageError("--step needs the model's code: give --model FILE.py:FACTORY (not --shapes)")
     if args.step and not args.batch:
         raise _UsageError("--step needs the batch's shapes: --batch 'tokens=int32[256,4096],labels=int32[256,4096]'")
+    if (args.batch or args.compile) and not args.step:
+        raise _UsageError("--batch and --compile describe a step: name it with --step FILE:LOSS_FN")
     if (args.chip or args.link) and not args.step:
         raise _UsageError("--chip and --link estimate a step's time: name the step with --step and --batch")
 
