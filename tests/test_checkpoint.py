@@ -246,3 +246,24 @@ def test_directory_that_is_not_a_checkpoint(tmp_path):
     r = subprocess.run([sys.executable, "-m", "shardplan", "ckpt", "info", str(tmp_path / "junk")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "error[not-a-checkpoint]" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_restore_names_a_corrupt_or_foreign_latest_step_and_the_readable_ones(dp_checkpoint, tmp_path):
+    import shutil
+
+    d = tmp_path / "ck"
+    shutil.copytree(dp_checkpoint[0], d)
+    plan = shardplan.load(PLANS / "dp.splan")
+    model, optimizer, placement = shardplan.init_sharded(plan, models.gpt_tiny, optax.adamw(3e-3))
+    (d / "9").mkdir()  # a stray numbered folder: the "latest" step
+    with pytest.raises(shardplan.PlanApplyError) as info:
+        checkpoint.Checkpointer(d, placement).restore(model, optimizer)
+    diag = info.value.diagnostics[0]
+    assert diag.code == "foreign-checkpoint" and diag.path == str(d / "9") and "readable steps: 1" in diag.hint
+    assert checkpoint.Checkpointer(d, placement).restore(model, optimizer, step=1) == 1
+    shutil.rmtree(d / "9")
+    for chunk in (d / "1" / "model" / "ocdbt.process_0" / "d").iterdir():  # damaged array data
+        chunk.write_bytes(chunk.read_bytes()[:16])
+    with pytest.raises(shardplan.PlanApplyError) as info:
+        checkpoint.Checkpointer(d, placement).restore(model, optimizer)
+    assert info.value.diagnostics[0].code == "corrupt-checkpoint" and "reading its arrays failed" in str(info.value)

@@ -8,9 +8,13 @@ import subprocess
 import sys
 import time
 
+import optax
 import pytest
+from flax import nnx
 
 import shardplan
+from shardplan.core import cost, optimizers
+from shardplan.runtime import tree
 from tests.helpers import PLANS
 
 
@@ -130,3 +134,45 @@ def _shapes(tmp_path, path):
     f.write_text(json.dumps({"format": "shardplan-shapes/1",
                              "params": [{"path": path, "shape": [8, 8], "dtype": "float32"}]}))
     return f
+
+
+class _WithState(nnx.Module):
+    """Params beside BatchNorm statistics and RNG streams: only params are trained."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(16, 32, rngs=rngs)
+        self.bn = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.rngs = rngs
+
+
+def test_state_that_is_not_a_param_gets_no_optimizer_state_and_is_counted_apart():
+    plan = shardplan.loads('mesh data = *\nparam ".*/kernel" (_, data)\ndefault replicated\n')
+    model = nnx.eval_shape(lambda: _WithState(nnx.Rngs(0, dropout=1)))
+    real_opt = nnx.eval_shape(lambda: nnx.Optimizer(_WithState(nnx.Rngs(0, dropout=1)), optax.adam(1e-3),
+                                                    wrt=nnx.Param))
+    params, _ = tree.flatten(model)
+    derived = optimizers.optimizer_leaves(params, "adam")
+    real = tree.flatten(real_opt)[0]
+    assert sorted(x.path for x in derived) == sorted(x.path for x in real)  # ground truth: nnx.Optimizer
+    res = shardplan.resolve_leaves(plan, {"data": 8}, params, derived)
+    by = res.by_path()
+    assert by["bn/mean"].role == "state" and by["bn/mean"].origin == "batch_stat, not a param"
+    assert by["rngs/dropout/key"].role == "state" and by["rngs/dropout/count"].spec == shardplan.Spec(())
+    s = cost.summary(res)
+    assert s["n_params"] == 4 and s["n_state"] == 8
+    assert s["total_bytes_per_device"] == res.bytes_per_device()
+
+
+def test_repeated_warnings_are_grouped_and_axis_rules_that_cannot_apply_warn_at_their_line():
+    plan = shardplan.loads("mesh data = *\naxis embed -> data\naxis heads -> data\ndefault replicated\n", "p.splan")
+    leaves = [shardplan.Leaf(f"blocks/{i}/w", (8, 8), "float32", 4, ("embed", "mlp")) for i in range(37)]
+    warnings = shardplan.resolve_leaves(plan, {"data": 8}, leaves).warnings
+    by = {w.code: w for w in warnings}
+    assert sorted(by) == ["unmapped-logical-axis", "unused-axis-rule"] and len(warnings) == 2
+    grouped, unused = by["unmapped-logical-axis"], by["unused-axis-rule"]
+    assert "37 arrays" in grouped.message and grouped.path == "blocks/0/w (+36 more)"
+    assert str(unused.span) == "p.splan:3:1" and "'heads'" in unused.message
+    bare = [shardplan.Leaf("w", (8, 8, 8), "float32", 4, ("embed",))]
+    codes = [w.code for w in shardplan.resolve_leaves(plan, {"data": 8}, bare).warnings]
+    assert sorted(codes) == ["annotation-rank", "unused-axis-rule"]
