@@ -110,7 +110,6 @@ def main(argv=None) -> int:
 
     from shardplan import distributed
 
-    distributed.initialize()  # joins the job when started by `shardplan launch`; else a no-op
     import optax
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -119,7 +118,14 @@ def main(argv=None) -> int:
     import shardplan
     from shardplan import print_diagnostics
 
-    console = Console()
+    try:
+        distributed.initialize()  # joins the job SLURM, MPI, Kubernetes or `shardplan launch` started; else a no-op
+    except shardplan.ShardPlanError as e:
+        print_diagnostics(Console(stderr=True), e.diagnostics)
+        return 1
+    # One progress bar and one summary, from process 0; other processes print prefixed lines.
+    console = Console(quiet=jax.process_index() != 0)
+    tag = f"[process {jax.process_index()}/{jax.process_count()}] " if jax.process_count() > 1 else ""
     try:
         mesh_arg = shardplan.parse_mesh_arg(args.mesh) if args.mesh else None
         plan = shardplan.load(args.plan, mesh=mesh_arg)
@@ -146,7 +152,9 @@ def main(argv=None) -> int:
         batch = next_batch()
         console.print(f"[bold]{plan.name or args.plan}[/] on {len(jax.devices())} {jax.devices()[0].platform} "
                       f"devices ({jax.process_count()} process(es)), mesh {placement.mesh_shape}, "
-                      f"backend {step.backend}; process {jax.process_index()} pid {os.getpid()}")
+                      f"backend {step.backend}")
+        print(f"{tag}process {jax.process_index()} pid {os.getpid()}: {jax.local_device_count()} local devices, "
+              f"feeds batch rows {distributed.process_slice(args.batch_size)}", flush=True)
         print_diagnostics(console, placement.params.warnings)
         if not args.no_show and jax.process_count() == 1:
             shardplan.show(model, console=console, title="params", max_visualize=2)
@@ -164,7 +172,7 @@ def main(argv=None) -> int:
                 dt = time.perf_counter() - t0
                 losses.append(loss)
                 progress.update(task, advance=1, loss=f"{loss:.4f}", ms=f"{1000 * dt:.1f}")
-                if args.log_every and (start + i + 1) % args.log_every == 0:
+                if args.log_every and (start + i + 1) % args.log_every == 0 and jax.process_index() == 0:
                     print(f"step {start + i + 1} loss {loss:.6f} ({1000 * dt:.1f} ms)", flush=True)
                 batch = next_batch()
                 if ckpt and args.save_every and (start + i + 1) % args.save_every == 0:

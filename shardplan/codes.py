@@ -108,5 +108,8 @@ CODES: dict[str, Code] = {
         _e("prompt-too-long", "apply", "a prompt longer than the longest bucket"),
         _e("no-key", "apply", "sampling without a PRNG key"),
         _e("cannot-launch", "apply", "`shardplan launch` cannot start the command"),
+        _e("bad-cluster-env", "apply", "a cluster environment naming a job but lacking or garbling what joining needs"),
+        _e("cannot-join", "apply", "joining a multi-process job failed or timed out (manager and coordinator named)"),
+        _e("not-joined", "apply", "one process of several that did not call `distributed.initialize()`"),
     )
 }

@@ -119,7 +119,7 @@ def test_killing_a_rank_mid_training_fails_the_launch_within_the_bound():
             m = re.match(r"\[rank (\d)\] .*process (\d) pid (\d+)", line)
             if m:
                 pids[int(m.group(1))] = int(m.group(3))
-            if line.startswith("[rank 1] step 3 ") and 1 in pids:
+            if line.startswith("[rank 0] step 3 ") and 1 in pids:
                 os.kill(pids[1], signal.SIGKILL)
                 killed_at = time.monotonic()
                 break
@@ -183,3 +183,94 @@ def test_launch_usage_errors():
 def test_launch_of_a_missing_command_is_a_usage_error():
     r = launch("/nonexistent/program")
     assert r.returncode == 2 and "cannot run '/nonexistent/program'" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- the same script under cluster managers: their environment, 2 processes x 4 devices ---------
+MANAGED = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "JAX_", "SHARDPLAN_", "JOB_", "JOBSET_", "TPU_", "XLA_FLAGS",
+           "KUBERNETES_")
+
+
+def manager_env(kind: str, rank: int, n: int, port: int, **extra) -> dict:
+    """What SLURM (srun), Open MPI (mpirun) or a Kubernetes indexed Job sets for a rank, on 127.0.0.1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(MANAGED)}
+    env.update(JAX_PLATFORMS="cpu", SHARDPLAN_TIMEOUT="60", PYTHONUNBUFFERED="1")
+    if kind == "slurm":
+        env.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS=str(n),
+                   SLURM_STEP_NUM_TASKS=str(n), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                   SLURM_STEP_NUM_NODES="1", SLURM_NODELIST="127.0.0.1", JAX_COORDINATOR_PORT=str(port))
+    elif kind == "ompi":
+        env.update(OMPI_MCA_orte_hnp_uri=f"{4096 * 7}.0;tcp://127.0.0.1:{port + 1}", OMPI_COMM_WORLD_SIZE=str(n),
+                   OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+                   JAX_COORDINATOR_PORT=str(port))
+    elif kind == "k8s":
+        env.update(KUBERNETES_SERVICE_HOST="10.0.0.1", JOB_COMPLETION_INDEX=str(rank), JAX_NUM_PROCESSES=str(n),
+                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}")
+    env.update(extra)
+    return env
+
+
+def run_ranks(kind: str, args: list, n: int = 2, timeout: float = 300, ranks=None, **extra) -> list[tuple]:
+    """Start the ranks as the manager would (each with its environment), bounded; (rc, out, err) each."""
+    from shardplan.tools.launch import free_port
+
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, *map(str, args)], env=manager_env(kind, i, n, port, **extra),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in (range(n) if ranks is None else ranks)]
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            out.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["slurm", "ompi", "k8s"])
+def test_train_under_a_cluster_manager_matches_one_process(kind, reference, tmp_path):
+    m = tmp_path / "m.json"
+    ranks = run_ranks(kind, [TRAIN, "--plan", PLANS / "dp.splan", "--steps", 5, "--no-show", "--simulate-devices", 4,
+                             "--metrics", m])
+    for rc, o, e in ranks:
+        assert rc == 0, o[-2000:] + e[-3000:]
+    np.testing.assert_allclose(losses(m), reference["dp.splan"], rtol=LOSS_RTOL)
+    manager = {"slurm": "SLURM", "ompi": "Open MPI", "k8s": "Kubernetes"}[kind]
+    (_, out0, err0), (_, out1, err1) = ranks
+    assert f"shardplan: joined a {manager} job of 2 processes" in err0 and "joined" not in err1
+    assert "(2 process(es))" in out0 and "over 5 steps" in out0  # one summary, from process 0
+    assert "over 5 steps" not in out1 and "[process 1/2] process 1 pid" in out1
+
+
+def test_a_job_that_cannot_be_joined_fails_clearly_within_the_timeout():
+    t = time.monotonic()
+    ranks = run_ranks("slurm", [TRAIN, "--plan", PLANS / "dp.splan", "--steps", 1, "--no-show",
+                                "--simulate-devices", 4], timeout=60, SLURM_STEP_NODELIST="no-such-host.invalid")
+    for rc, o, e in ranks:
+        assert rc == 1 and "error[cannot-join]" in e and "SLURM job" in e and "does not resolve" in e, e[-2000:]
+        assert "Traceback" not in e
+    # A peer that never comes: process 0 alone says who is missing, within SHARDPLAN_TIMEOUT.
+    (rc, o, e), = run_ranks("slurm", [TRAIN, "--plan", PLANS / "dp.splan", "--steps", 1, "--no-show",
+                                      "--simulate-devices", 4], ranks=[0], timeout=60, SHARDPLAN_TIMEOUT="3")
+    assert rc == 1 and "only 1 of 2 processes arrived within 3 s (missing: 1)" in e, e[-2000:]
+    assert time.monotonic() - t < 60
+
+
+NOT_JOINED = """
+import shardplan
+from shardplan.runtime.devices import simulate
+simulate(4)
+try:
+    shardplan.make_mesh(shardplan.load(%r))
+except shardplan.ShardPlanError as e:
+    print(e.diagnostics[0].code, e.diagnostics[0].message)
+else:
+    print("made a mesh")
+"""
+
+
+def test_one_of_several_processes_that_did_not_join_is_refused():
+    (rc, o, e), = run_ranks("slurm", ["-c", NOT_JOINED % str(PLANS / "dp.splan")], ranks=[1], timeout=120)
+    assert rc == 0 and o.startswith("not-joined this is process 1 of a 2-process SLURM job"), o + e[-2000:]

@@ -12,6 +12,7 @@ from jax.sharding import AxisType, Mesh
 
 from shardplan.core.plan import Plan
 from shardplan.errors import PlanApplyError, as_error, error
+from shardplan.runtime.distributed import require_joined
 
 AxisTypes = Literal["auto", "explicit"]
 
@@ -32,6 +33,8 @@ def make_mesh(plan: Plan, devices: Sequence | None = None, axis_types: AxisTypes
     Raises:
         PlanCheckError: the mesh does not fit the devices.
     """
+    if devices is None:
+        require_joined()  # one of several processes that did not join: never N silent copies
     devs = list(jax.devices() if devices is None else devices)
     shape = plan.mesh_shape(len(devs))
     if axis_types not in ("auto", "explicit"):

@@ -161,7 +161,13 @@ def _step_costs(args, results) -> list:
 
 
 def cmd_show(args, out: Console, err: Console) -> int:
-    from shardplan.runtime import live
+    import jax
+
+    from shardplan.runtime import distributed, live
+
+    distributed.initialize()  # under srun / mpirun / launch: one job, not N copies
+    if jax.process_index() != 0:  # one report, from process 0; every process still verifies its arrays
+        out = Console(quiet=True)
 
     shown = api.show(
         args.plan,
