@@ -274,3 +274,15 @@ else:
 def test_one_of_several_processes_that_did_not_join_is_refused():
     (rc, o, e), = run_ranks("slurm", ["-c", NOT_JOINED % str(PLANS / "dp.splan")], ranks=[1], timeout=120)
     assert rc == 0 and o.startswith("not-joined this is process 1 of a 2-process SLURM job"), o + e[-2000:]
+
+
+def test_show_on_two_processes_reports_once_with_every_device():
+    r = launch(sys.executable, "-m", "shardplan", "show", PLANS / "fsdp.splan", "--model",
+               f"{ROOT / 'examples' / 'models.py'}:gpt_tiny", timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rank1 = [line for line in r.stdout.splitlines() if line.startswith("[rank 1]") and "Gloo" not in line]
+    assert rank1 == [], rank1  # one report, from process 0
+    assert "[rank 0] fsdp mesh {'data': 8} over 8 cpu devices" in r.stdout
+    assert "every array lives where the plan says" in r.stdout
+    # Shards are counted over all 8 devices of both processes, not this process's 4.
+    assert re.search(r"\[rank 0\] │ embed/embedding .*│ \(8, 32\) x8 ", r.stdout), r.stdout[-4000:]

@@ -53,7 +53,12 @@ def live_leaves(tree: Any) -> list[LiveLeaf]:
             x = x.get_value()
         if not isinstance(x, jax.Array):
             continue
-        shapes = Counter(tuple(s.data.shape) for s in x.addressable_shards)
+        # Every device's shard, this process's and the others' (the shape from the index map:
+        # no data is read, so it also holds for arrays spread over several processes).
+        shapes = Counter(
+            tuple(len(range(*sl.indices(n))) for sl, n in zip(idx, x.shape))
+            for idx in x.sharding.devices_indices_map(tuple(x.shape)).values()
+        )
         out.append(LiveLeaf(path_str(kp), tuple(x.shape), str(x.dtype), x.sharding, tuple(sorted(shapes.items())), x))
     return out
 
@@ -135,6 +140,8 @@ def show(
         if shown >= max_visualize or not 1 <= len(leaf.shape) <= 2:
             continue
         console.print(f"[bold]{leaf.path}[/] {fmt_shape(leaf.shape)} {leaf.spec}")
+        if jax.process_index() != 0 or console.quiet:
+            continue  # jax prints to stdout itself: only the process that shows the tables
         # Prints through rich to stdout: which device holds which block of the array.
         jax.debug.visualize_array_sharding(
             by_path[leaf.path].array, use_color=False, max_width=60 if len(leaf.shape) == 2 else 80
