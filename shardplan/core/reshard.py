@@ -5,13 +5,8 @@ Pure and jax-free. Both layouts must cover the same devices in the same order (w
 ``shardplan.make_mesh`` builds for two meshes of one device count): when the meshes differ
 (``data=8`` and ``data=4,model=2``), both are rewritten over their common refinement (``data``
 of the first becomes the sub-axes ``data`` x ``model`` of the second), so an axis of one mesh
-is a group of sub-axes of the other. Per leaf, with the bytes the HLO reader counts
-(``shardplan.core.hlo``):
-
-- a sub-axis that splits another dim after the reshard: an all-to-all of the local buffer;
-- a sub-axis no dim keeps: an all-gather (the gathered local result);
-- a sub-axis only the target splits on: a local slice, free;
-- the same sub-axes in another order: a collective-permute of the local buffer.
+is a group of sub-axes of the other. The rules per leaf are in :func:`leaf_moves`; bytes are
+per device, as the HLO reader counts them (``shardplan.core.hlo``).
 """
 
 from __future__ import annotations
@@ -88,7 +83,24 @@ def _local(shape: tuple[int, ...], itemsize: int, dims: list[list[str]], sizes: 
 
 
 def leaf_moves(a: Decision, b: Decision, ref: Refinement) -> list[Move]:
-    """The collectives that take one leaf from layout ``a`` to layout ``b``."""
+    """The collectives that take one leaf from layout ``a`` to layout ``b``, the way XLA's SPMD
+    partitioner does it (checked against compiled reshards: tests/test_reshard.py and
+    benchmarks/reshard.py):
+
+    1. a source dim whose split partly moves to another dim and partly goes away is gathered
+       whole (the moving part is sliced again afterwards);
+    2. sub-axes that move to another dim: one all-to-all (a dim that receives them gathers what
+       it drops first), of the local buffer after the free slices (sub-axes only the target has)
+       are taken; a permute follows when a moved sub-axis must sit before one the dim keeps or
+       slices, or two dims trade sub-axes;
+    3. a dim that drops sub-axes and gains others: a permute of the target's block when every
+       target block lies inside one source block, else a permute and an all-gather up to the
+       target's block;
+    4. a dim that only drops sub-axes (last dim first): an all-gather per dim (its result),
+       after a permute when a dropped sub-axis is more major than a kept one (strided blocks);
+    5. what is left is free when each dim's sub-axes lead the target's, in its order (a local
+       slice), else a permute of the target's block.
+    """
     rank = len(a.shape)
     src = _refined(a.spec.dims, ref.a) + [[] for _ in range(rank - len(a.spec.dims))]
     dst = _refined(b.spec.dims, ref.b) + [[] for _ in range(rank - len(b.spec.dims))]
@@ -100,34 +112,74 @@ def leaf_moves(a: Decision, b: Decision, ref: Refinement) -> list[Move]:
 
     def named(subs) -> tuple[str, ...]:
         out: list[str] = []
-        for s in subs:
-            name = back.get(s) or back_a[s]
+        for sub in subs:
+            name = back.get(sub) or back_a[sub]
             if name not in out:
                 out.append(name)
         return tuple(out)
 
+    def local(dims) -> int:
+        return _local(a.shape, a.itemsize, dims, sizes)
+
+    target = local(dst)
+    where = {sub: j for j, d in enumerate(dst) for sub in d}
+    held = {sub for d in src for sub in d}
+    added = [[sub for sub in d if sub not in held] for d in dst]
+    moving: dict[str, int] = {}
+    dropping: list[list[str]] = [[] for _ in range(rank)]
+    for i, d in enumerate(src):
+        out = [sub for sub in d if where.get(sub, -1) != i]
+        gone = [sub for sub in out if sub not in where]
+        if gone and len(gone) < len(out):  # rule 1
+            gone = out
+        dropping[i] = gone
+        moving.update({sub: where[sub] for sub in out if sub not in gone})
     moves: list[Move] = []
     cur = [list(d) for d in src]
-    where = {s: j for j, d in enumerate(dst) for s in d}
-    moved = [s for i, d in enumerate(src) for s in d if where.get(s, i) != i]
-    if moved:
-        moves.append(Move(a.path, "all-to-all", named(moved), _local(a.shape, a.itemsize, cur, sizes)))
-        for s in moved:
-            i = next(k for k, d in enumerate(cur) if s in d)
-            cur[i].remove(s)
-            cur[where[s]].append(s)
-    dropped = [s for d in cur for s in d if s not in where]
-    if dropped:
-        cur = [[s for s in d if s in where] for d in cur]
-        moves.append(Move(a.path, "all-gather", named(dropped), _local(a.shape, a.itemsize, cur, sizes)))
-    # What is left is free only if each dim's kept sub-axes lead the target's, in its order
-    # (then the added ones are a local slice); otherwise blocks change devices: a permute.
-    if any(dst[i][: len(cur[i])] != cur[i] for i in range(rank)):
-        moves.append(
-            Move(
-                a.path, "collective-permute", named(s for d in dst for s in d), _local(a.shape, a.itemsize, cur, sizes)
-            )
+    done: set[int] = set()
+    if moving:  # rule 2
+        for j in sorted(set(moving.values()), reverse=True):  # a dim that receives drops its own first
+            if dropping[j] and not added[j]:
+                cur[j] = [sub for sub in cur[j] if sub not in dropping[j]]
+                moves.append(Move(a.path, "all-gather", named(dropping[j]), local(cur)))
+                dropping[j] = []
+        sliced = [d + [sub for sub in added[k] if sub not in d] for k, d in enumerate(cur)]
+        moves.append(Move(a.path, "all-to-all", named(moving), local(sliced)))
+        origin = {sub: next(i for i, d in enumerate(src) if sub in d) for sub in moving}
+        trade = any(origin[x] == moving[y] and origin[y] == moving[x] for x in moving for y in moving)
+        late = any(  # a moved sub-axis must land after the dim's own and sliced ones
+            dst[j].index(sub) < max((k for k, x in enumerate(dst[j]) if x not in moving), default=-1)
+            for sub, j in moving.items()
         )
+        for sub, j in moving.items():
+            cur[origin[sub]].remove(sub)
+            done.add(j)
+        for j in done:
+            cur[j] = list(dst[j])
+        if trade or late:
+            moves.append(Move(a.path, "collective-permute", named(moving), target))
+    for i in reversed(range(rank)):
+        if not dropping[i] or i in done:
+            continue
+        kept = [sub for sub in cur[i] if sub not in dropping[i]]
+        if added[i]:  # rule 3
+            have = math.prod(sizes[x] for x in cur[i])
+            if math.prod(sizes[x] for x in dst[i]) % have:
+                moves.append(Move(a.path, "collective-permute", named(cur[i]), local(cur)))
+                moves.append(Move(a.path, "all-gather", named(dropping[i]), target))
+            else:
+                moves.append(Move(a.path, "collective-permute", named(dst[i]), target))
+            cur[i] = list(dst[i])
+            done.add(i)
+            continue
+        if kept and cur[i].index(dropping[i][0]) < cur[i].index(kept[-1]):  # rule 4
+            moves.append(Move(a.path, "collective-permute", named(cur[i]), local(cur)))
+        cur[i] = kept
+        moves.append(Move(a.path, "all-gather", named(dropping[i]), local(cur)))
+    for i in range(rank):  # rule 5
+        if i not in done and dst[i][: len(cur[i])] != cur[i]:
+            moves.append(Move(a.path, "collective-permute", named(dst[i]), target))
+            break
     return moves
 
 
