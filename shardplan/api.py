@@ -7,6 +7,7 @@ inside the functions that need devices or models, never at module import.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import os
@@ -17,15 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardplan.core import cost, optimizers
-from shardplan.core.leaves import Leaf, Resolution
+from shardplan.core import cost, lock, optimizers, reshard
+from shardplan.core import explain as explain_mod
+from shardplan.core.leaves import Decision, Leaf, Resolution
 from shardplan.core.lowering import Lowering
 from shardplan.core.plan import Plan
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD, resolve_inputs, resolve_leaves
 from shardplan.core.shapes import ITEMSIZE, load_shapes, parse_batch_arg
 from shardplan.core.stepcost import StepCost
 from shardplan.errors import Diagnostic, as_error, error
-from shardplan.lang.loader import load, load_sources
+from shardplan.lang.loader import load, load_sources, read_file
 
 MAX_SIMULATED_DEVICES = 1024  # XLA:CPU compiles for more; time and memory grow with the device count
 
@@ -323,6 +325,122 @@ def stored_plan(directory: str | os.PathLike, step: int | None = None) -> Plan:
     sources = meta.get("plan_sources") or [[(meta.get("plan_files") or ["<checkpoint>"])[0], meta.get("plan_text", "")]]
     mesh = meta.get("mesh") or None
     return load_sources(tuple((str(f), str(t)) for f, t in sources), mesh=mesh)
+
+
+# -- reviewing a change: diff, explain, lock ---------------------------------------------------
+@dataclass(frozen=True)
+class PlanDiff:
+    """Two plans' layouts for one model, and what moving state from the first to the second costs."""
+
+    before: CheckResult
+    after: CheckResult
+    changed: tuple[tuple[Decision, Decision], ...]  # (before, after) for each leaf whose spec changes
+    moves: tuple[reshard.Move, ...]
+
+    def reshard_bytes(self) -> dict[tuple[str, tuple[str, ...]], int]:
+        """Per-device bytes of the reshard, by (collective kind, mesh axes)."""
+        return reshard.totals(list(self.moves))
+
+
+def _plan_or_checkpoint(plan: str | os.PathLike | Plan, mesh) -> Plan:
+    if not isinstance(plan, Plan) and Path(plan).is_dir():
+        stored = stored_plan(plan)
+        return _plan(stored, mesh) if mesh else stored
+    return _plan(plan, mesh)
+
+
+def diff(
+    before: str | os.PathLike | Plan,
+    after: str | os.PathLike | Plan,
+    *,
+    model: str | None = None,
+    shapes: str | os.PathLike | None = None,
+    optimizer: str = "adam",
+    mesh: dict[str, int | None] | None = None,
+    devices: int | None = None,
+    leaves: ModelLeaves | None = None,
+) -> PlanDiff:
+    """Compare two plans (or a checkpoint directory's stored plan and a plan) on one model.
+
+    Both are resolved on the same device count (``devices``; else a concrete mesh's size, the
+    checkpoint's, or this machine's); ``mesh`` replaces both plans' meshes.
+
+    Raises:
+        ShardPlanError: a plan does not fit the model, or the meshes have no common refinement.
+    """
+    pa, pb = _plan_or_checkpoint(before, mesh), _plan_or_checkpoint(after, mesh)
+    if devices is None:
+        for p in (pa, pb):
+            if all(a.size is not None for a in p.mesh):
+                devices = math.prod(a.size for a in p.mesh if a.size is not None)
+                break
+    if leaves is None:
+        leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer)
+    ra = check(pa, leaves=leaves, devices=devices)
+    rb = check(pb, leaves=leaves, devices=devices)
+    assert ra.resolution is not None and rb.resolution is not None
+    ref = reshard.refinement_or_error(ra.resolution.mesh, rb.resolution.mesh)
+    by_path = {d.path: d for d in rb.resolution.decisions}
+    changed = tuple(
+        (d, by_path[d.path])
+        for d in ra.resolution.decisions
+        if d.path in by_path and not reshard.same_layout(d, by_path[d.path], ref)
+    )
+    moves = reshard.reshard_moves(
+        tuple(x for x, _ in changed), tuple(y for _, y in changed), ra.resolution.mesh, rb.resolution.mesh
+    )
+    return PlanDiff(ra, rb, changed, tuple(moves))
+
+
+def explain(
+    plan: str | os.PathLike | Plan,
+    path: str,
+    *,
+    model: str | None = None,
+    shapes: str | os.PathLike | None = None,
+    optimizer: str = "adam",
+    mesh: dict[str, int | None] | None = None,
+    devices: int | None = None,
+    leaves: ModelLeaves | None = None,
+) -> explain_mod.Explanation:
+    """Every rule tried for ``path`` (a param, state or optimizer-state path), which decided,
+    and near misses. The decision is the one ``check`` makes.
+
+    Raises:
+        ShardPlanError: ``no-such-path`` (with the closest paths), or the plan does not fit.
+    """
+    if leaves is None:
+        leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer)
+    result = check(plan, leaves=leaves, mesh=mesh, devices=devices)
+    assert result.resolution is not None
+    decisions = {d.path: d for d in result.resolution.decisions}
+    all_leaves = {leaf.path: leaf for leaf in leaves[0] + leaves[1]}
+    if path not in decisions:
+        near = difflib.get_close_matches(path, list(decisions), n=3, cutoff=0.4)
+        raise as_error(
+            [
+                error(
+                    "no-such-path",
+                    f"the model has no array at '{path}'",
+                    ("closest: " + ", ".join(near)) if near else "list the paths with shardplan check --expand",
+                    path=path,
+                )
+            ]
+        )
+    return explain_mod.explain(result.plan, all_leaves[path], decisions[path])
+
+
+def lock_text(result: CheckResult, command: str) -> str:
+    """The lock file for a checked plan (see :mod:`shardplan.core.lock`)."""
+    assert result.resolution is not None, "lock needs a model"
+    return lock.text(result.plan.name or result.plan.files[0], result.resolution.mesh, result.resolution, command)
+
+
+def check_lock(result: CheckResult, lock_file: str | os.PathLike) -> list[Diagnostic]:
+    """``lock-drift`` errors for every line where the resolved layout differs from the lock."""
+    assert result.resolution is not None, "a lock needs a model"
+    text = read_file(Path(lock_file))
+    return lock.drift(str(lock_file), text, result.resolution.mesh, result.resolution)
 
 
 # -- step cost ---------------------------------------------------------------------------------

@@ -65,6 +65,9 @@ CODES: dict[str, Code] = {
         _e("mesh-needs-devices", "check", "a `*` mesh axis and no device count to infer it from"),
         _e("mesh-mismatch", "check", "mesh sizes or a Mesh whose axes are not the plan's"),
         _e("bad-shapes", "check", "a shapes file that is not in the shapes format"),
+        _e("no-such-path", "check", "`explain` of a path the model does not have (closest paths named)"),
+        _e("lock-drift", "check", "`check --locked`: the resolved layout differs from the lock file (at its line)"),
+        _e("replicated-fraction", "check", "`--max-replicated-fraction`: more parameter bytes whole than allowed"),
         _e("cannot-lower", "apply", "a plan or model the shard_map backend cannot lower"),
         _w("unused-rule", "against a model: a rule matches nothing"),
         _w(
@@ -75,6 +78,7 @@ CODES: dict[str, Code] = {
             "large-replicated",
             "a tensor above the threshold (default 64 MiB, `--replicated-threshold`) left replicated",
         ),
+        _w("opt-less-sharded", "optimizer state split less than its param (e.g. Adam moments replicated)"),
         _w("unmapped-logical-axis", "an annotation name with no `axis` rule"),
         _w("annotations-unreachable", "a catch-all param rule with `axis` rules"),
         _w("unused-axis-rule", "against a model: an `axis` rule whose logical name no array is annotated with"),

@@ -82,6 +82,37 @@ def _local(shape: tuple[int, ...], itemsize: int, dims: list[list[str]], sizes: 
     return math.prod(n // math.prod(sizes[a] for a in d) for n, d in zip(shape, dims)) * itemsize
 
 
+def _layout(d: Decision, groups: dict[str, tuple[str, ...]]) -> list[list[str]]:
+    return _refined(d.spec.dims, groups) + [[] for _ in range(len(d.shape) - len(d.spec.dims))]
+
+
+def same_layout(a: Decision, b: Decision, ref: Refinement) -> bool:
+    """Whether every device holds the same block of the leaf under both layouts."""
+    return a.shape == b.shape and _layout(a, ref.a) == _layout(b, ref.b)
+
+
+def refinement_or_error(mesh_a: dict[str, int], mesh_b: dict[str, int]) -> Refinement:
+    """:func:`refine`, or the error that says why two meshes cannot be compared."""
+    ref = refine(mesh_a, mesh_b)
+    if ref is None:
+        raise as_error(
+            [
+                error(
+                    "mesh-mismatch",
+                    f"cannot reshard between mesh {mesh_a} and mesh {mesh_b}: "
+                    + (
+                        "different device counts"
+                        if math.prod(mesh_a.values()) != math.prod(mesh_b.values())
+                        else "their axes cut the device order at boundaries that do not nest"
+                    ),
+                    "compare the plans on meshes of one device count (--mesh), e.g. data=4,model=2 and data=8",
+                    path="--mesh",
+                )
+            ]
+        )
+    return ref
+
+
 def leaf_moves(a: Decision, b: Decision, ref: Refinement) -> list[Move]:
     """The collectives that take one leaf from layout ``a`` to layout ``b``, the way XLA's SPMD
     partitioner does it (checked against compiled reshards: tests/test_reshard.py and
@@ -102,8 +133,7 @@ def leaf_moves(a: Decision, b: Decision, ref: Refinement) -> list[Move]:
        slice), else a permute of the target's block.
     """
     rank = len(a.shape)
-    src = _refined(a.spec.dims, ref.a) + [[] for _ in range(rank - len(a.spec.dims))]
-    dst = _refined(b.spec.dims, ref.b) + [[] for _ in range(rank - len(b.spec.dims))]
+    src, dst = _layout(a, ref.a), _layout(b, ref.b)
     if src == dst:
         return []
     sizes = ref.sizes
@@ -193,23 +223,7 @@ def reshard_moves(
         ShardPlanError: the meshes have different device counts, or cut the device order in
             ways that do not nest (no common refinement).
     """
-    ref = refine(mesh_a, mesh_b)
-    if ref is None:
-        raise as_error(
-            [
-                error(
-                    "mesh-mismatch",
-                    f"cannot reshard between mesh {mesh_a} and mesh {mesh_b}: "
-                    + (
-                        "different device counts"
-                        if math.prod(mesh_a.values()) != math.prod(mesh_b.values())
-                        else "their axes cut the device order at boundaries that do not nest"
-                    ),
-                    "compare the plans on meshes of one device count (--mesh), e.g. data=4,model=2 and data=8",
-                    path="--mesh",
-                )
-            ]
-        )
+    ref = refinement_or_error(mesh_a, mesh_b)
     by_path = {d.path: d for d in after}
     out: list[Move] = []
     for d in before:

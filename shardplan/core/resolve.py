@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from shardplan.core.explain import nearest
 from shardplan.core.format import fmt_bytes, fmt_shape
 from shardplan.core.leaves import Decision, How, Leaf, Resolution, Role
 from shardplan.core.meshes import closest
@@ -280,14 +281,16 @@ class _Resolver:
                     shadowed_by.setdefault(i, win)
             if win >= 0:
                 decided[win] += count
+        paths = [path for _, path in list(self.seen[kind].values())[:5000]]
         for i, r in enumerate(rules):
             if not matched[i]:
+                near = nearest(r.pattern, paths) if paths else ""
                 self.diags.append(
                     warning(
                         "unused-rule",
-                        f'{r.kind} rule "{r.pattern}" matches no {what}',
+                        f'{r.kind} rule "{r.pattern}" matches no {what}' + (f"; near miss: {near}" if near else ""),
                         "check the regex against the paths `shardplan check` lists (it must match the "
-                        "whole path), or delete the rule",
+                        "whole path), or delete the rule; `shardplan explain PLAN PATH` shows every rule tried",
                         span=r.pattern_span,
                         source_line=r.source_line,
                     )
@@ -304,6 +307,19 @@ class _Resolver:
                         source_line=r.source_line,
                     )
                 )
+
+    def opt_less_sharded(self, odec: list[Decision], params: dict[str, Decision]) -> None:
+        """Optimizer state split less than the param it belongs to (Adam moments replicated
+        beside sharded params: the optimizer's memory stops scaling with the mesh)."""
+        last = [""]
+        for d in odec:
+            if d.how not in ("rule", "replicated") or not d.shape:
+                continue
+            leaf = Leaf(d.path, d.shape, d.dtype, d.itemsize)
+            p = _mirror(leaf, params, last)
+            if p is not None and d.bytes_per_device > p.bytes_per_device:
+                rule = next((x for x in self.plan.opts if x.origin == d.origin), None) if d.how == "rule" else None
+                self.note("opt-less-sharded", rule if rule is not None else d.origin, d)
 
     def big_replicated(self, decisions):
         threshold = self.threshold
@@ -342,10 +358,22 @@ def _grouped_warning(code: str, key: object, items: list) -> Diagnostic:
                 "the dims after them stay whole"
             )
         return warning("annotation-rank", msg, "annotate every dim (None for a dim that stays whole)", path=where)
+    if code == "opt-less-sharded":
+        rule = key if isinstance(key, Rule) else None
+        by = f"the rule at {rule.origin}" if rule is not None else str(key)
+        per_device = sum(d.bytes_per_device for d in items)
+        msg = (
+            f"{n} optimizer-state array(s) ({_examples(items)}; {fmt_bytes(per_device)} per device) are split less "
+            f"than the params they belong to (decided by {by}): their memory does not shrink with the mesh"
+        )
+        hint = "give them the params' specs (delete the opt rule: state mirrors its param), or split them further"
+        if rule is not None:
+            return warning("opt-less-sharded", msg, hint, span=rule.span, source_line=rule.source_line)
+        return warning("opt-less-sharded", msg, hint, path=where)
     # large-replicated
     total = sum(d.nbytes for d in items)
     big = max(items, key=lambda d: d.nbytes)
-    by = "the params they mirror" if key == "mirror" else key
+    by = "the params they mirror" if key == "mirror" else str(key)
     if n == 1:
         msg = (
             f"{big.path} ({fmt_shape(big.shape)} {big.dtype}, {fmt_bytes(big.nbytes)}) is "
@@ -428,6 +456,7 @@ def resolve_leaves(
         r.diags = [d for d in r.diags if d.severity == "error"]
     by_path = {d.path: d for d in pdec}
     odec = [r.opt(leaf, by_path) for leaf in opt_state]
+    r.opt_less_sharded(odec, by_path)
     if opt_state:
         r.usage("opt", "optimizer-state leaf")
     decisions = (pdec if report_params else []) + odec

@@ -15,7 +15,7 @@ from pathlib import Path
 from rich.console import Console
 
 from shardplan import api
-from shardplan.core import backends, chips, optimizers, timing
+from shardplan.core import backends, chips, lock, optimizers, timing
 from shardplan.core.format import fmt_bytes, parse_bytes
 from shardplan.core.meshes import parse_links_arg, parse_mesh_arg, with_links
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD
@@ -80,7 +80,13 @@ def cmd_check(args, out: Console, err: Console) -> int:
         devices=args.devices,
         replicated_threshold=threshold if threshold is not None else DEFAULT_REPLICATED_THRESHOLD,
     )
+    if (args.locked or args.max_replicated_fraction is not None) and not (args.model or args.shapes):
+        raise _UsageError("--locked and --max-replicated-fraction check a layout: give --model or --shapes")
+    fraction = args.max_replicated_fraction
+    if fraction is not None and not 0 <= fraction <= 1:
+        raise _UsageError(f"--max-replicated-fraction {fraction}: give a fraction between 0 and 1")
     first = api.check(args.plan, model=args.model, shapes=args.shapes, optimizer=args.optimizer, **options)
+    _guards(args, first)
     others = [api.check(p, leaves=first.leaves, **options) for p in args.vs or []]
     results = [first] + others
     for r in results:
@@ -129,6 +135,81 @@ def cmd_check(args, out: Console, err: Console) -> int:
         return EXIT_ERRORS
     if args.strict and all_diags:
         return EXIT_ERRORS
+    return EXIT_OK
+
+
+def _guards(args, result) -> None:
+    """What a team pins in CI: the layout of a lock file, a cap on replicated parameter bytes."""
+    diags = api.check_lock(result, args.locked) if args.locked else []
+    if args.max_replicated_fraction is not None:
+        fraction, whole = lock.replicated_fraction(result.resolution.decisions)
+        if fraction > args.max_replicated_fraction:
+            biggest = ", ".join(f"{d.path} ({fmt_bytes(d.nbytes)})" for d in whole[:3])
+            diags.append(
+                error(
+                    "replicated-fraction",
+                    f"{100 * fraction:.1f}% of parameter bytes are whole on every device, above the "
+                    f"{100 * args.max_replicated_fraction:.1f}% allowed; the largest: {biggest}",
+                    "shard those params with rules, or raise --max-replicated-fraction",
+                    path="--max-replicated-fraction",
+                )
+            )
+    if diags:
+        raise as_error(diags)
+
+
+def _two_plans_args(args) -> dict:
+    if bool(args.model) == bool(args.shapes):
+        raise _UsageError("give the model: --model FILE.py:FACTORY or --shapes FILE.json")
+    if args.devices is not None and args.devices < 1:
+        raise _UsageError(f"--devices {args.devices}: give a positive device count")
+    return dict(
+        model=args.model, shapes=args.shapes, optimizer=args.optimizer, mesh=_mesh_arg(args), devices=args.devices
+    )
+
+
+def cmd_diff(args, out: Console, err: Console) -> int:
+    d = api.diff(args.before, args.after, **_two_plans_args(args))
+    if args.format == "json":
+        out.print_json(json.dumps(report.diff_json(d)))
+    else:
+        report.print_diff(out, d, str(args.before), str(args.after), expand=args.expand)
+    return EXIT_OK
+
+
+def cmd_explain(args, out: Console, err: Console) -> int:
+    e = api.explain(args.plan, args.path, **_two_plans_args(args))
+    if args.format == "json":
+        out.print_json(json.dumps(report.explain_json(e)))
+    else:
+        report.print_explain(out, e)
+    return EXIT_OK
+
+
+def cmd_lock(args, out: Console, err: Console) -> int:
+    options = _two_plans_args(args)
+    result = api.check(
+        args.plan,
+        leaves=api.model_leaves(model=options["model"], shapes=options["shapes"], optimizer=options["optimizer"]),
+        mesh=options["mesh"],
+        devices=options["devices"],
+    )
+    argv = ["shardplan", "lock", str(args.plan)]
+    for flag, value in (
+        ("--model", args.model),
+        ("--shapes", args.shapes),
+        ("--mesh", args.mesh),
+        ("--devices", args.devices),
+        ("-o", args.output),
+    ):
+        argv += [flag, str(value)] if value else []
+    argv += ["--optimizer", args.optimizer] if args.optimizer != "adam" else []
+    text = api.lock_text(result, " ".join(argv))
+    if args.output:
+        Path(args.output).write_text(text)
+        err.print(f"wrote {args.output}: {len(text.splitlines()) - 2} layout lines", markup=False, highlight=False)
+    else:
+        out.print(text, end="", markup=False, highlight=False, soft_wrap=True)
     return EXIT_OK
 
 
@@ -345,7 +426,61 @@ def build_parser() -> argparse.ArgumentParser:
         "the plan's @ici/@dcn tags (repeatable)",
     )
     c.add_argument("--vs", action="append", metavar="PLAN", help="compare with another plan, side by side (repeatable)")
+    g = c.add_argument_group("guards for CI")
+    g.add_argument("--locked", metavar="LOCK", help="fail with a diff when the layout differs from this lock file")
+    g.add_argument(
+        "--max-replicated-fraction",
+        type=float,
+        metavar="F",
+        help="fail when more than this fraction of parameter bytes is whole on every device",
+    )
     c.set_defaults(func=cmd_check)
+
+    def model_args(q) -> None:
+        src = q.add_argument_group("model (one of)")
+        src.add_argument("--model", help="FILE.py:FACTORY or package.module:FACTORY; built with nnx.eval_shape")
+        src.add_argument("--shapes", help="a shapes JSON written by shardplan.dump_shapes")
+        q.add_argument("--mesh", help="axis sizes replacing the plans' meshes, e.g. data=4,model=2")
+        q.add_argument("--devices", type=int, help="device count for '*' mesh axes (default: local devices)")
+        q.add_argument("--optimizer", choices=(*optimizers.NAMES, "recorded"), default="adam")
+
+    df = sub.add_parser(
+        "diff",
+        help="what changes between two plans' layouts, and what resharding costs",
+        description="Every param and optimizer leaf whose placement differs between two plans (or a "
+        "checkpoint directory's stored plan and a plan), per-device bytes before and after, and the "
+        "collectives a reshard from the first to the second runs, per device.",
+    )
+    df.add_argument("before", help="a .splan file, or a checkpoint directory (its stored plan and mesh)")
+    df.add_argument("after", help="a .splan file")
+    model_args(df)
+    df.add_argument("--format", choices=("text", "json"), default="text")
+    df.add_argument("--expand", action="store_true", help="one row per layer instead of grouping x N")
+    df.set_defaults(func=cmd_diff)
+
+    ex = sub.add_parser(
+        "explain",
+        help="why one path gets its spec: every rule tried, the decision, near misses",
+        description="For one param, state or optimizer-state path: every rule tried in order, which "
+        "matched and decided, the annotation and default considered, and rules that would match after "
+        "a small change.",
+    )
+    ex.add_argument("plan")
+    ex.add_argument("path", help="the array's path, e.g. blocks/0/attn/query/kernel")
+    model_args(ex)
+    ex.add_argument("--format", choices=("text", "json"), default="text")
+    ex.set_defaults(func=cmd_explain)
+
+    lk = sub.add_parser(
+        "lock",
+        help="write the layout a plan decides as a reviewable lock file",
+        description="Write path -> spec for every param and optimizer leaf (grouped by layer) to a text "
+        "file; `check --locked FILE` fails with a diff when the layout drifts from it.",
+    )
+    lk.add_argument("plan")
+    model_args(lk)
+    lk.add_argument("-o", "--output", help="write the lock here (default: print it)")
+    lk.set_defaults(func=cmd_lock)
 
     v = sub.add_parser(
         "show",

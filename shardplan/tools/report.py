@@ -287,3 +287,150 @@ def to_json(plan: Plan, res: Resolution | None, diagnostics, budget: int | None 
             out["summary"]["device_memory"] = budget
             out["summary"]["fits"] = out["summary"]["total_bytes_per_device"] <= budget
     return out
+
+
+# -- diff and explain ------------------------------------------------------------------------------
+def _pair_groups(changed, expand: bool) -> list[tuple[str, int, Decision, Decision, list]]:
+    rows: dict[tuple, list] = {}
+    for a, b in changed:
+        key = (a.path if expand else layer_group(a.path), a.shape, a.dtype, a.spec, b.spec, a.role)
+        if key in rows:
+            rows[key][1] += 1
+            rows[key][4].append(a.path)
+        else:
+            rows[key] = [a.path, 1, a, b, [a.path]]
+    return [(k[0] if n > 1 else p, n, a, b, paths) for k, (p, n, a, b, paths) in rows.items()]
+
+
+def print_diff(console: Console, d, before: str, after: str, *, expand: bool = False) -> None:
+    ra, rb = d.before.resolution, d.after.resolution
+    mesh = lambda r: ",".join(f"{k}={v}" for k, v in r.mesh.items())
+    console.print(
+        f"[bold]before[/] {escape(d.before.plan.name or before)} (mesh {mesh(ra)})  ->  "
+        f"[bold]after[/] {escape(d.after.plan.name or after)} (mesh {mesh(rb)})"
+    )
+    if not d.changed:
+        console.print("no param or optimizer leaf changes placement")
+    else:
+        per_path: dict[str, list] = {}
+        for m in d.moves:
+            per_path.setdefault(m.path, []).append(m)
+        table = Table(header_style="bold", title=f"{len(d.changed)} of {len(ra.decisions)} leaves change placement")
+        for col in ("path", "global shape", "before", "after", "bytes / device", "reshard / device"):
+            table.add_column(col, justify="right" if col.startswith(("bytes", "reshard")) else "left")
+        for path, n, a, b, paths in _pair_groups(d.changed, expand):
+            moved: dict[str, int] = {}
+            for p in paths:
+                for m in per_path.get(p, []):
+                    label = f"{m.kind} {','.join(m.axes)}"
+                    moved[label] = moved.get(label, 0) + m.bytes
+            table.add_row(
+                escape(path) + (f"  [dim]x{n}[/]" if n > 1 else "") + ("  [dim](opt)[/]" if a.role == "opt" else ""),
+                fmt_shape(a.shape),
+                str(a.spec),
+                str(b.spec),
+                f"{fmt_bytes(a.bytes_per_device * n)} -> {fmt_bytes(b.bytes_per_device * n)}",
+                "\n".join(f"{k} {fmt_bytes(v)}" for k, v in moved.items()) or "local slice",
+            )
+        console.print(table)
+    sa, sb = summary(ra), summary(rb)
+    console.print(
+        f"per device at rest: params {fmt_bytes(sa['param_bytes_per_device'])} -> "
+        f"{fmt_bytes(sb['param_bytes_per_device'])}, optimizer state {fmt_bytes(sa['opt_bytes_per_device'])} -> "
+        f"{fmt_bytes(sb['opt_bytes_per_device'])}, total {fmt_bytes(sa['total_bytes_per_device'])} -> "
+        f"[bold]{fmt_bytes(sb['total_bytes_per_device'])}[/]"
+    )
+    totals = d.reshard_bytes()
+    if totals:
+        parts = ", ".join(f"{k} over {','.join(ax)} {fmt_bytes(v)}" for (k, ax), v in sorted(totals.items()))
+        console.print(
+            f"resharding live state or a checkpoint from before to after moves, per device: {parts} "
+            f"({fmt_bytes(sum(totals.values()))} in all; the collectives of the compiled reshard)",
+            highlight=False,
+        )
+
+
+def diff_json(d) -> dict:
+    def side(r) -> dict:
+        return {"plan": r.plan.name, "mesh": r.resolution.mesh, "summary": summary(r.resolution)}
+
+    reshard = sorted(d.reshard_bytes().items())
+    return {
+        "before": side(d.before),
+        "after": side(d.after),
+        "changed": [
+            {
+                "path": a.path,
+                "role": a.role,
+                "shape": list(a.shape),
+                "before": str(a.spec),
+                "after": str(b.spec),
+                "bytes_per_device_before": a.bytes_per_device,
+                "bytes_per_device_after": b.bytes_per_device,
+            }
+            for a, b in d.changed
+        ],
+        "reshard": [{"kind": k, "axes": list(ax), "bytes_per_device": v} for (k, ax), v in reshard],
+    }
+
+
+def print_explain(console: Console, e) -> None:
+    d = e.decision
+    console.print(f"[bold]{escape(e.path)}[/] ({e.role}) {fmt_shape(d.shape)} {d.dtype}")
+    kind = "opt" if e.role == "opt" else "param"
+    if not e.trials:
+        console.print(f"  no {kind} rules in the plan")
+    for i, t in enumerate(e.trials, 1):
+        r = t.rule
+        verdict = (
+            "[green]matches, decides[/]"
+            if t.decided
+            else "[yellow]matches, but an earlier rule decided[/]"
+            if t.matched
+            else "no match"
+        )
+        console.print(f'  {i}. {escape(_short(r.origin))}  {kind} "{escape(r.pattern)}" {r.spec}: {verdict}')
+        if t.near:
+            console.print(f"       near miss: {escape(t.near)}", style="dim")
+    if e.annotation:
+        mapped = ", ".join(f"{n} -> {m}" for n, m in e.axis_rules) or "no axis rules"
+        console.print(f"  annotation {tuple(e.annotation)}: {escape(mapped)}")
+    elif e.role != "opt":
+        console.print("  annotation: none")
+    if e.role != "opt":
+        console.print(f"  default: {e.default if e.default is not None else 'none'}")
+    how = {
+        "rule": f"the rule at {_short(d.origin)}",
+        "axes": "its annotation via the axis rules",
+        "default": f"the default at {_short(d.origin)}",
+        "mirror": f"mirroring param {d.origin}",
+        "scalar": "a scalar: replicated",
+        "replicated": "mirrors no param: replicated",
+        "state": f"{d.origin}: replicated",
+    }.get(d.how, d.how)
+    console.print(
+        f"  [bold]decided[/]: {d.spec} by {escape(how)}; {fmt_shape(d.shard_shape)} per device "
+        f"({fmt_bytes(d.bytes_per_device)})"
+    )
+
+
+def explain_json(e) -> dict:
+    d = e.decision
+    return {
+        "path": e.path,
+        "role": e.role,
+        "trials": [
+            {
+                "origin": t.rule.origin,
+                "pattern": t.rule.pattern,
+                "spec": str(t.rule.spec),
+                "matched": t.matched,
+                "decided": t.decided,
+                "near_miss": t.near,
+            }
+            for t in e.trials
+        ],
+        "annotation": list(e.annotation) if e.annotation else None,
+        "default": e.default,
+        "decision": {"spec": str(d.spec), "how": d.how, "origin": d.origin, "shard_shape": list(d.shard_shape)},
+    }
