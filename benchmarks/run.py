@@ -335,6 +335,10 @@ def main(argv=None) -> int:
     res["step_cost"] = bench_step_cost(args.quick)
     res["step_cost_scale"] = bench_step_cost_scale(args.quick)
     console.print("6. step cost done")
+    from benchmarks import reshard
+
+    res["reshard"] = reshard.run(args.quick)
+    console.print("7. reshard done")
 
     r = res["resolution"]
     checks = [
@@ -362,6 +366,12 @@ def main(argv=None) -> int:
         checks.append(_check(f"fast vs exact {name}: FLOPs error", row["flops_error"], 0.02, "<=", "{:.2%}"))
     sc = res["step_cost_scale"]
     checks.append(_check(f"fast mode {sc['model']} full step / nnx.eval_shape of the model", sc["ratio"], 2.0, "<="))
+    for row in res["reshard"]["rows"]:
+        checks.append(_check(f"reshard {row['before']} -> {row['after']} x {row['model']}: predicted vs compiled bytes",
+                             row["error"], 0.05, "<=", "{:.1%}"))
+    d70 = res["reshard"]["diff_70b"]
+    checks.append(_check(f"shardplan diff {d70['model']} ({d70['leaves']} params) from cached shapes, seconds",
+                         d70["seconds"], 1.0, "<=", "{:.2f} s"))
 
     table = Table(title="shardplan vs plain JAX", header_style="bold")
     for col in ("measurement", "value", "target", "met"):

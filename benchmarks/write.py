@@ -99,7 +99,31 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         "",
     ]
     lines += _step_cost(res)
+    lines += _reshard(res)
     path.write_text("\n".join(lines))
+
+
+def _reshard(res: dict) -> list[str]:
+    r = res["reshard"]
+    out = [
+        "## 7. Reshard cost: `shardplan diff` against the compiled reshard",
+        "For each plan pair, the model's params and AdamW state moved from the first plan's layout to the "
+        "second's by `jax.jit(lambda *xs: xs, in_shardings=A, out_shardings=B)` compiled for 8 devices, its "
+        "collectives read from the optimized HLO; the prediction is `shardplan diff` (specs and shapes alone). "
+        "Bytes per device by collective kind (all-gather: the gathered result); error = sum of per-kind "
+        "differences / compiled total.",
+        "",
+        "| before -> after | model | leaves changed | predicted | compiled | error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        fmt = lambda d: "; ".join(f"{k} {v:,}" for k, v in d.items()) or "none"  # noqa: E731
+        out.append(f"| {row['before']} -> {row['after']} | {row['model']} | {row['changed']} | {fmt(row['predicted'])} "
+                   f"| {fmt(row['compiled'])} | {row['error']:.1%} |")
+    d = r["diff_70b"]
+    out += ["", f"`shardplan diff gpt_tp.splan gpt_2d.splan --shapes` on `{d['model']}` ({d['leaves']} params, mesh "
+            f"{d['mesh']}) from a cached shapes file: {d['seconds']:.2f} s for the whole command (best of 3).", ""]
+    return out
 
 
 def _step_cost(res: dict) -> list[str]:

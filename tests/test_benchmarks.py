@@ -50,5 +50,11 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     assert scale["eval_shape_s"] > 0 and scale["ratio"] == scale["fast_s"] / scale["eval_shape_s"]
     # The table's verdicts are computed from these figures, one per check.
     step_checks = sum(len(r["comm"]) + 2 for r in rows) + 1
-    assert len(checks) == 3 + 4 + 2 * 5 + 1 + step_checks
+    # Reshard: every pair's prediction against its compiled reshard, and the 70B diff's timing.
+    reshard = res["reshard"]
+    assert len(reshard["rows"]) == 3 and reshard["diff_70b"]["seconds"] > 0
+    for row in reshard["rows"]:
+        assert row["error"] == 0.0, row  # the quick pairs are exact (the full run reports every row)
+    assert any(sum(row["compiled"].values()) > 0 for row in reshard["rows"])
+    assert len(checks) == 3 + 4 + 2 * 5 + 1 + step_checks + len(reshard["rows"]) + 1
     assert all(c["met"] in ("yes", "NO (missed)") for c in checks)

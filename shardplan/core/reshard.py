@@ -123,7 +123,8 @@ def leaf_moves(a: Decision, b: Decision, ref: Refinement) -> list[Move]:
     2. sub-axes that move to another dim: one all-to-all (a dim that receives them gathers what
        it drops first), of the local buffer after the free slices (sub-axes only the target has)
        are taken; a permute follows when a moved sub-axis must sit before one the dim keeps or
-       slices, or two dims trade sub-axes;
+       slices, when one that stays was minor to one that left (strided blocks), or when two
+       dims trade sub-axes;
     3. a dim that drops sub-axes and gains others: a permute of the target's block when every
        target block lies inside one source block, else a permute and an all-gather up to the
        target's block;
@@ -186,7 +187,12 @@ def leaf_moves(a: Decision, b: Decision, ref: Refinement) -> list[Move]:
             done.add(j)
         for j in done:
             cur[j] = list(dst[j])
-        if trade or late:
+        strided = any(  # a sub-axis left behind after a more major one moved out: strided blocks
+            any(x in moving for x in d[:k]) and sub not in moving and sub not in dropping[i]
+            for i, d in enumerate(src)
+            for k, sub in enumerate(d)
+        )
+        if trade or late or strided:
             moves.append(Move(a.path, "collective-permute", named(moving), target))
     for i in reversed(range(rank)):
         if not dropping[i] or i in done:
