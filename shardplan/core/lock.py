@@ -21,13 +21,13 @@ HEADER = "# shardplan lock"
 
 def lines(res: Resolution) -> list[str]:
     """The lock's body: ``role path [xN] shape dtype spec`` per group, sorted."""
-    groups: dict[tuple, int] = {}
+    groups: dict[tuple, list] = {}
     for d in res.decisions:
         key = (d.role, layer_group(d.path), fmt_shape(d.shape), d.dtype, str(d.spec))
-        groups[key] = groups.get(key, 0) + 1
+        groups.setdefault(key, [d.path, 0])[1] += 1
     out = []
-    for (role, path, shape, dtype, spec), n in groups.items():
-        out.append(f"{role:<5} {path}{f'  x{n}' if n > 1 else ''}  {shape} {dtype}  {spec}")
+    for (role, path, shape, dtype, spec), (first, n) in groups.items():
+        out.append(f"{role:<5} {path + f'  x{n}' if n > 1 else first}  {shape} {dtype}  {spec}")
     return sorted(out)
 
 
