@@ -241,20 +241,23 @@ class LlamaAttention(nnx.Module):
         self.v = _dense(cfg, cfg.d_model, cfg.n_kv_heads * hd, rngs)
         self.o = _dense(cfg, cfg.n_heads * hd, cfg.d_model, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None,
+                 cache: dict | None = None):
         cfg = self.cfg
         b, t, _ = x.shape
         q = rope(self.q(x).reshape(b, t, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
         k = rope(self.k(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
         v = self.v(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        if cache is not None:  # keys and values over the whole fixed-length cache
+            k, v, cache = _write_cache(cache, k, v, positions)
         # Grouped-query attention: each group of n_heads / n_kv_heads query heads shares one kv head.
         q = q.reshape(b, t, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
         scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k) / jnp.sqrt(cfg.head_dim).astype(x.dtype)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        allowed = jnp.tril(jnp.ones((t, t), bool)) if mask is None else mask[:, None, None, :, :]
+        scores = jnp.where(allowed, scores, jnp.finfo(scores.dtype).min)
         probs = jax.nn.softmax(scores, axis=-1)
         y = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(b, t, cfg.n_heads * cfg.head_dim)
-        return self.o(y)
+        return self.o(y) if cache is None else (self.o(y), cache)
 
 
 class LlamaMLP(nnx.Module):
@@ -275,9 +278,14 @@ class LlamaBlock(nnx.Module):
         self.mlp_norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, rngs=rngs, param_dtype=dt)
         self.mlp = LlamaMLP(cfg, rngs)
 
-    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), positions)
-        return x + self.mlp(self.mlp_norm(x))
+    def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None,
+                 cache: dict | None = None):
+        if cache is None:
+            x = x + self.attn(self.attn_norm(x), positions)
+            return x + self.mlp(self.mlp_norm(x))
+        h, cache = self.attn(self.attn_norm(x), positions, mask, cache)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), cache
 
 
 _REMAT_POLICIES = {
@@ -328,6 +336,27 @@ class Llama(nnx.Module):
         return self.lm_head(self.norm(x))
 
 
+class LlamaCached(Llama):
+    """The Llama with a KV cache: ``init_cache`` and ``model(tokens, positions, mask, cache) ->
+    (logits, cache)``, the convention ``shardplan.Generator``'s cache path drives (unscanned
+    layers). Plain ``model(tokens) -> logits`` still works, for training."""
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+        shape = (batch, max_len, self.cfg.n_kv_heads, self.cfg.head_dim)
+        return {str(i): {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+                for i in range(self.cfg.n_layers)}
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 mask: jax.Array | None = None, cache: dict | None = None):
+        if cache is None:
+            return super().__call__(tokens)
+        x = self.embed(tokens)
+        new_cache = {}
+        for i, block in enumerate(self.layers):
+            x, new_cache[str(i)] = block(x, positions, mask, cache[str(i)])
+        return self.lm_head(self.norm(x)), new_cache
+
+
 class MLP(nnx.Module):
     """A plain MLP: ``layers/<i>/kernel`` and ``layers/<i>/bias``."""
 
@@ -358,6 +387,11 @@ LLAMA_1B = LlamaConfig(vocab=128256, d_model=2048, n_heads=32, n_kv_heads=8, d_f
 
 def llama_tiny(seed: int = 0) -> Llama:
     return Llama(LLAMA_TINY, nnx.Rngs(seed))
+
+
+def llama_tiny_cached(seed: int = 0) -> LlamaCached:
+    """The tiny Llama with a KV cache for generation (same params as ``llama_tiny``)."""
+    return LlamaCached(LLAMA_TINY, nnx.Rngs(seed))
 
 
 def llama_tiny_scan(seed: int = 0) -> Llama:

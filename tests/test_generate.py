@@ -133,3 +133,75 @@ def test_generate_example_runs():
                         "--max-new-tokens", "4"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "step   3:" in r.stdout and "'jit(shardplan_decode)': 1" in r.stdout
+
+
+# -- any causal LM: the Llama without a cache (plain path) and with one (cache path) ---------------
+def llama_reference(factory):
+    model = factory(0)
+    state = jax.device_put(nnx.state(model), jax.devices()[0])
+    gm = nnx.graphdef(model)
+    forward = jax.jit(lambda st, seq: nnx.merge(gm, st)(seq))
+
+    def check_greedy(prompt, generated):
+        logits = forward(state, jnp.asarray([prompt + generated], jnp.int32))[0]
+        want = [int(t) for t in jnp.argmax(logits[len(prompt) - 1:], axis=-1)]
+        return want[:len(generated)] == generated
+
+    return check_greedy
+
+
+@pytest.mark.parametrize("plan_name", ["llama_tp.splan", "dp.splan"])
+@pytest.mark.parametrize("factory, mode", [(models.llama_tiny, "plain"), (models.llama_tiny_cached, "cache")])
+def test_llama_greedy_with_and_without_a_cache_matches_one_device(plan_name, factory, mode):
+    reference = llama_reference(models.llama_tiny)  # the same params: both factories share them
+    plan = shardplan.load(PLANS / plan_name)
+    model, _, placement = shardplan.init_sharded(plan, lambda: factory(0), None)
+    gen = Generator(placement, model, GenerationConfig(max_len=48, buckets=(8, 16), max_new_tokens=12))
+    assert gen.mode == mode
+    compiles: dict = {}
+    for i, length in enumerate((3, 8, 11, 16)):
+        batch = [[int(t) for t in np.random.default_rng(i).integers(1, 64, size=length)] for _ in range(8)]
+        out = gen.generate(batch)
+        assert out.mode == mode
+        for name, n in out.compiles.items():
+            compiles[name] = compiles.get(name, 0) + n
+        for p, toks in zip(batch, out.tokens):
+            assert len(toks) == 12 and reference(p, toks), (plan_name, mode, length)
+    ours = {k: v for k, v in compiles.items() if "shardplan_" in k}
+    if mode == "plain":
+        assert ours == {"jit(shardplan_forward)": 2}  # one per bucket, none per token
+    else:
+        assert ours == {"jit(shardplan_prefill)": 2, "jit(shardplan_decode)": 1}
+
+
+class _HalfCached(nnx.Module):
+    """init_cache, but a plain __call__: half the convention."""
+
+    def __init__(self):
+        self.inner = models.llama_tiny(0)
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        return {"k": jnp.zeros((batch, max_len, 2, 8), dtype)}
+
+    def __call__(self, tokens):
+        return self.inner(tokens)
+
+
+class _NotAnLM(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones((4,)))
+
+    def __call__(self, tokens):
+        return tokens.sum()
+
+
+@pytest.mark.parametrize("make, says", [(_HalfCached, "does not take (tokens, positions, mask, cache)"),
+                                        (_NotAnLM, "not logits (batch, time, vocab)")])
+def test_a_model_that_half_follows_the_convention_is_named_before_any_compile(make, says):
+    plan = shardplan.load(PLANS / "dp.splan")
+    model, _, placement = shardplan.init_sharded(plan, make, None)
+    before = dict(shardplan.runtime.generate.COMPILES)
+    with pytest.raises(shardplan.PlanApplyError) as info:
+        Generator(placement, model, GenerationConfig(max_len=32, buckets=(8,), max_new_tokens=4))
+    assert info.value.diagnostics[0].code == "not-a-causal-lm" and says in str(info.value)
+    assert dict(shardplan.runtime.generate.COMPILES) == before

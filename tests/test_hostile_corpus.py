@@ -209,6 +209,7 @@ CASES: dict[str, tuple] = {
     "--device-memory nan": (lambda t: ["check", DP, "--device-memory", "nan"], 2, ["--device-memory"]),
     "--device-memory inf": (lambda t: ["check", DP, "--device-memory", "inf"], 2, ["--device-memory"]),
     "--device-memory -5GB": (lambda t: ["check", DP, "--device-memory", "-5GB"], 2, ["--device-memory"]),
+    "--device-memory 0": (lambda t: ["check", DP, "--device-memory", "0"], 2, ["--device-memory"]),
     "--device-memory 1e400": (lambda t: ["check", DP, "--device-memory", "1e400"], 2, ["--device-memory"]),
     "--replicated-threshold nan": (lambda t: ["check", DP, "--replicated-threshold", "nan"], 2,
                                    ["--replicated-threshold"]),

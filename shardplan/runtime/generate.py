@@ -1,26 +1,36 @@
-"""Sharded generation with fixed shapes: one decode compile, one prefill compile per bucket.
+"""Sharded generation with fixed shapes: no compile per token, for any causal LM a plan places.
 
-Prompts of any length are right-padded to the smallest length bucket that fits; prefill
-fills a KV cache of fixed maximum length; each decode step feeds one token per sequence
-at that sequence's own position. Shapes never depend on the prompt lengths or the step,
-so nothing recompiles per token.
+Two paths, chosen up front from what the model offers (``Generator.mode`` says which):
 
-Placement follows the plan: params as resolved, prompt batches per the ``batch`` spec,
-and the KV cache (batch, max_len, kv_heads, head_dim) split over the batch axes on dim 0
-and, on dim 2, over the mesh axes that split the key/value projections' output (the
-plan's model axis in a Megatron plan) when the KV head count divides. Pass
-``cache_spec`` to override.
+- ``cache`` (the model follows the KV-cache convention below): prompts are right-padded to the
+  smallest length bucket that fits; one prefill compile per bucket fills a cache of fixed
+  maximum length; each decode step feeds one token per sequence at its own position, one
+  decode compile in all.
+- ``plain`` (the model only maps ``tokens (batch, time) -> logits (batch, time, vocab)``): each
+  step runs the whole buffer of fixed length ``bucket + max_new_tokens`` (right-padded; a causal
+  model's logits at a position never see the padding after it) and writes the next token in
+  place: one compile per bucket, whatever the step.
 
-Call convention (the example GPT's): ``model.init_cache(batch, max_len, dtype)`` returns
-the cache pytree, and ``model(tokens, positions, mask, cache) -> (logits, cache)`` with
-tokens/positions (batch, time) and mask (batch, time, max_len).
+A model with ``init_cache`` whose calls do not fit the convention is an error that names what is
+missing, found with ``jax.eval_shape`` before anything compiles.
+
+The KV-cache convention: ``model.init_cache(batch, max_len, dtype)`` returns the cache pytree
+(leaves (batch, max_len, kv_heads, head_dim)), and ``model(tokens, positions, mask, cache) ->
+(logits, cache)`` with tokens/positions (batch, time) and mask (batch, time, max_len), True where
+a query may attend.
+
+Placement follows the plan: params as resolved, prompt batches per the ``batch`` spec, and the
+cache split over the batch axes on dim 0 and, on dim 2 (kv heads), over the mesh axes that split
+the output dim of 2-D params whose output width is kv_heads x head_dim (the key/value
+projections, found by shape, not by name) when exactly one such split exists and the head count
+divides. Pass ``cache_spec`` to choose it.
 """
 
 from __future__ import annotations
 
 import collections
+import inspect
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +104,7 @@ class Generation:
     tokens: list[list[int]]  # generated tokens per prompt (up to and including end_token)
     bucket: int
     compiles: dict[str, int] = field(default_factory=dict)  # real compiles during this call
+    mode: str = "cache"  # which path ran: "cache" or "plain" (see the module docstring)
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
@@ -107,19 +118,94 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | N
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def cache_spec_for(placement: Placement, kv_heads: int) -> P:
+def cache_spec_for(placement: Placement, kv_heads: int, head_dim: int) -> P:
     """(batch axes, _, heads axes, _) derived from the plan (see module docstring)."""
     plan, mesh = placement.plan, placement.mesh_shape
     batch = plan.batch_dim0_axes
-    heads: tuple[str, ...] = ()
-    for d in placement.params.decisions:
-        if re.search(r"(^|/)(key|value)/kernel$", d.path) and len(d.spec.dims) >= 2:
-            heads = tuple(a for a in d.spec.dims[1] if a not in batch)
-            break
+    width = kv_heads * head_dim
+    found = {
+        tuple(a for a in d.spec.dims[-1] if a not in batch)
+        for d in placement.params.decisions
+        if d.role == "param" and len(d.shape) == 2 and d.shape[-1] == width and len(d.spec.dims) == 2
+    } - {()}
+    heads = found.pop() if len(found) == 1 else ()  # one way to split that width, or none
     if heads and kv_heads % math.prod(mesh[a] for a in heads):
         heads = ()
     entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
     return P(entry(batch), None, entry(heads), None)
+
+
+def _not_causal_lm(message: str, hint: str) -> PlanApplyError:
+    return PlanApplyError([error("not-a-causal-lm", message, hint, path="model")])
+
+
+def _fits(fn: Callable, *args) -> bool:
+    try:
+        inspect.signature(fn).bind(*args)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+def convention(model: Any, max_len: int, dtype=jnp.float32) -> str:
+    """``"cache"`` or ``"plain"`` (module docstring), checked with ``jax.eval_shape``: nothing
+    compiles. A model that half-follows the cache convention is an error naming what is missing.
+    """
+    gd, state = nnx.split(model)
+    tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+
+    def run(fn, *args):
+        try:
+            return jax.eval_shape(fn, state, *args)
+        except Exception as e:  # the model's own error, at trace time
+            raise _not_causal_lm(
+                f"calling {type(model).__name__} for generation failed: {type(e).__name__}: {str(e)[:300]}",
+                "see the call convention in the README (Generate with a sharded model)",
+            ) from None
+
+    init = getattr(model, "init_cache", None)
+    if init is None:
+        if not _fits(model.__call__, tokens):
+            raise _not_causal_lm(
+                f"{type(model).__name__} has no init_cache and cannot be called as model(tokens)",
+                "a causal LM maps tokens (batch, time) to logits (batch, time, vocab); or add the cache convention",
+            )
+        out = run(lambda s, t: nnx.merge(gd, s)(t), tokens)
+        if not (hasattr(out, "shape") and len(out.shape) == 3 and out.shape[:2] == (1, 2)):
+            raise _not_causal_lm(
+                f"{type(model).__name__}(tokens) returned {jax.tree.map(lambda x: x.shape, out)}, not logits "
+                "(batch, time, vocab)",
+                "return the logits for every position",
+            )
+        return "plain"
+    if not callable(init) or not _fits(init, 1, max_len, dtype):
+        raise _not_causal_lm(
+            f"{type(model).__name__}.init_cache does not take (batch, max_len, dtype)",
+            "define init_cache(self, batch, max_len, dtype) returning the cache pytree",
+        )
+    cache = jax.eval_shape(lambda: init(1, max_len, dtype))
+    positions = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+    mask = jax.ShapeDtypeStruct((1, 2, max_len), jnp.bool_)
+    if not _fits(model.__call__, tokens, positions, mask, cache):
+        raise _not_causal_lm(
+            f"{type(model).__name__} has init_cache, but its __call__ does not take (tokens, positions, mask, cache)",
+            "give __call__ the cache convention, or remove init_cache to generate without a cache",
+        )
+    out = run(lambda s, t, p, m, c: nnx.merge(gd, s)(t, p, m, c), tokens, positions, mask, cache)
+    ok = isinstance(out, tuple) and len(out) == 2 and hasattr(out[0], "shape") and len(out[0].shape) == 3
+    if not ok or str(jax.tree.structure(out[1])) != str(jax.tree.structure(cache)):
+        raise _not_causal_lm(
+            f"{type(model).__name__}(tokens, positions, mask, cache) must return (logits, cache) with the cache "
+            "shaped like init_cache's",
+            "return the updated cache beside the logits",
+        )
+    leaves = jax.tree.leaves(cache)
+    if not leaves or any(len(x.shape) != 4 for x in leaves):
+        raise _not_causal_lm(
+            "init_cache must return leaves of shape (batch, max_len, kv_heads, head_dim)",
+            "or pass cache_spec= to place a cache of another layout",
+        )
+    return "cache"
 
 
 class Generator:
@@ -142,39 +228,38 @@ class Generator:
         cache_spec: P | None = None,
         cache_dtype=jnp.float32,
     ):
-        if not hasattr(model, "init_cache"):
-            raise PlanApplyError(
-                [
-                    error(
-                        "not-a-causal-lm",
-                        f"{type(model).__name__} has no init_cache(batch, max_len)",
-                        "generation drives model.init_cache and model(tokens, positions, mask, "
-                        "cache); see shardplan.runtime.generate",
-                        path="model",
-                    )
-                ]
-            )
         _count_compiles()
         self.placement = placement
         self.config = config
         self.gm = nnx.graphdef(model)
         self.model = model
         self.cache_dtype = cache_dtype
+        self.mode = convention(model, config.max_len, cache_dtype)
         mesh = placement.mesh
-        abstract = jax.eval_shape(lambda: model.init_cache(1, config.max_len, cache_dtype))
-        kv_heads = jax.tree.leaves(abstract)[0].shape[2]
-        self.cache_spec = cache_spec if cache_spec is not None else cache_spec_for(placement, kv_heads)
+        if self.mode == "cache":
+            abstract = jax.eval_shape(lambda: model.init_cache(1, config.max_len, cache_dtype))
+            _, _, kv_heads, head_dim = jax.tree.leaves(abstract)[0].shape
+            self.cache_spec = cache_spec if cache_spec is not None else cache_spec_for(placement, kv_heads, head_dim)
+            batch_entry = self.cache_spec[0] if len(self.cache_spec) else None
+        else:
+            self.cache_spec = P()
+            axes = placement.plan.batch_dim0_axes
+            batch_entry = None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
         self.cache_sharding = NamedSharding(mesh, self.cache_spec)
-        batch_entry = self.cache_spec[0] if len(self.cache_spec) else None
         self.batch_sharding = NamedSharding(mesh, P(batch_entry))
         self.batch_sharding_2d = NamedSharding(mesh, P(batch_entry, None))
         self.batch_axes = (
             () if batch_entry is None else (batch_entry,) if isinstance(batch_entry, str) else tuple(batch_entry)
         )
-        self._prefill = jax.jit(self._prefill_fn(), out_shardings=(self.batch_sharding, self.cache_sharding))
-        self._decode = jax.jit(
-            self._decode_fn(), out_shardings=(self.batch_sharding, self.cache_sharding), donate_argnums=(3,)
-        )
+        if self.mode == "cache":
+            self._prefill = jax.jit(self._prefill_fn(), out_shardings=(self.batch_sharding, self.cache_sharding))
+            self._decode = jax.jit(
+                self._decode_fn(), out_shardings=(self.batch_sharding, self.cache_sharding), donate_argnums=(3,)
+            )
+        else:
+            self._forward = jax.jit(
+                self._forward_fn(), out_shardings=(self.batch_sharding, self.batch_sharding_2d), donate_argnums=(1,)
+            )
 
     # -- the two jitted programs ------------------------------------------------------------
     def _prefill_fn(self) -> Callable:
@@ -193,6 +278,19 @@ class Generator:
             return sample(last, key, cfg.temperature, cfg.top_k), cache
 
         return shardplan_prefill
+
+    def _forward_fn(self) -> Callable:
+        gm, cfg = self.gm, self.config
+
+        def shardplan_forward(state, buf, lengths, key):
+            model = nnx.merge(gm, state)
+            logits = model(buf)
+            last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+            tok = sample(last, key, cfg.temperature, cfg.top_k)
+            hit = jnp.arange(buf.shape[1])[None, :] == lengths[:, None]
+            return tok, jnp.where(hit, tok[:, None], buf)
+
+        return shardplan_forward
 
     def _decode_fn(self) -> Callable:
         gm, cfg = self.gm, self.config
@@ -279,6 +377,8 @@ class Generator:
         for i, p in enumerate(prompts):
             tokens[i, : len(p)] = p
         state = nnx.state(self.model)
+        if self.mode == "plain":
+            return self._generate_plain(state, tokens, lengths, key, before, bucket, on_token)
         tok, cache = self._prefill(
             state,
             jax.device_put(tokens, self.batch_sharding_2d),
@@ -305,7 +405,35 @@ class Generator:
         compiles = {
             name: COMPILES[name] - before.get(name, 0) for name in COMPILES if COMPILES[name] != before.get(name, 0)
         }
-        return Generation(out, bucket, compiles)
+        return Generation(out, bucket, compiles, self.mode)
+
+    def _generate_plain(self, state, tokens, lengths, key, before, bucket, on_token) -> Generation:
+        cfg = self.config
+        b = len(lengths)
+        buf = np.full((b, bucket + cfg.max_new_tokens), cfg.pad_token, np.int32)
+        buf[:, :bucket] = tokens
+        buf_dev = jax.device_put(buf, self.batch_sharding_2d)
+        out: list[list[int]] = [[] for _ in range(b)]
+        done = np.zeros(b, bool)
+        position = lengths.copy()
+        for step in range(cfg.max_new_tokens):
+            tok, buf_dev = self._forward(
+                state, buf_dev, jax.device_put(position, self.batch_sharding), jax.random.fold_in(key, step)
+            )
+            host = np.asarray(tok)
+            for i in range(b):
+                if not done[i]:
+                    out[i].append(int(host[i]))
+                    done[i] = cfg.end_token is not None and host[i] == cfg.end_token
+            if on_token is not None:
+                on_token(step, host)
+            if done.all():
+                break
+            position = position + 1
+        compiles = {
+            name: COMPILES[name] - before.get(name, 0) for name in COMPILES if COMPILES[name] != before.get(name, 0)
+        }
+        return Generation(out, bucket, compiles, self.mode)
 
 
 def generate(

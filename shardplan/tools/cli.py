@@ -67,6 +67,8 @@ def _mesh_arg(args) -> dict[str, int | None] | None:
 
 def cmd_check(args, out: Console, err: Console) -> int:
     budget = _bytes_arg(args.device_memory, "--device-memory")
+    if budget == 0:
+        raise _UsageError("--device-memory: a budget of 0 bytes fits nothing; give the device's memory, e.g. 80GB")
     threshold = _bytes_arg(args.replicated_threshold, "--replicated-threshold")
     if args.model and args.shapes:
         raise _UsageError("give --model or --shapes, not both")
