@@ -3,6 +3,7 @@
     python examples/train.py --plan plans/gpt_tp.splan            # 8 simulated CPU devices
     python examples/train.py --plan plans/fsdp.splan --model mlp_small --steps 50
     python examples/train.py --plan plans/dp.splan --simulate-devices 0   # the real devices
+    python examples/train.py --plan plans/fsdp.splan --model my_model.py:make --data examples/data/corpus.txt
 
 The step is the single-device step (loss_fn below); only the plan decides placement.
 """
@@ -21,8 +22,14 @@ from shardplan.core.backends import NAMES as BACKENDS  # jax-free: devices are s
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", required=True, help="the .splan file")
-    p.add_argument("--model", default="gpt_tiny", help="factory in examples/models.py (gpt_tiny, gpt_small, "
-                   "mlp_small, ...)")
+    p.add_argument("--model", default="gpt_tiny", help="a factory in examples/models.py (gpt_tiny, gpt_small, "
+                   "llama_tiny, mlp_small, ...), or your own: FILE.py:FACTORY or package.module:FACTORY")
+    p.add_argument("--loss", metavar="FILE:FN", help="loss_fn(model, batch) -> scalar (default: next-token "
+                   "cross-entropy for language models, mean square error for the MLP)")
+    p.add_argument("--data", metavar="FILE", help="train on this text file (e.g. examples/data/corpus.txt) "
+                   "instead of synthetic sequences; 10%% held out for eval loss")
+    p.add_argument("--eval-every", type=int, default=0, help="with --data: eval loss every N steps (default: "
+                   "at the start and the end)")
     p.add_argument("--mesh", help="axis sizes replacing the plan's mesh, e.g. data=4,model=2")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=16)
@@ -86,19 +93,76 @@ def mse_loss(model, batch):
     return ((model(batch["x"]) - batch["y"]) ** 2).mean()
 
 
-def make_data(model_name: str, model, seed: int, batch: int, seq: int):
-    """A batch generator (this process's rows of each global batch) and the loss."""
+def vocab_of(model) -> int:
+    """The vocabulary of a causal LM, from the logits it returns (any model: no config read)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    gd, state = nnx.split(model)
+    out = jax.eval_shape(lambda s: nnx.merge(gd, s)(jnp.zeros((1, 2), jnp.int32)), state)
+    return out.shape[-1]
+
+
+def make_data(model_name: str, model, seed: int, batch: int, seq: int, data: str | None = None):
+    """A batch generator (this process's rows of each global batch), the default loss, and the
+    held-out text data (with --data)."""
     import numpy as np
 
     from shardplan import distributed
 
     rng = np.random.default_rng(seed)
     rows = distributed.process_slice(batch)
+    if data:
+        import data as text
+
+        source = text.TextData(data, seq, batch, seed, rows)
+        if vocab_of(model) < len(text.ALPHABET):
+            raise ValueError(f"the model's vocabulary ({vocab_of(model)}) is smaller than the text's "
+                             f"alphabet ({len(text.ALPHABET)})")
+        return source.next_batch, lm_loss, source
     if model_name.startswith("mlp"):
         din = model.layers[0].in_features
         dout = model.layers[-1].out_features
-        return (lambda: synthetic_regression(rng, batch, din, dout, rows)), mse_loss
-    return (lambda: synthetic_batch(rng, model.cfg.vocab, batch, seq, rows)), lm_loss
+        return (lambda: synthetic_regression(rng, batch, din, dout, rows)), mse_loss, None
+    return (lambda: synthetic_batch(rng, vocab_of(model), batch, seq, rows)), lm_loss, None
+
+
+def load_factory(spec: str, seed: int):
+    """A factory in examples/models.py by name (called with the seed), or FILE:FACTORY /
+    module:FACTORY (called with no arguments, as the CLI does)."""
+    import inspect
+
+    if ":" not in spec:
+        import models
+
+        factory = getattr(models, spec, None)
+        if factory is None:
+            raise ValueError(f"no model factory '{spec}' in examples/models.py; or write FILE.py:FACTORY")
+        return lambda: factory(seed)
+    from shardplan.runtime.model import load_factory as load
+
+    factory = load(spec, "--model")
+    takes_seed = any(p.default is inspect.Parameter.empty for p in inspect.signature(factory).parameters.values())
+    return (lambda: factory(seed)) if takes_seed else factory
+
+
+def make_eval(placement, loss_fn, text, batches: int = 4):
+    """Mean loss over fixed held-out batches, each placed per the plan's batch spec."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    held_out = [placement.shard_batch(b) for b in text.eval_batches(batches)]
+    compiled = {}
+
+    def evaluate(model) -> float:
+        gd, state = nnx.split(model)
+        if "fn" not in compiled:
+            compiled["fn"] = jax.jit(lambda s, b: loss_fn(nnx.merge(gd, s), b))
+        return float(np.mean([float(compiled["fn"](state, b)) for b in held_out]))
+
+    return evaluate
 
 
 def main(argv=None) -> int:
@@ -114,7 +178,6 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    import models
     import shardplan
     from shardplan import print_diagnostics
 
@@ -129,13 +192,14 @@ def main(argv=None) -> int:
     try:
         mesh_arg = shardplan.parse_mesh_arg(args.mesh) if args.mesh else None
         plan = shardplan.load(args.plan, mesh=mesh_arg)
-        factory = getattr(models, args.model, None)
-        if factory is None:
-            console.print(f"[red]no model factory '{args.model}' in examples/models.py[/]")
+        try:
+            factory = load_factory(args.model, args.seed)
+        except ValueError as e:
+            console.print(f"[red]{e}[/]")
             return 2
         mesh = shardplan.make_mesh(plan, axis_types=args.axis_types)
         tx = optax.adamw(args.lr)
-        model, optimizer, placement = shardplan.init_sharded(plan, lambda: factory(args.seed), tx, mesh=mesh)
+        model, optimizer, placement = shardplan.init_sharded(plan, factory, tx, mesh=mesh)
         ckpt = None
         if args.checkpoint_dir:
             from shardplan import checkpoint
@@ -144,8 +208,14 @@ def main(argv=None) -> int:
             if args.resume and ckpt.latest_step() is not None:
                 step0 = ckpt.restore(model, optimizer)
                 console.print(f"resumed from step {step0} in {args.checkpoint_dir}")
-        next_batch, loss_fn = make_data(args.model, model, args.seed, args.batch_size, args.seq_len)
+        next_batch, loss_fn, text = make_data(args.model, model, args.seed, args.batch_size, args.seq_len, args.data)
+        if args.loss:
+            from shardplan.runtime.model import load_factory as load
+
+            loss_fn = load(args.loss, "--loss")
         step = shardplan.train_step(placement, loss_fn, model, optimizer, backend=args.backend)
+        evaluate = make_eval(placement, loss_fn, text) if text is not None else None
+        evals = []
         start = int(optimizer.step[...])
         for _ in range(start):  # resumed: continue the data stream where the checkpoint left it
             next_batch()
@@ -162,6 +232,9 @@ def main(argv=None) -> int:
         shardplan.verify(placement, model, optimizer, placement.shard_batch(batch))
 
         losses = []
+        if evaluate is not None:
+            evals.append((start, evaluate(model)))
+            console.print(f"eval loss {evals[-1][1]:.4f} at step {start} (held-out text)")
         with Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[ms]} ms/step"),
                       TimeElapsedColumn(), console=console) as progress:
@@ -175,6 +248,10 @@ def main(argv=None) -> int:
                 if args.log_every and (start + i + 1) % args.log_every == 0 and jax.process_index() == 0:
                     print(f"step {start + i + 1} loss {loss:.6f} ({1000 * dt:.1f} ms)", flush=True)
                 batch = next_batch()
+                at = start + i + 1
+                if evaluate is not None and (i == args.steps - 1 or (args.eval_every and at % args.eval_every == 0)):
+                    evals.append((at, evaluate(model)))
+                    progress.console.print(f"eval loss {evals[-1][1]:.4f} at step {at} (held-out text)")
                 if ckpt and args.save_every and (start + i + 1) % args.save_every == 0:
                     ckpt.save(start + i + 1, model, optimizer)
         if ckpt:
@@ -185,12 +262,15 @@ def main(argv=None) -> int:
         if args.metrics and jax.process_index() == 0:
             import json
 
-            Path(args.metrics).write_text(json.dumps({"start": start, "losses": losses}))
+            Path(args.metrics).write_text(json.dumps({"start": start, "losses": losses, "eval": evals}))
         console.print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.steps} steps "
                       f"(step {start} -> {start + args.steps})")
         return 0
     except shardplan.ShardPlanError as e:
         print_diagnostics(Console(stderr=True), e.diagnostics)
+        return 1
+    except (ValueError, OSError) as e:  # --data: a file that cannot be read or is too short
+        Console(stderr=True).print(f"error: {e}", markup=False)
         return 1
 
 

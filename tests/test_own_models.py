@@ -1,0 +1,75 @@
+"""Users' own models: examples/train.py and examples/generate.py take FILE:FACTORY (and a loss
+FILE:FN, and a text file), for a causal LM written outside this repository."""
+
+import json
+import subprocess
+import sys
+
+from tests.helpers import PLANS, ROOT
+
+OWN_MODEL = '''
+"""A causal LM written outside shardplan: tokens -> logits, nothing else."""
+import jax.numpy as jnp
+from flax import nnx
+
+
+class TinyLM(nnx.Module):
+    def __init__(self, rngs, vocab=64, d=64, t=64):
+        self.tok = nnx.Embed(vocab, d, rngs=rngs)
+        self.pos = nnx.Embed(t, d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(4, d, decode=False, rngs=rngs)
+        self.ff = nnx.Linear(d, 4 * d, rngs=rngs)
+        self.back = nnx.Linear(4 * d, d, rngs=rngs)
+        self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.tok(tokens) + self.pos(jnp.arange(tokens.shape[1]))[None]
+        x = x + self.attn(x, mask=nnx.make_causal_mask(tokens))
+        return self.head(x + self.back(nnx.gelu(self.ff(x))))
+
+
+def make():
+    return TinyLM(nnx.Rngs(0))
+'''
+OWN_LOSS = '''
+import optax
+
+
+def loss(model, batch):
+    logits = model(batch["tokens"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+'''
+OWN_PLAN = '''plan "own"
+mesh data = *, model = 2
+batch (data, _)
+param "(ff|head)/kernel"  (_, model)
+param "back/kernel"       (model, _)
+default replicated
+'''
+
+
+def run(*args, timeout=300):
+    r = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def test_train_a_model_defined_elsewhere_on_the_bundled_text(tmp_path):
+    (tmp_path / "mymodel.py").write_text(OWN_MODEL)
+    (tmp_path / "myloss.py").write_text(OWN_LOSS)
+    (tmp_path / "own.splan").write_text(OWN_PLAN)
+    m = tmp_path / "m.json"
+    r = run(ROOT / "examples" / "train.py", "--plan", tmp_path / "own.splan", "--model",
+            f"{tmp_path / 'mymodel.py'}:make", "--loss", f"{tmp_path / 'myloss.py'}:loss", "--data",
+            ROOT / "examples" / "data" / "corpus.txt", "--steps", 40, "--seq-len", 32, "--no-show", "--metrics", m)
+    evals = json.loads(m.read_text())["eval"]
+    assert [s for s, _ in evals] == [0, 40]
+    assert evals[1][1] < evals[0][1] - 0.5, evals  # the held-out loss falls
+    assert "eval loss" in r.stdout
+
+
+def test_generate_with_a_model_defined_elsewhere_takes_the_plain_path(tmp_path):
+    (tmp_path / "mymodel.py").write_text(OWN_MODEL)
+    r = run(ROOT / "examples" / "generate.py", "--plan", PLANS / "dp.splan", "--model",
+            f"{tmp_path / 'mymodel.py'}:make", "--max-new-tokens", 4)
+    assert "generation path: plain" in r.stdout and "shardplan_forward" in r.stdout
