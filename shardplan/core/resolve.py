@@ -95,6 +95,24 @@ class _Resolver:
     def decide(
         self, leaf: Leaf, spec: Spec, how: How, origin: str, role: Role, rule: Rule | None, what: str
     ) -> Decision:
+        if spec.open:
+            concrete = spec.for_rank(len(leaf.shape))
+            if concrete is None:
+                self.diags.append(
+                    error(
+                        "spec-too-long",
+                        f"{leaf.path} has rank {len(leaf.shape)} (shape {fmt_shape(leaf.shape)}) but {what} "
+                        f"names {spec.named} dims {spec}",
+                        "name fewer dims, or narrow the rule's regex so it does not match this array",
+                        span=rule.spec_span if rule is not None else None,
+                        path=leaf.path,
+                        source_line=rule.source_line if rule is not None else None,
+                    )
+                )
+                return Decision(
+                    leaf.path, leaf.shape, leaf.dtype, leaf.itemsize, REPLICATED, how, origin, role, leaf.shape
+                )
+            spec = concrete
         ok, shard = self.shard(leaf.shape, spec)
         if not ok:
             self.misfit(leaf, spec, rule, what)
@@ -212,6 +230,34 @@ class _Resolver:
         return Decision(
             leaf.path, leaf.shape, leaf.dtype, leaf.itemsize, REPLICATED, "state", origin, "state", leaf.shape
         )
+
+    def stacked_splits(self, params: list[Leaf] | tuple[Leaf, ...], pdec: list[Decision]) -> None:
+        """Warn where a rule written for fewer dims splits the leading (layer) axis of stacked arrays.
+
+        Stacked: under one top-level module, at least 3 arrays, no numbered path component, all of
+        rank >= 2 with one leading dim >= 2 (what nnx.vmap / nnx.scan over layers produce; a
+        norm's scale becomes (L, d)). The sign of the mistake: the rule names fewer dims than the
+        array has, and splits dim 0.
+        """
+        groups: dict[str, list[Leaf]] = {}
+        for leaf in params:
+            if leaf.is_param:
+                groups.setdefault(leaf.path.split("/", 1)[0], []).append(leaf)
+        stacked: dict[str, int] = {}
+        for top, leaves in groups.items():
+            lead = {leaf.shape[0] if len(leaf.shape) >= 2 else -1 for leaf in leaves}
+            numbered = any(part.isdigit() for leaf in leaves for part in leaf.path.split("/"))
+            if len(leaves) >= 3 and len(lead) == 1 and min(lead) >= 2 and not numbered:
+                stacked[top] = min(lead)
+        if not stacked:
+            return
+        rules = {r.origin: r for r in self.plan.params}
+        for d in pdec:
+            rule = rules.get(d.origin) if d.how == "rule" else None
+            top = d.path.split("/", 1)[0]
+            if rule is not None and top in stacked and not rule.spec.open and rule.spec.dims and rule.spec.dims[0]:
+                if len(rule.spec.dims) < len(d.shape) and d.shard_shape[0] != d.shape[0]:
+                    self.note("stacked-axis-split", rule, d)
 
     def axis_usage(self, leaves: list[Leaf] | tuple[Leaf, ...]) -> None:
         """Warn at each ``axis`` rule whose logical name no leaf's annotation carries."""
@@ -358,6 +404,19 @@ def _grouped_warning(code: str, key: object, items: list) -> Diagnostic:
                 "the dims after them stay whole"
             )
         return warning("annotation-rank", msg, "annotate every dim (None for a dim that stays whole)", path=where)
+    if code == "stacked-axis-split":
+        assert isinstance(key, Rule)
+        top = first.path.split("/", 1)[0]
+        msg = (
+            f"this rule names {len(key.spec.dims)} dims but splits dim 0 of {n} stacked array(s) under '{top}/' "
+            f"(every array there has the same leading dim {first.shape[0]}: a layer axis from nnx.vmap/nnx.scan?), "
+            f"e.g. {first.path} {fmt_shape(first.shape)} -> {fmt_shape(first.shard_shape)} per device: the layers "
+            "are split across devices, not each layer's weights"
+        )
+        named = ", ".join(x[0] if len(x) == 1 else f"({', '.join(x)})" if x else "_" for x in key.spec.dims)
+        hint = f"write (..., {named}) to name the "
+        hint += "trailing dims whatever the rank, or give the layer dim its own entry: (_, ...)"
+        return warning("stacked-axis-split", msg, hint, span=key.span, source_line=key.source_line)
     if code == "opt-less-sharded":
         rule = key if isinstance(key, Rule) else None
         by = f"the rule at {rule.origin}" if rule is not None else str(key)
@@ -451,6 +510,7 @@ def resolve_leaves(
     if report_params:
         r.usage("param", "param")
         r.axis_usage(params)
+        r.stacked_splits(params, pdec)
     else:
         r.grouped.clear()
         r.diags = [d for d in r.diags if d.severity == "error"]
@@ -485,10 +545,11 @@ def resolve_inputs(plan: Plan, mesh: dict[str, int], leaves: list[Leaf]) -> Reso
             spec, origin, how, what = plan.batch, where, "batch", f"the batch spec at {where}"
         else:
             spec, origin, how, what = REPLICATED, "no batch rule", "replicated", "no batch rule"
+        spec = spec.for_rank(len(leaf.shape)) or spec  # too few dims: decide() reports it
         dims = spec.dims
         while len(dims) > len(leaf.shape) and not dims[-1]:
             dims = dims[:-1]
-        out.append(r.decide(leaf, Spec(dims), how, origin, "input", rule, what))
+        out.append(r.decide(leaf, Spec(dims) if not spec.open else spec, how, origin, "input", rule, what))
     r.usage("input", "input")
     return Resolution(dict(mesh), tuple(out), _raise_or_warnings(r.diags))
 

@@ -126,6 +126,17 @@ class _Checker:
         used: dict[str, Span] = {}
         for d in node.dims:
             self.dim_axes(d, axis_names, used)
+        rests = [i for i, d in enumerate(node.dims) if d.rest]
+        if len(rests) > 1:
+            self.err(
+                "two-ellipses",
+                "a spec has at most one '...' (the dims between the ones it names)",
+                "keep one '...': (data, ..., model) names the first and the last dim",
+                node.dims[rests[1]].span,
+            )
+        if rests:
+            k = rests[0]
+            return Spec(tuple(d.axes for d in node.dims[:k]), tail=tuple(d.axes for d in node.dims[k + 1 :]), open=True)
         return Spec(tuple(d.axes for d in node.dims))
 
     def dim_axes(self, d: ast.Dim, axis_names, used: dict[str, Span]):

@@ -149,6 +149,9 @@ class _ToAst(Transformer):
     def dim_many(self, meta, c):
         return syntax.Dim(tuple(str(t) for t in c), self._s(meta))
 
+    def dim_rest(self, meta, c):
+        return syntax.Dim((), self._s(meta), rest=True)
+
 
 @functools.cache
 def _example_states() -> tuple[tuple[str, Any, str], ...]:

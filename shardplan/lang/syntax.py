@@ -17,6 +17,7 @@ class Dim:
 
     axes: tuple[str, ...]
     span: Span
+    rest: bool = False  # ``...``: as many whole dims as the array has beyond the others
 
 
 @dataclass(frozen=True)
