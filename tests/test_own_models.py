@@ -73,3 +73,57 @@ def test_generate_with_a_model_defined_elsewhere_takes_the_plain_path(tmp_path):
     r = run(ROOT / "examples" / "generate.py", "--plan", PLANS / "dp.splan", "--model",
             f"{tmp_path / 'mymodel.py'}:make", "--max-new-tokens", 4)
     assert "generation path: plain" in r.stdout and "shardplan_forward" in r.stdout
+
+
+OWN_STEP = """
+import sys
+from shardplan.runtime.devices import simulate
+simulate(8)
+import numpy as np
+import optax
+from flax import nnx
+import shardplan
+sys.path.insert(0, %(root)r)
+from examples import models, train as ex
+
+plan = shardplan.load(%(plan)r)
+model, optimizer, placement = shardplan.init_sharded(plan, models.gpt_tiny, optax.adamw(1e-3))
+PIN = %(pin)s
+
+
+@nnx.jit
+def step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(ex.lm_loss)(model, batch)
+    optimizer.update(model, grads)
+    if PIN:
+        placement.constrain(model, optimizer)  # the README's one line
+    return loss
+
+
+rng = np.random.default_rng(0)
+host = ex.synthetic_batch(rng, 64, 16, 16)
+try:
+    shardplan.verify(placement, model, optimizer, host)
+except shardplan.ShardPlanError as e:
+    print("host batch:", e.diagnostics[0].message)
+for i in range(5):
+    step(model, optimizer, placement.shard_batch(ex.synthetic_batch(rng, 64, 16, 16)))
+    try:
+        shardplan.verify(placement, model, optimizer)
+    except shardplan.ShardPlanError as e:
+        print(f"step {i}: {len(e.diagnostics)} leaves off plan, e.g. {e.diagnostics[0].message}")
+        break
+else:
+    print("5 steps on plan")
+"""
+
+
+def test_a_plain_nnx_jit_step_keeps_the_plan_with_the_readme_line(tmp_path):
+    """Under gpt_2d, a plain nnx.jit step lets XLA move the replicated norm scales after one
+    step; `placement.constrain(model, optimizer)` at the end of the step keeps every leaf on plan."""
+    script = tmp_path / "own_step.py"
+    for pin, want in ((False, "step 0:"), (True, "5 steps on plan")):
+        script.write_text(OWN_STEP % {"root": str(ROOT), "plan": str(PLANS / "gpt_2d.splan"), "pin": pin})
+        r = run(script)
+        assert want in r.stdout, r.stdout
+        assert "host batch: batch leaf labels is a host ndarray, not placed on the mesh" in r.stdout

@@ -71,6 +71,16 @@ def mismatches(placement: Placement, model: Any, optimizer: Any = None, batch: A
         pairs.append((optimizer, placement.opt))
     if batch is not None:
         pairs.append((batch, specs.resolve_batch(placement.plan, batch, mesh=placement.mesh_shape)))
+        for kp, x in jax.tree_util.tree_flatten_with_path(batch)[0]:
+            if not isinstance(x, jax.Array):
+                diags.append(
+                    error(
+                        "sharding-mismatch",
+                        f"batch leaf {path_str(kp) or '<root>'} is a host {type(x).__name__}, not placed on the mesh",
+                        "place the batch with placement.shard_batch(batch) before the step",
+                        path=path_str(kp) or "<root>",
+                    )
+                )
     for tree, res in pairs:
         expected = res.by_path()
         for leaf in live_leaves(tree):

@@ -49,6 +49,31 @@ class Placement:
     def shard_batch(self, batch: Any) -> Any:
         return shard_batch(self.plan, batch, self.mesh)
 
+    def constrain(self, model: Any, optimizer: Any = None) -> None:
+        """Inside your own jitted step (``nnx.jit``, ``jax.jit``): pin every model and optimizer
+        leaf to the plan's sharding, in place. Call it after the update, as the step's last line:
+        without it XLA picks the updated state's shardings itself and may move a replicated
+        leaf to another layout after one step (``verify`` then names it)."""
+        for obj, res in ((model, self.params), (optimizer, self.opt)):
+            if obj is None or res is None:
+                continue
+            state = nnx.state(obj)
+            leaves, treedef = jax.tree.flatten(state)
+            shardings = jax.tree.leaves(res.shardings(self.mesh), is_leaf=lambda x: isinstance(x, NamedSharding))
+            if len(leaves) != len(shardings):
+                raise PlanApplyError(
+                    [
+                        error(
+                            "sharding-mismatch",
+                            f"constrain: the state has {len(leaves)} arrays, the placement {len(shardings)}",
+                            "pass the model (and optimizer) this placement was made for",
+                            path="constrain",
+                        )
+                    ]
+                )
+            pinned = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, shardings)]
+            nnx.update(obj, jax.tree.unflatten(treedef, pinned))
+
 
 def _ensure_mesh(plan: Plan, mesh: Mesh | None, axis_types: AxisTypes) -> Mesh:
     if mesh is None:
