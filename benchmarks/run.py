@@ -219,7 +219,50 @@ def bench_generation(quick: bool) -> dict:
     t_naive = time.perf_counter() - t
     tokens = len(batches) * 8 * new
     return {"tokens": tokens, "padded_tok_s": tokens / t_padded, "naive_tok_s": tokens / t_naive,
-            "speedup": t_naive / t_padded, "prompt_lengths": list(lengths), "compiles": compiles}
+            "speedup": t_naive / t_padded, "prompt_lengths": list(lengths), "compiles": compiles,
+            "llama": _bench_generation_paths(batches, new)}
+
+
+def _bench_generation_paths(batches, new: int) -> dict:
+    """Both generation paths on the Llama (the same params: `llama_tiny` has no cache, so it takes
+    the plain path; `llama_tiny_cached` the cache path) under plans/llama_tp.splan, against the
+    naive loop (a new shape, and compile, per length). Compile time included in every rate."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from examples import models
+    import shardplan
+    from shardplan import GenerationConfig, Generator
+
+    plan = shardplan.load(ROOT / "plans" / "llama_tp.splan")
+    out = {}
+    for name, factory in (("plain", models.llama_tiny), ("cache", models.llama_tiny_cached)):
+        model, _, placement = shardplan.init_sharded(plan, lambda f=factory: f(0), None)
+        gen = Generator(placement, model, GenerationConfig(max_len=16 + new, buckets=(8, 16), max_new_tokens=new))
+        assert gen.mode == name
+        compiles: dict[str, int] = {}
+        t = time.perf_counter()
+        for b in batches:
+            for k, n in gen.generate(b).compiles.items():
+                compiles[k] = compiles.get(k, 0) + n
+        out[f"{name}_s"] = time.perf_counter() - t
+        out[f"{name}_compiles"] = {k: v for k, v in compiles.items() if "shardplan_" in k}
+    model, _, placement = shardplan.init_sharded(plan, lambda: models.llama_tiny(0), None)
+    gm, state = nnx.graphdef(model), nnx.state(model)
+    forward = jax.jit(lambda st, seq: nnx.merge(gm, st)(seq)[:, -1].argmax(-1))
+    t = time.perf_counter()
+    for b in batches:
+        seq = jnp.asarray(b, jnp.int32)
+        for _ in range(new):
+            seq = jnp.concatenate([seq, forward(state, seq)[:, None].astype(jnp.int32)], axis=1)
+        block(seq)
+    naive_s = time.perf_counter() - t
+    tokens = len(batches) * 8 * new
+    return {"tokens": tokens, "naive_tok_s": tokens / naive_s,
+            **{f"{k}_tok_s": tokens / out[f"{k}_s"] for k in ("plain", "cache")},
+            **{f"{k}_vs_naive": naive_s / out[f"{k}_s"] for k in ("plain", "cache")},
+            "compiles": {k: out[f"{k}_compiles"] for k in ("plain", "cache")}}
 
 
 # -- 6. step cost: fast mode vs exact mode -----------------------------------------------------
@@ -358,6 +401,9 @@ def main(argv=None) -> int:
     g = res["generation"]
     checks.append(_check(f"generation: padded tokens/s vs recompile-per-length ({g['tokens']} tokens)",
                          g["speedup"], 1.0, ">="))
+    for path in ("plain", "cache"):
+        checks.append(_check(f"generation, Llama, {path} path: tokens/s vs recompile-per-length",
+                             g["llama"][f"{path}_vs_naive"], 1.0, ">="))
     for row in res["step_cost"]["rows"]:
         name = f"{row['plan']} x {row['model']}"
         for kind, c in row["comm"].items():

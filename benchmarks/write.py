@@ -97,6 +97,12 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         f"compile) {g['padded_tok_s']:.0f} tokens/s; the naive path (whole sequence per token, a new shape and "
         f"compile per length) {g['naive_tok_s']:.0f} tokens/s: {g['speedup']:.1f}x.",
         "",
+        f"The Llama under `plans/llama_tp.splan`, the same prompts, both generation paths: plain (no cache, the "
+        f"whole fixed-length buffer per step) {g['llama']['plain_tok_s']:.0f} tokens/s, compiles "
+        f"{g['llama']['compiles']['plain']}; cache {g['llama']['cache_tok_s']:.0f} tokens/s, compiles "
+        f"{g['llama']['compiles']['cache']}; naive {g['llama']['naive_tok_s']:.0f} tokens/s "
+        f"({g['llama']['plain_vs_naive']:.1f}x and {g['llama']['cache_vs_naive']:.1f}x).",
+        "",
     ]
     lines += _step_cost(res)
     lines += _reshard(res)

@@ -38,6 +38,8 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     steps = {k: v for k, v in g["compiles"].items() if "shardplan_" in k}
     assert steps == {"jit(shardplan_prefill)": 1, "jit(shardplan_decode)": 1}, g["compiles"]
     assert g["tokens"] == len(g["prompt_lengths"]) * 8 * 8
+    assert g["llama"]["compiles"] == {"plain": {"jit(shardplan_forward)": 1},
+                                      "cache": {"jit(shardplan_prefill)": 1, "jit(shardplan_decode)": 1}}
     # Step cost: fast vs exact for each plan x model family, with the ratios the checks report.
     rows = res["step_cost"]["rows"]
     assert {(r["plan"], r["model"].split("_")[0]) for r in rows} == {
@@ -56,5 +58,5 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     for row in reshard["rows"]:
         assert row["error"] == 0.0, row  # the quick pairs are exact (the full run reports every row)
     assert any(sum(row["compiled"].values()) > 0 for row in reshard["rows"])
-    assert len(checks) == 3 + 4 + 2 * 5 + 1 + step_checks + len(reshard["rows"]) + 1
+    assert len(checks) == 3 + 4 + 2 * 5 + 1 + 2 + step_checks + len(reshard["rows"]) + 1
     assert all(c["met"] in ("yes", "NO (missed)") for c in checks)
