@@ -182,8 +182,6 @@ def bench_cost_model(quick: bool) -> list[dict]:
 
 # -- 5. generation ----------------------------------------------------------------------------
 def bench_generation(quick: bool) -> dict:
-    import jax
-    import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
@@ -207,7 +205,20 @@ def bench_generation(quick: bool) -> dict:
             compiles[name] = compiles.get(name, 0) + n
     t_padded = time.perf_counter() - t
 
-    # Naive: no cache, no padding: the whole sequence each step, a new shape (compile) per length.
+    t_naive = _naive_generation_s(model, batches, new)
+    tokens = len(batches) * 8 * new
+    return {"tokens": tokens, "padded_tok_s": tokens / t_padded, "naive_tok_s": tokens / t_naive,
+            "speedup": t_naive / t_padded, "prompt_lengths": list(lengths), "compiles": compiles,
+            "llama": _bench_generation_paths(batches, new)}
+
+
+def _naive_generation_s(model, batches, new: int) -> float:
+    """Seconds for the naive loop: no cache, no padding, the whole sequence each step (a new
+    shape, so a compile, per length)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
     gm, state = nnx.graphdef(model), nnx.state(model)
     forward = jax.jit(lambda st, seq: nnx.merge(gm, st)(seq)[:, -1].argmax(-1))
     t = time.perf_counter()
@@ -216,20 +227,13 @@ def bench_generation(quick: bool) -> dict:
         for _ in range(new):
             seq = jnp.concatenate([seq, forward(state, seq)[:, None].astype(jnp.int32)], axis=1)
         block(seq)
-    t_naive = time.perf_counter() - t
-    tokens = len(batches) * 8 * new
-    return {"tokens": tokens, "padded_tok_s": tokens / t_padded, "naive_tok_s": tokens / t_naive,
-            "speedup": t_naive / t_padded, "prompt_lengths": list(lengths), "compiles": compiles,
-            "llama": _bench_generation_paths(batches, new)}
+    return time.perf_counter() - t
 
 
 def _bench_generation_paths(batches, new: int) -> dict:
     """Both generation paths on the Llama (the same params: `llama_tiny` has no cache, so it takes
     the plain path; `llama_tiny_cached` the cache path) under plans/llama_tp.splan, against the
     naive loop (a new shape, and compile, per length). Compile time included in every rate."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     from examples import models
     import shardplan
@@ -249,15 +253,7 @@ def _bench_generation_paths(batches, new: int) -> dict:
         out[f"{name}_s"] = time.perf_counter() - t
         out[f"{name}_compiles"] = {k: v for k, v in compiles.items() if "shardplan_" in k}
     model, _, placement = shardplan.init_sharded(plan, lambda: models.llama_tiny(0), None)
-    gm, state = nnx.graphdef(model), nnx.state(model)
-    forward = jax.jit(lambda st, seq: nnx.merge(gm, st)(seq)[:, -1].argmax(-1))
-    t = time.perf_counter()
-    for b in batches:
-        seq = jnp.asarray(b, jnp.int32)
-        for _ in range(new):
-            seq = jnp.concatenate([seq, forward(state, seq)[:, None].astype(jnp.int32)], axis=1)
-        block(seq)
-    naive_s = time.perf_counter() - t
+    naive_s = _naive_generation_s(model, batches, new)
     tokens = len(batches) * 8 * new
     return {"tokens": tokens, "naive_tok_s": tokens / naive_s,
             **{f"{k}_tok_s": tokens / out[f"{k}_s"] for k in ("plain", "cache")},

@@ -7,17 +7,14 @@ import json
 import subprocess
 import sys
 
-import jax
 import optax
 import pytest
 
 import shardplan
+from benchmarks import reshard as reshard_bench
 from examples import models
 from shardplan import api
-from shardplan.core import hlo, reshard
-from shardplan.runtime import mesh as mesh_mod
-from shardplan.runtime import model as model_mod
-from shardplan.runtime import specs
+from shardplan.core import reshard
 from tests.helpers import PLANS, ROOT
 
 GPT = f"{ROOT / 'examples' / 'models.py'}:gpt_tiny"
@@ -31,22 +28,6 @@ def cli(*args, timeout=120):
     return r
 
 
-def compiled_reshard(a: str, b: str, factory) -> collections.Counter:
-    """Bytes per device by kind of XLA's reshard of the whole model and AdamW state, A to B."""
-    pa, pb = shardplan.load(PLANS / a), shardplan.load(PLANS / b)
-    m, o = model_mod.abstract_model_and_optimizer(factory, optax.adamw(1e-3))
-    ra, rb = specs.resolve_model(pa, m, o, devices=8), specs.resolve_model(pb, m, o, devices=8)
-    ma, mb = mesh_mod.make_mesh(pa), mesh_mod.make_mesh(pb)
-    da, db = ra[0].decisions + ra[1].decisions, rb[0].decisions + rb[1].decisions
-    args = [jax.ShapeDtypeStruct(d.shape, d.dtype) for d in da]
-    f = jax.jit(lambda *xs: xs, in_shardings=[jax.NamedSharding(ma, specs.pspec(d.spec)) for d in da],
-                out_shardings=tuple(jax.NamedSharding(mb, specs.pspec(d.spec)) for d in db))
-    got = collections.Counter()
-    for op in hlo.parse(f.lower(*args).compile().as_text(), 8):
-        got[op.kind] += op.bytes_per_step
-    return got
-
-
 @pytest.mark.parametrize("a, b", [("fsdp.splan", "dp.splan"), ("gpt_2d.splan", "dp.splan"),
                                   ("gpt_2d.splan", "gpt_tp.splan"), ("fsdp.splan", "gpt_tp.splan"),
                                   ("gpt_tp.splan", "fsdp.splan"), ("gpt_2d.splan", "fsdp.splan")])
@@ -55,7 +36,7 @@ def test_predicted_reshard_is_the_compiled_reshard(a, b):
     predicted = collections.Counter()
     for m in d.moves:
         predicted[m.kind] += m.bytes
-    assert +predicted == +compiled_reshard(a, b, models.gpt_tiny), (a, b)
+    assert +predicted == +reshard_bench.compiled(PLANS / a, PLANS / b, models.gpt_tiny), (a, b)
 
 
 def test_same_plan_changes_nothing_and_dp_to_fsdp_is_a_local_slice():

@@ -26,6 +26,7 @@ from shardplan.core.spec import REPLICATED, Spec
 from shardplan.errors import Diagnostic, PlanCheckError, error, warning
 
 DEFAULT_REPLICATED_THRESHOLD = 64 * 2**20  # bytes; a larger replicated tensor is warned about
+MAX_NEAR_MISSES = 20  # unused rules per kind whose near miss is searched for
 
 
 class _Resolver:
@@ -328,9 +329,11 @@ class _Resolver:
             if win >= 0:
                 decided[win] += count
         paths = [path for _, path in list(self.seen[kind].values())[:5000]]
+        searched = 0  # near misses for the first few unused rules only: bounded work for huge plans
         for i, r in enumerate(rules):
             if not matched[i]:
-                near = nearest(r.pattern, paths) if paths else ""
+                near = nearest(r.pattern, paths) if paths and searched < MAX_NEAR_MISSES else ""
+                searched += 1
                 self.diags.append(
                     warning(
                         "unused-rule",

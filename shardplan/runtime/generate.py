@@ -389,23 +389,16 @@ class Generator:
         done = np.zeros(b, bool)
         position = lengths.copy()
         for step in range(cfg.max_new_tokens):
-            host = np.asarray(tok)
-            for i in range(b):
-                if not done[i]:
-                    out[i].append(int(host[i]))
-                    done[i] = cfg.end_token is not None and host[i] == cfg.end_token
+            _collect(np.asarray(tok), out, done, cfg.end_token)
             if on_token is not None:
-                on_token(step, host)
+                on_token(step, np.asarray(tok))
             if done.all() or step == cfg.max_new_tokens - 1:
                 break
             tok, cache = self._decode(
                 state, tok, jax.device_put(position, self.batch_sharding), cache, jax.random.fold_in(key, step + 1)
             )
             position = position + 1
-        compiles = {
-            name: COMPILES[name] - before.get(name, 0) for name in COMPILES if COMPILES[name] != before.get(name, 0)
-        }
-        return Generation(out, bucket, compiles, self.mode)
+        return Generation(out, bucket, _compiles_since(before), self.mode)
 
     def _generate_plain(self, state, tokens, lengths, key, before, bucket, on_token) -> Generation:
         cfg = self.config
@@ -420,20 +413,25 @@ class Generator:
             tok, buf_dev = self._forward(
                 state, buf_dev, jax.device_put(position, self.batch_sharding), jax.random.fold_in(key, step)
             )
-            host = np.asarray(tok)
-            for i in range(b):
-                if not done[i]:
-                    out[i].append(int(host[i]))
-                    done[i] = cfg.end_token is not None and host[i] == cfg.end_token
+            _collect(np.asarray(tok), out, done, cfg.end_token)
             if on_token is not None:
-                on_token(step, host)
+                on_token(step, np.asarray(tok))
             if done.all():
                 break
             position = position + 1
-        compiles = {
-            name: COMPILES[name] - before.get(name, 0) for name in COMPILES if COMPILES[name] != before.get(name, 0)
-        }
-        return Generation(out, bucket, compiles, self.mode)
+        return Generation(out, bucket, _compiles_since(before), self.mode)
+
+
+def _collect(host: np.ndarray, out: list[list[int]], done: np.ndarray, end_token: int | None) -> None:
+    """Append this step's token to every sequence not yet ended; mark those that end now."""
+    for i in range(len(out)):
+        if not done[i]:
+            out[i].append(int(host[i]))
+            done[i] = end_token is not None and host[i] == end_token
+
+
+def _compiles_since(before: dict[str, int]) -> dict[str, int]:
+    return {name: COMPILES[name] - before.get(name, 0) for name in COMPILES if COMPILES[name] != before.get(name, 0)}
 
 
 def generate(
