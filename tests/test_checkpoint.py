@@ -267,3 +267,21 @@ def test_restore_names_a_corrupt_or_foreign_latest_step_and_the_readable_ones(dp
     with pytest.raises(shardplan.PlanApplyError) as info:
         checkpoint.Checkpointer(d, placement).restore(model, optimizer)
     assert info.value.diagnostics[0].code == "corrupt-checkpoint" and "reading its arrays failed" in str(info.value)
+
+
+def test_a_restore_that_fails_for_another_reason_is_not_called_corrupt(tmp_path):
+    from shardplan.runtime.checkpoint import _restore_error
+
+    def chained(outer, inner):
+        try:
+            try:
+                raise inner
+            except Exception as e:
+                raise outer from e
+        except Exception as e:
+            return e
+
+    oom = _restore_error(3, tmp_path, chained(RuntimeError("restore failed"), RuntimeError("RESOURCE_EXHAUSTED: oom")))
+    assert oom.diagnostics[0].code == "restore-failed" and "delete" not in oom.diagnostics[0].hint
+    bad = _restore_error(3, tmp_path, chained(RuntimeError("restore failed"), ValueError("DATA_LOSS: bad chunk")))
+    assert bad.diagnostics[0].code == "corrupt-checkpoint"

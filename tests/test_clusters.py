@@ -51,7 +51,7 @@ def test_mpich_needs_a_coordinator():
 
 def test_kubernetes_indexed_job_and_jobset():
     with pytest.raises(shardplan.ShardPlanError, match="JAX_NUM_PROCESSES"):
-        detect({"JOB_COMPLETION_INDEX": "3"})
+        detect({"JOB_COMPLETION_INDEX": "3", "JOBSET_NAME": "llama"})
     js = detect({"JOB_COMPLETION_INDEX": "3", "JAX_NUM_PROCESSES": "4", "JOBSET_NAME": "llama",
                  "REPLICATED_JOB_NAME": "workers"})
     assert (js.manager, js.coordinator, js.num_processes, js.process_id) == (
@@ -86,3 +86,20 @@ def test_the_launcher_comes_first():
     env = {"SHARDPLAN_COORDINATOR": "127.0.0.1:5000", "SHARDPLAN_NUM_PROCESSES": "2", "SHARDPLAN_PROCESS_ID": "1",
            "SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}
     assert detect(env).manager == "shardplan launch"
+
+
+def test_single_process_launches_and_sweeps_are_not_jobs():
+    assert detect({"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"}) is None  # mpirun -n 1, Open MPI 5
+    assert detect({"PMI_SIZE": "1", "PMI_RANK": "0"}) is None
+    assert detect({"JOB_COMPLETION_INDEX": "7"}) is None  # an indexed Job as a sweep: independent pods
+    # A GKE TPU Job is an indexed Job too: its TPU variables describe it.
+    c = detect({"JOB_COMPLETION_INDEX": "1", "TPU_WORKER_HOSTNAMES": "a,b", "TPU_WORKER_ID": "1"})
+    assert (c.manager, c.num_processes, c.process_id) == ("TPU slice (GKE)", 2, 1)
+
+
+def test_a_jobset_of_several_jobs_needs_process_ids():
+    env = {"JOB_COMPLETION_INDEX": "0", "JOB_INDEX": "1", "JAX_NUM_PROCESSES": "8", "JOBSET_NAME": "js",
+           "REPLICATED_JOB_NAME": "slice"}
+    with pytest.raises(shardplan.ShardPlanError, match="JAX_PROCESS_ID"):
+        detect(env)
+    assert detect({**env, "JAX_PROCESS_ID": "4"}).process_id == 4

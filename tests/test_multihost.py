@@ -247,7 +247,8 @@ def test_train_under_a_cluster_manager_matches_one_process(kind, reference, tmp_
 def test_a_job_that_cannot_be_joined_fails_clearly_within_the_timeout():
     t = time.monotonic()
     ranks = run_ranks("slurm", [TRAIN, "--plan", PLANS / "dp.splan", "--steps", 1, "--no-show",
-                                "--simulate-devices", 4], timeout=60, SLURM_STEP_NODELIST="no-such-host.invalid")
+                                "--simulate-devices", 4], timeout=60, SLURM_STEP_NODELIST="no-such-host.invalid",
+                       SHARDPLAN_TIMEOUT="3")
     for rc, o, e in ranks:
         assert rc == 1 and "error[cannot-join]" in e and "SLURM job" in e and "does not resolve" in e, e[-2000:]
         assert "Traceback" not in e

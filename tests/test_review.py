@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import optax
 import pytest
 
@@ -14,7 +15,8 @@ import shardplan
 from benchmarks import reshard as reshard_bench
 from examples import models
 from shardplan import api
-from shardplan.core import reshard
+from shardplan.core import hlo, reshard
+from shardplan.runtime import specs
 from tests.helpers import PLANS, ROOT
 
 GPT = f"{ROOT / 'examples' / 'models.py'}:gpt_tiny"
@@ -141,3 +143,24 @@ def test_max_replicated_fraction_guard():
     assert r.returncode == 1 and "error[replicated-fraction]" in r.stderr and "100.0% of parameter bytes" in r.stderr
     assert cli("check", PLANS / "fsdp.splan", "--model", GPT, "--devices", 8, "--max-replicated-fraction",
                0.5).returncode == 0
+
+
+def test_size_one_axes_and_pure_permutations():
+    from shardplan.core.leaves import Decision
+    from shardplan.core.spec import Spec
+
+    def dec(spec):
+        return Decision("w", (32, 32), "float32", 4, spec, "rule", "", "param", (32, 32))
+
+    same = reshard.refine({"data": 8, "model": 1}, {"data": 8, "model": 1})
+    a, b = dec(Spec((("data",), ("model",)))), dec(Spec((("data",), ())))
+    assert reshard.same_layout(a, b, same) and reshard.leaf_moves(a, b, same) == []
+    # Three axes of 2: each dim trades its axes for others of the same count: one permute, as XLA does.
+    mesh = {"data": 2, "b": 2, "c": 2}
+    jm = jax.make_mesh((2, 2, 2), ("data", "b", "c"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    for src, dst in (((("data",), ("b",)), (("b",), ("c",))), ((("data",), ("b",)), (("c",), ("data",)))):
+        moves = reshard.leaf_moves(dec(Spec(src)), dec(Spec(dst)), reshard.refine(mesh, mesh))
+        f = jax.jit(lambda x: x, in_shardings=jax.NamedSharding(jm, specs.pspec(Spec(src))),
+                    out_shardings=jax.NamedSharding(jm, specs.pspec(Spec(dst))))
+        ops = hlo.parse(f.lower(jax.ShapeDtypeStruct((32, 32), "float32")).compile().as_text(), 8)
+        assert [(m.kind, m.bytes) for m in moves] == [(o.kind, o.bytes) for o in ops], (src, dst)

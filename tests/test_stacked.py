@@ -64,3 +64,10 @@ def test_an_ellipsis_spec_longer_than_the_array_is_located():
         shardplan.resolve_leaves(plan, {"d": 2}, [shardplan.Leaf("w", (4, 4), "float32", 4)])
     d = info.value.diagnostics[0]
     assert d.code == "spec-too-long" and d.span.line == 2 and "names 3 dims" in d.message
+
+
+@pytest.mark.parametrize("text", ['batch (data, ...)', 'input "x" (..., data)', "axis embed -> ..."])
+def test_ellipsis_only_where_trailing_dims_mean_something(text):
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        shardplan.loads("mesh data = *\n" + text + "\n")
+    assert info.value.diagnostics[0].code == "misplaced-ellipsis" and info.value.diagnostics[0].span.line == 2

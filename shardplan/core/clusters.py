@@ -132,6 +132,8 @@ def _open_mpi(env: Mapping[str, str]) -> Cluster | None:
     if "OMPI_COMM_WORLD_SIZE" not in env or "OMPI_COMM_WORLD_RANK" not in env:
         return None
     m = "Open MPI"
+    if env.get("OMPI_COMM_WORLD_SIZE", "").strip() == "1":
+        return None  # mpirun -n 1: one process, nothing to join
     uri = env.get("OMPI_MCA_orte_hnp_uri", "")
     if env.get(JAX_COORDINATOR_ADDRESS):
         coordinator = env[JAX_COORDINATOR_ADDRESS]
@@ -168,6 +170,8 @@ def _pmi(env: Mapping[str, str]) -> Cluster | None:
     if "PMI_RANK" not in env or "PMI_SIZE" not in env:
         return None
     m = "MPI (PMI)"
+    if env.get("PMI_SIZE", "").strip() == "1":
+        return None
     if not env.get(JAX_COORDINATOR_ADDRESS):
         raise _bad_env(
             m,
@@ -191,11 +195,20 @@ def _kubernetes(env: Mapping[str, str]) -> Cluster | None:
         return None
     m = "Kubernetes"
     if JAX_NUM_PROCESSES not in env:
+        if not env.get("JOBSET_NAME"):
+            return None  # a plain indexed Job without a process count: independent pods (a sweep)
         raise _bad_env(
             m,
-            "an indexed Job says this pod's index but not how many pods take part",
-            f"set {JAX_NUM_PROCESSES} in the pod template to the Job's completions (= parallelism)",
+            "a JobSet says this pod's index but not how many pods take part",
+            f"set {JAX_NUM_PROCESSES} in the pod template to the number of pods in the job",
             JAX_NUM_PROCESSES,
+        )
+    if env.get("JOB_INDEX", "0").strip() not in ("", "0") and not env.get(JAX_PROCESS_ID):
+        raise _bad_env(
+            m,
+            f"a JobSet with several jobs (JOB_INDEX={env['JOB_INDEX']}): pod indices repeat in every job",
+            f"set {JAX_PROCESS_ID} per pod (JOB_INDEX x pods per job + JOB_COMPLETION_INDEX)",
+            JAX_PROCESS_ID,
         )
     if env.get(JAX_COORDINATOR_ADDRESS):
         coordinator = env[JAX_COORDINATOR_ADDRESS]
@@ -214,7 +227,7 @@ def _kubernetes(env: Mapping[str, str]) -> Cluster | None:
         m,
         coordinator,
         _int(env, JAX_NUM_PROCESSES, m, 1),
-        _int(env, "JOB_COMPLETION_INDEX", m),
+        _int(env, JAX_PROCESS_ID if env.get(JAX_PROCESS_ID) else "JOB_COMPLETION_INDEX", m),
         None,
         (
             "JOB_COMPLETION_INDEX",
@@ -270,9 +283,10 @@ def _explicit(env: Mapping[str, str]) -> Cluster | None:
 
 
 # In order: shardplan's own launcher, then the managers (a SLURM step that runs mpirun-style
-# ranks sets both SLURM and MPI variables; SLURM's describe the step), then plain JAX_* variables.
-DETECTORS = (_launch, _slurm, _open_mpi, _pmi, _kubernetes, _tpu_gke, _explicit)
-MANAGERS = ("shardplan launch", "SLURM", "Open MPI", "MPI (PMI)", "Kubernetes", "TPU slice (GKE)", "environment")
+# ranks sets both SLURM and MPI variables; SLURM's describe the step; a GKE TPU Job is also an
+# indexed Job, and its TPU variables describe it), then plain JAX_* variables.
+DETECTORS = (_launch, _slurm, _open_mpi, _pmi, _tpu_gke, _kubernetes, _explicit)
+MANAGERS = ("shardplan launch", "SLURM", "Open MPI", "MPI (PMI)", "TPU slice (GKE)", "Kubernetes", "environment")
 
 
 def detect(env: Mapping[str, str]) -> Cluster | None:

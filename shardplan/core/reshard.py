@@ -44,8 +44,6 @@ def refine(a: dict[str, int], b: dict[str, int]) -> Refinement | None:
     axes cut the device order at boundaries that do not nest (``2x3`` against ``3x2``)."""
     if math.prod(a.values()) != math.prod(b.values()):
         return None
-    if list(a.items()) == list(b.items()):
-        return Refinement(dict(a), {k: (k,) for k in a}, {k: (k,) for k in b})
 
     def cuts(sizes: dict[str, int]) -> list[int]:
         out, stride = [], math.prod(sizes.values())
@@ -115,9 +113,11 @@ def refinement_or_error(mesh_a: dict[str, int], mesh_b: dict[str, int]) -> Refin
 
 def leaf_moves(a: Decision, b: Decision, ref: Refinement) -> list[Move]:
     """The collectives that take one leaf from layout ``a`` to layout ``b``, the way XLA's SPMD
-    partitioner does it (checked against compiled reshards: tests/test_reshard.py and
+    partitioner does it (checked against compiled reshards: tests/test_review.py and
     benchmarks/reshard.py):
 
+    0. every dim keeps its block count (only which device holds which block changes): one
+       collective-permute of the local block;
     1. a source dim whose split partly moves to another dim and partly goes away is gathered
        whole (the moving part is sliced again afterwards);
     2. sub-axes that move to another dim: one all-to-all (a dim that receives them gathers what
@@ -153,6 +153,9 @@ def leaf_moves(a: Decision, b: Decision, ref: Refinement) -> list[Move]:
         return _local(a.shape, a.itemsize, dims, sizes)
 
     target = local(dst)
+    if all(math.prod(sizes[x] for x in sd) == math.prod(sizes[x] for x in dd) for sd, dd in zip(src, dst)):
+        # rule 0: every dim keeps its block count, only which device holds which block changes
+        return [Move(a.path, "collective-permute", named(x for d in dst for x in d), local(src))]
     where = {sub: j for j, d in enumerate(dst) for sub in d}
     held = {sub for d in src for sub in d}
     added = [[sub for sub in d if sub not in held] for d in dst]

@@ -122,8 +122,18 @@ class _Checker:
         return tuple(MeshAxis(a.name, a.size, a.span, a.link if a.link in LINKS else "ici") for a in node.axes)
 
     # -- specs --------------------------------------------------------------------------
-    def spec(self, node: ast.SpecNode, axis_names: tuple[str, ...]) -> Spec:
+    def spec(self, node: ast.SpecNode, axis_names: tuple[str, ...], where: str = "") -> Spec:
+        """A spec as data; ``where`` names a statement whose specs may not hold ``...``."""
         used: dict[str, Span] = {}
+        for d in node.dims:
+            if d.rest and where:
+                self.err(
+                    "misplaced-ellipsis",
+                    f"'...' is not allowed in {where}: its specs name leading dims, and the dims after "
+                    "them are whole already",
+                    "drop the '...' (a shorter spec leaves the remaining dims whole)",
+                    d.span,
+                )
         for d in node.dims:
             self.dim_axes(d, axis_names, used)
         rests = [i for i, d in enumerate(node.dims) if d.rest]
@@ -202,7 +212,7 @@ class _Checker:
             for s in m.statements:
                 if isinstance(s, ast.RuleNode) and s.kind == kind:
                     ok = self.regex(s)
-                    spec = self.spec(s.spec, axis_names)
+                    spec = self.spec(s.spec, axis_names, "an input rule" if kind == "input" else "")
                     if ok:
                         out.append(Rule(kind, s.pattern, spec, s.span, s.pattern_span, s.spec.span, self.line(s.span)))
         self.shadowing(tuple(out))
@@ -249,6 +259,13 @@ class _Checker:
                     )
                     continue
                 local[s.logical] = s
+                if s.dim.rest:
+                    self.err(
+                        "misplaced-ellipsis",
+                        f"axis {s.logical} -> ...: an axis rule maps a logical axis to mesh axes, or to _",
+                        f"write axis {s.logical} -> _ to leave it whole",
+                        s.dim.span,
+                    )
                 self.dim_axes(s.dim, axis_names, {})
                 # A plan's own mapping overrides the one in a base it extends.
                 out.setdefault(s.logical, AxisRule(s.logical, s.dim.axes, s.span, self.line(s.span)))
@@ -296,7 +313,7 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
                 backend_node.span,
             )
 
-    batch = c.spec(batch_node.spec, axis_names) if batch_node else None
+    batch = c.spec(batch_node.spec, axis_names, "a batch statement") if batch_node else None
     default = c.spec(default_node.spec, axis_names) if default_node else None
     params = c.rules("param", axis_names)
     opts = c.rules("opt", axis_names)

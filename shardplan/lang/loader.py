@@ -123,7 +123,7 @@ def _chain(module: syntax.Module, base_dir: Path, read: Reader) -> tuple[syntax.
                 ]
             )
         seen.add(key)
-        if target.suffix != ".splan":
+        if target.suffix != ".splan" and read is read_file:
             # The policy: a base is a plan file. Never open a .env, a key or /etc/passwd because
             # a plan names it, and so never echo a line of one in a diagnostic.
             raise PlanCheckError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -345,13 +346,8 @@ class Checkpointer:
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(**{name: ocp.args.StandardRestore(t) for name, t in targets.items()})
             )
-        except Exception as e:  # damaged array data: Orbax/TensorStore errors of many kinds
-            raise StepProblem(
-                step,
-                "corrupt",
-                str(self.directory / str(step)),
-                f"reading its arrays failed ({type(e).__name__}: {str(e)[:200]})",
-            ).as_error() from None
+        except Exception as e:  # Orbax/TensorStore errors of many kinds
+            raise _restore_error(step, self.directory / str(step), e) from None
         for name, (obj, _) in items.items():
             state = nnx.state(obj)
             nnx.replace_by_pure_dict(state, restored[name])
@@ -360,6 +356,37 @@ class Checkpointer:
 
     def info(self, step: int) -> StepInfo:
         return step_info(self.manager, step)
+
+
+_DATA_ERRORS = re.compile(r"DATA_LOSS|decod|corrupt|checksum|truncat|NOT_FOUND|No such file|reading array", re.I)
+
+
+def _chain_text(e: BaseException) -> str:
+    parts, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        parts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return " <- ".join(parts)
+
+
+def _restore_error(step: int, folder: Path, e: BaseException) -> ShardPlanError:
+    """Damaged data is a corrupt step; anything else (memory, permissions, network, timeouts)
+    is a failed restore, never a reason to delete the step."""
+    text = _chain_text(e)
+    if _DATA_ERRORS.search(text):
+        return StepProblem(step, "corrupt", str(folder), f"reading its arrays failed ({text[:300]})").as_error()
+    return as_error(
+        [
+            error(
+                "restore-failed",
+                f"restoring step {step} failed: {text[:400]}",
+                "the files look whole: check device memory, permissions and the storage (the step is not "
+                "known to be damaged)",
+                path=str(folder),
+            )
+        ]
+    )
 
 
 def _handlers() -> dict:
@@ -394,9 +421,7 @@ def step_info(manager: ocp.CheckpointManager, step: int) -> StepInfo:
     try:
         item_meta = manager.item_metadata(step)
     except Exception as e:
-        raise StepProblem(
-            step, "corrupt", str(Path(manager.directory) / str(step)), f"its item metadata is unreadable ({e!s:.120})"
-        ).as_error() from None
+        raise _restore_error(step, Path(manager.directory) / str(step), e) from None
     for item in ("model", "optimizer"):
         tree = item_meta[item] if item in item_meta else None
         if tree is None:

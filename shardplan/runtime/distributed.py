@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT_S = 300
+HELLO_TIMEOUT_S = 5.0
 _joined: list[Cluster] = []
 
 
@@ -99,8 +100,9 @@ def initialize(
     """
     if _joined:
         return _joined[0]
-    found = detect()
     given = (coordinator, num_processes, process_id)
+    # Complete explicit arguments need nothing from the environment (which may be garbled).
+    found = None if None not in given else detect()
     if any(v is not None for v in given):
         if found is None and None in given:
             raise as_error(
@@ -201,14 +203,19 @@ def _rendezvous(found: Cluster, timeout: int) -> None:
     host = host.strip("[]")
     port = int(port_text)
     deadline = time.monotonic() + timeout
-    try:
-        addrs = {str(a[4][0]) for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
-    except OSError as e:
-        raise _cannot_join(
-            found,
-            f"the coordinator host '{host}' does not resolve ({e.strerror or e})",
-            "check the host of process 0 in the job's environment (e.g. SLURM_STEP_NODELIST, JAX_COORDINATOR_ADDRESS)",
-        ) from None
+    while True:  # a pod's DNS name appears only once the pod exists: peers retry until the deadline
+        try:
+            addrs = {str(a[4][0]) for a in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise _cannot_join(
+                    found,
+                    f"the coordinator host '{host}' does not resolve ({e.strerror or e}) within {timeout} s",
+                    "check the host of process 0 in the job's environment (e.g. SLURM_STEP_NODELIST, "
+                    f"JAX_COORDINATOR_ADDRESS); {ENV_TIMEOUT} sets how long the processes wait for it",
+                ) from None
+            time.sleep(0.5)
     if found.process_id == 0:
         _serve(found, port, addrs, deadline, timeout)
     else:
@@ -224,7 +231,10 @@ def _serve(found: Cluster, port: int, addrs: set[str], deadline: float, timeout:
             "point the coordinator address at the host of process 0",
         )
     try:
-        server = socket.create_server(("", port), family=socket.AF_INET)
+        if socket.has_dualstack_ipv6():
+            server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        else:
+            server = socket.create_server(("", port), family=socket.AF_INET)
     except OSError as e:
         raise _cannot_join(
             found,
@@ -246,17 +256,21 @@ def _serve(found: Cluster, port: int, addrs: set[str], deadline: float, timeout:
                     "check that the job started every process and that they can reach this host's port "
                     f"{port}; {ENV_TIMEOUT} sets the wait",
                 ) from None
-            conn.settimeout(max(deadline - time.monotonic(), 0.01))
+            # A peer says hello at once; a silent connection (a port scan, a health probe) is
+            # dropped after a few seconds instead of holding the rendezvous.
+            conn.settimeout(min(HELLO_TIMEOUT_S, max(deadline - time.monotonic(), 0.01)))
             try:
-                hello = conn.makefile().readline().split()
-            except OSError:
+                hello = conn.makefile().readline(200).split()
+            except (OSError, UnicodeDecodeError):
                 conn.close()
                 continue
-            if len(hello) != 3 or hello[0] != "shardplan-join":
+            if len(hello) != 3 or hello[0] != "shardplan-join" or not (hello[1].isdigit() and hello[2].isdigit()):
                 conn.close()  # something else knocked on the port: not one of ours
                 continue
             n, pid = int(hello[1]), int(hello[2])
-            if n != found.num_processes or pid in peers or not 0 < pid < n:
+            if pid in peers and n == found.num_processes:  # a restarted peer: the new connection wins
+                peers.pop(pid).close()
+            if n != found.num_processes or not 0 < pid < n:
                 conn.sendall(b"refused\n")
                 conn.close()
                 raise _cannot_join(

@@ -147,7 +147,7 @@ def _fits(fn: Callable, *args) -> bool:
         return False
 
 
-def convention(model: Any, max_len: int, dtype=jnp.float32) -> str:
+def convention(model: Any, max_len: int, dtype=jnp.float32, *, cache_layout_given: bool = False) -> str:
     """``"cache"`` or ``"plain"`` (module docstring), checked with ``jax.eval_shape``: nothing
     compiles. A model that half-follows the cache convention is an error naming what is missing.
     """
@@ -200,7 +200,7 @@ def convention(model: Any, max_len: int, dtype=jnp.float32) -> str:
             "return the updated cache beside the logits",
         )
     leaves = jax.tree.leaves(cache)
-    if not leaves or any(len(x.shape) != 4 for x in leaves):
+    if not cache_layout_given and (not leaves or any(len(x.shape) != 4 for x in leaves)):
         raise _not_causal_lm(
             "init_cache must return leaves of shape (batch, max_len, kv_heads, head_dim)",
             "or pass cache_spec= to place a cache of another layout",
@@ -234,12 +234,14 @@ class Generator:
         self.gm = nnx.graphdef(model)
         self.model = model
         self.cache_dtype = cache_dtype
-        self.mode = convention(model, config.max_len, cache_dtype)
+        self.mode = convention(model, config.max_len, cache_dtype, cache_layout_given=cache_spec is not None)
         mesh = placement.mesh
         if self.mode == "cache":
-            abstract = jax.eval_shape(lambda: model.init_cache(1, config.max_len, cache_dtype))
-            _, _, kv_heads, head_dim = jax.tree.leaves(abstract)[0].shape
-            self.cache_spec = cache_spec if cache_spec is not None else cache_spec_for(placement, kv_heads, head_dim)
+            if cache_spec is None:
+                abstract = jax.eval_shape(lambda: model.init_cache(1, config.max_len, cache_dtype))
+                _, _, kv_heads, head_dim = jax.tree.leaves(abstract)[0].shape
+                cache_spec = cache_spec_for(placement, kv_heads, head_dim)
+            self.cache_spec = cache_spec
             batch_entry = self.cache_spec[0] if len(self.cache_spec) else None
         else:
             self.cache_spec = P()

@@ -206,6 +206,8 @@ def cmd_lock(args, out: Console, err: Console) -> int:
     ):
         argv += [flag, str(value)] if value else []
     argv += ["--optimizer", args.optimizer] if args.optimizer != "adam" else []
+    for note in result.notes:  # e.g. a '*' axis sized from this machine's devices
+        err.print(f"note: {note}", style="dim", markup=False, highlight=False)
     text = api.lock_text(result, " ".join(argv))
     if args.output:
         Path(args.output).write_text(text)
