@@ -6,6 +6,7 @@ Exit codes: 0 clean, 1 errors (or warnings with --strict), 2 usage errors.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import math
 import sys
@@ -21,6 +22,8 @@ from shardplan.core.meshes import parse_links_arg, parse_mesh_arg, with_links
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD
 from shardplan.core.shapes import ITEMSIZE
 from shardplan.errors import LaunchError, ShardPlanError, as_error, error
+from shardplan.lang.fmt import format_text
+from shardplan.lang.loader import read_file
 from shardplan.runtime import devices
 from shardplan.tools import launch, report
 from shardplan.tools.emit import emit
@@ -214,6 +217,34 @@ def cmd_lock(args, out: Console, err: Console) -> int:
         err.print(f"wrote {args.output}: {len(text.splitlines()) - 2} layout lines", markup=False, highlight=False)
     else:
         out.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+    return EXIT_OK
+
+
+def cmd_fmt(args, out: Console, err: Console) -> int:
+    """Rewrite plans in the canonical layout; with --check, only say which differ (exit 1)."""
+    changed = 0
+    errors: list = []
+    for name in args.files:
+        try:
+            text = read_file(Path(name))
+            formatted = format_text(text, name)
+        except ShardPlanError as e:
+            errors += e.diagnostics
+            continue
+        if formatted == text:
+            continue
+        changed += 1
+        if args.check:
+            diff = difflib.unified_diff(text.splitlines(True), formatted.splitlines(True), name, f"{name} (formatted)")
+            out.print("".join(diff), end="", markup=False, highlight=False, soft_wrap=True)
+        else:
+            Path(name).write_text(formatted)
+            err.print(f"formatted {name}", markup=False, highlight=False)
+    if errors:
+        raise as_error(errors)
+    if args.check and changed:
+        err.print(f"{changed} file(s) would be reformatted (run shardplan fmt FILES)", markup=False)
+        return EXIT_ERRORS
     return EXIT_OK
 
 
@@ -474,6 +505,16 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(ex)
     ex.add_argument("--format", choices=("text", "json"), default="text")
     ex.set_defaults(func=cmd_explain)
+
+    fm = sub.add_parser(
+        "fmt",
+        help="rewrite plans in the canonical layout (--check: exit 1 and show the diff instead)",
+        description="One canonical layout: a statement per line, specs of consecutive rules aligned, "
+        "comments kept where they were. Idempotent; never changes what a plan means.",
+    )
+    fm.add_argument("files", nargs="+", help=".splan files")
+    fm.add_argument("--check", action="store_true", help="change nothing; exit 1 with a diff if a file would change")
+    fm.set_defaults(func=cmd_fmt)
 
     lk = sub.add_parser(
         "lock",
