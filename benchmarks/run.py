@@ -335,6 +335,28 @@ def bench_step_cost_scale(quick: bool) -> dict:
     return out
 
 
+def bench_shape_cache(quick: bool) -> dict:
+    """`shardplan check --model` twice on the Llama-2-70B shapes: the first builds them
+    (nnx.eval_shape) and fills the shapes cache, the second reads them back; whole commands."""
+    import subprocess
+    import tempfile
+
+    model = "gpt_small" if quick else "llama2_70b"
+    mesh = "data=4,model=2" if quick else "data=32,model=8"
+    cmd = [sys.executable, "-m", "shardplan", "check", str(ROOT / "plans" / "gpt_tp.splan"), "--model",
+           f"{ROOT / 'examples' / 'models.py'}:{model}", "--mesh", mesh]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "SHARDPLAN_CACHE_DIR": tmp}
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+            times.append(time.perf_counter() - t)
+            if r.returncode != 0:
+                raise RuntimeError(r.stderr[-2000:])
+    return {"model": model, "first_s": times[0], "cached_s": min(times[1:])}
+
+
 # -- the runner -------------------------------------------------------------------------------
 def _check(name, value, target, op, fmt="{:.2f}x") -> dict:
     met = value >= target if op == ">=" else value <= target
@@ -378,6 +400,8 @@ def main(argv=None) -> int:
 
     res["reshard"] = reshard.run(args.quick)
     console.print("7. reshard done")
+    res["shape_cache"] = bench_shape_cache(args.quick)
+    console.print("8. shapes cache done")
 
     r = res["resolution"]
     checks = [
@@ -411,6 +435,9 @@ def main(argv=None) -> int:
     for row in res["reshard"]["rows"]:
         checks.append(_check(f"reshard {row['before']} -> {row['after']} x {row['model']}: predicted vs compiled bytes",
                              row["error"], 0.05, "<=", "{:.1%}"))
+    sc8 = res["shape_cache"]
+    checks.append(_check(f"re-check {sc8['model']} through the shapes cache (first {sc8['first_s']:.1f} s), seconds",
+                         sc8["cached_s"], 1.0, "<=", "{:.2f} s"))
     d70 = res["reshard"]["diff_70b"]
     checks.append(_check(f"shardplan diff {d70['model']} ({d70['leaves']} params) from cached shapes, seconds",
                          d70["seconds"], 1.0, "<=", "{:.2f} s"))

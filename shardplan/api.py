@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardplan.core import cost, lock, optimizers, reshard
+from shardplan.core import cost, lock, optimizers, reshard, shapecache
 from shardplan.core import explain as explain_mod
 from shardplan.core.leaves import Decision, Leaf, Resolution
 from shardplan.core.lowering import Lowering
@@ -76,12 +76,18 @@ class CheckResult:
 
 
 def model_leaves(
-    *, model: str | None = None, shapes: str | os.PathLike | None = None, optimizer: str = "adam"
+    *,
+    model: str | None = None,
+    shapes: str | os.PathLike | None = None,
+    optimizer: str = "adam",
+    cache: bool = True,
 ) -> ModelLeaves:
     """(param leaves, optimizer-state leaves) from a model factory or a shapes file.
 
     Args:
-        model: ``FILE.py:FACTORY`` or ``package.module:FACTORY``, built with ``nnx.eval_shape``.
+        model: ``FILE.py:FACTORY`` or ``package.module:FACTORY``, built with ``nnx.eval_shape``
+            (or read from the shapes cache, ``shardplan.core.shapecache``, when ``cache``).
+        cache: use the shapes cache (read, and write after a build); False bypasses it.
         shapes: a shapes JSON from ``shardplan.dump_shapes``.
         optimizer: a name in ``shardplan.core.optimizers`` (state derived from param shapes),
             or ``recorded`` for the optimizer state a shapes file records.
@@ -97,14 +103,21 @@ def model_leaves(
                 )
             ]
         )
+    opt: list[Leaf] | None = None
     if shapes is not None:
         params, opt = load_shapes(shapes)
     else:
-        from shardplan.runtime import model as model_mod
-        from shardplan.runtime import tree
-
         assert model is not None
-        params, opt = tree.flatten(model_mod.abstract_model(model_mod.load_factory(model)))[0], None
+        cached = shapecache.read(model) if cache else None
+        if cached is not None:  # a hit: no jax import, no eval_shape
+            params = cached
+        else:
+            from shardplan.runtime import model as model_mod
+            from shardplan.runtime import tree
+
+            params = tree.flatten(model_mod.abstract_model(model_mod.load_factory(model)))[0]
+            if cache:
+                shapecache.write(model, params)
     if optimizer == "recorded":
         if opt is None:
             raise as_error(
@@ -132,6 +145,7 @@ def check(
     devices: int | None = None,
     replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD,
     leaves: ModelLeaves | None = None,
+    cache: bool = True,
 ) -> CheckResult:
     """Check a plan offline: alone, or resolved against a model's abstract shapes.
 
@@ -161,7 +175,7 @@ def check(
             "or --mesh to check another size"
         )
     if leaves is None:
-        leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer)
+        leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer, cache=cache)
     res = resolve_leaves(p, p.mesh_shape(devices), leaves[0], leaves[1], replicated_threshold)
     return CheckResult(p, res, leaves, tuple(notes))
 
@@ -359,6 +373,7 @@ def diff(
     mesh: dict[str, int | None] | None = None,
     devices: int | None = None,
     leaves: ModelLeaves | None = None,
+    cache: bool = True,
 ) -> PlanDiff:
     """Compare two plans (or a checkpoint directory's stored plan and a plan) on one model.
 
@@ -375,7 +390,7 @@ def diff(
                 devices = math.prod(a.size for a in p.mesh if a.size is not None)
                 break
     if leaves is None:
-        leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer)
+        leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer, cache=cache)
     ra = check(pa, leaves=leaves, devices=devices)
     rb = check(pb, leaves=leaves, devices=devices)
     assert ra.resolution is not None and rb.resolution is not None
@@ -402,6 +417,7 @@ def explain(
     mesh: dict[str, int | None] | None = None,
     devices: int | None = None,
     leaves: ModelLeaves | None = None,
+    cache: bool = True,
 ) -> explain_mod.Explanation:
     """Every rule tried for ``path`` (a param, state or optimizer-state path), which decided,
     and near misses. The decision is the one ``check`` makes.
@@ -410,7 +426,7 @@ def explain(
         ShardPlanError: ``no-such-path`` (with the closest paths), or the plan does not fit.
     """
     if leaves is None:
-        leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer)
+        leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer, cache=cache)
     result = check(plan, leaves=leaves, mesh=mesh, devices=devices)
     assert result.resolution is not None
     decisions = {d.path: d for d in result.resolution.decisions}

@@ -58,5 +58,6 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     for row in reshard["rows"]:
         assert row["error"] == 0.0, row  # the quick pairs are exact (the full run reports every row)
     assert any(sum(row["compiled"].values()) > 0 for row in reshard["rows"])
-    assert len(checks) == 3 + 4 + 2 * 5 + 1 + 2 + step_checks + len(reshard["rows"]) + 1
+    assert res["shape_cache"]["cached_s"] > 0
+    assert len(checks) == 3 + 4 + 2 * 5 + 1 + 2 + step_checks + 1 + len(reshard["rows"]) + 1
     assert all(c["met"] in ("yes", "NO (missed)") for c in checks)

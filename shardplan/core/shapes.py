@@ -110,7 +110,9 @@ def _leaf(where: str, item: object) -> Leaf:
             raise _bad(f"{where}.shape[{i}]", f"dim {shown} is not an integer in 0..2**48", "dims are whole numbers")
     if math.prod(shape) > MAX_ELEMENTS:
         raise _bad(where + ".shape", f"{len(shape)} dims of more than 2**62 elements in all")
-    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+    if isinstance(dtype, str) and dtype.startswith("key<") and dtype.endswith(">"):
+        itemsize = 8  # a typed PRNG key (nnx.Rngs state), as shardplan.runtime.tree counts it
+    elif not isinstance(dtype, str) or dtype not in ITEMSIZE:
         shown = repr(dtype)[:40]
         raise _bad(where + ".dtype", f"unknown dtype {shown}", f"dtypes: {', '.join(sorted(ITEMSIZE))}")
     names = item.get("names")
@@ -122,7 +124,9 @@ def _leaf(where: str, item: object) -> Leaf:
     kind = item.get("kind")
     if kind is not None and (not isinstance(kind, str) or not kind.isidentifier()):
         raise _bad(where + ".kind", "'kind' must be a Variable kind such as batch_stat or rng_key")
-    return Leaf(path, tuple(shape), dtype, ITEMSIZE[dtype], tuple(names) if names else None, kind)
+    else:
+        itemsize = ITEMSIZE[dtype]
+    return Leaf(path, tuple(shape), dtype, itemsize, tuple(names) if names else None, kind)
 
 
 def load_shapes(path: str | os.PathLike) -> tuple[list[Leaf], list[Leaf] | None]:

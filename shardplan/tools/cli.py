@@ -90,7 +90,9 @@ def cmd_check(args, out: Console, err: Console) -> int:
     fraction = args.max_replicated_fraction
     if fraction is not None and not 0 <= fraction <= 1:
         raise _UsageError(f"--max-replicated-fraction {fraction}: give a fraction between 0 and 1")
-    first = api.check(args.plan, model=args.model, shapes=args.shapes, optimizer=args.optimizer, **options)
+    first = api.check(
+        args.plan, model=args.model, shapes=args.shapes, optimizer=args.optimizer, cache=not args.no_cache, **options
+    )
     _guards(args, first)
     others = [api.check(p, leaves=first.leaves, **options) for p in args.vs or []]
     results = [first] + others
@@ -169,7 +171,12 @@ def _two_plans_args(args) -> dict:
     if args.devices is not None and args.devices < 1:
         raise _UsageError(f"--devices {args.devices}: give a positive device count")
     return dict(
-        model=args.model, shapes=args.shapes, optimizer=args.optimizer, mesh=_mesh_arg(args), devices=args.devices
+        model=args.model,
+        shapes=args.shapes,
+        optimizer=args.optimizer,
+        mesh=_mesh_arg(args),
+        devices=args.devices,
+        cache=not args.no_cache,
     )
 
 
@@ -195,7 +202,9 @@ def cmd_lock(args, out: Console, err: Console) -> int:
     options = _two_plans_args(args)
     result = api.check(
         args.plan,
-        leaves=api.model_leaves(model=options["model"], shapes=options["shapes"], optimizer=options["optimizer"]),
+        leaves=api.model_leaves(
+            model=options["model"], shapes=options["shapes"], optimizer=options["optimizer"], cache=options["cache"]
+        ),
         mesh=options["mesh"],
         devices=options["devices"],
     )
@@ -245,6 +254,16 @@ def cmd_fmt(args, out: Console, err: Console) -> int:
     if args.check and changed:
         err.print(f"{changed} file(s) would be reformatted (run shardplan fmt FILES)", markup=False)
         return EXIT_ERRORS
+    return EXIT_OK
+
+
+def cmd_cache(args, out: Console, err: Console) -> int:
+    from shardplan.core import shapecache
+
+    if args.cache_command == "clear":
+        out.print(f"removed {shapecache.clear()} cached model shapes from {shapecache.cache_dir()}", markup=False)
+    else:
+        out.print(str(shapecache.cache_dir()), markup=False)
     return EXIT_OK
 
 
@@ -430,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = c.add_argument_group("model (one of)")
     src.add_argument("--model", help="FILE.py:FACTORY or package.module:FACTORY; built with nnx.eval_shape")
     src.add_argument("--shapes", help="a shapes JSON written by shardplan.dump_shapes")
+    src.add_argument("--no-cache", action="store_true", help="rebuild the model's shapes (skip the shapes cache)")
     c.add_argument(
         "--optimizer",
         choices=(*optimizers.NAMES, "recorded"),
@@ -475,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
         src = q.add_argument_group("model (one of)")
         src.add_argument("--model", help="FILE.py:FACTORY or package.module:FACTORY; built with nnx.eval_shape")
         src.add_argument("--shapes", help="a shapes JSON written by shardplan.dump_shapes")
+        src.add_argument("--no-cache", action="store_true", help="rebuild the model's shapes (skip the shapes cache)")
         q.add_argument("--mesh", help="axis sizes replacing the plans' meshes, e.g. data=4,model=2")
         q.add_argument("--devices", type=int, help="device count for '*' mesh axes (default: local devices)")
         q.add_argument("--optimizer", choices=(*optimizers.NAMES, "recorded"), default="adam")
@@ -505,6 +526,15 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(ex)
     ex.add_argument("--format", choices=("text", "json"), default="text")
     ex.set_defaults(func=cmd_explain)
+
+    ca = sub.add_parser(
+        "cache",
+        help="the shapes cache: models' abstract shapes kept between checks",
+        description="`check --model` keeps a model's abstract shapes, keyed by its sources and the library "
+        "versions, so the next check skips nnx.eval_shape ($SHARDPLAN_CACHE_DIR; --no-cache bypasses it).",
+    )
+    ca.add_argument("cache_command", choices=("clear", "dir"), help="clear: delete every entry; dir: print where")
+    ca.set_defaults(func=cmd_cache)
 
     fm = sub.add_parser(
         "fmt",
