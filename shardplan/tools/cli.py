@@ -257,6 +257,15 @@ def cmd_fmt(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
+def cmd_lsp(args, out: Console, err: Console) -> int:
+    try:
+        from shardplan.tools import lsp
+    except ImportError:
+        raise _UsageError("the language server needs pygls: pip install 'shardplan[lsp]'") from None
+    lsp.main()
+    return EXIT_OK
+
+
 def cmd_cache(args, out: Console, err: Console) -> int:
     from shardplan.core import shapecache
 
@@ -526,6 +535,14 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(ex)
     ex.add_argument("--format", choices=("text", "json"), default="text")
     ex.set_defaults(func=cmd_explain)
+
+    ls = sub.add_parser(
+        "lsp",
+        help="the language server for editors (stdio)",
+        description="Diagnostics as you type, hover on rules, go to extends, completion, formatting. A plan "
+        "names its model in a comment: # shardplan: --model FILE.py:FACTORY [--devices N] [--mesh ...].",
+    )
+    ls.set_defaults(func=cmd_lsp)
 
     ca = sub.add_parser(
         "cache",
