@@ -462,7 +462,7 @@ def _mirror(leaf: Leaf, params: dict[str, Decision], last: list) -> Decision | N
     if prefix and path.startswith(prefix):
         d = params.get(path[len(prefix) :])
         # Still the longest suffix? Only if no shorter prefix (a longer suffix) is a param too.
-        if d is not None and d.shape == leaf.shape and not _longer_suffix(path, len(prefix), params):
+        if d is not None and d.shape == leaf.shape and not _longer_suffix(path, len(prefix), params, last):
             return d
     i = path.find("/")
     while i >= 0:
@@ -474,7 +474,19 @@ def _mirror(leaf: Leaf, params: dict[str, Decision], last: list) -> Decision | N
     return None
 
 
-def _longer_suffix(path: str, cut: int, params: dict[str, Decision]) -> bool:
+def _longer_suffix(path: str, cut: int, params: dict[str, Decision], last: list) -> bool:
+    """Whether a suffix of ``path`` longer than ``path[cut:]`` is a param path. Only one that
+    starts with a component of the prefix can be, and only if some param path starts with that
+    component: with a cache of the params' first components, most prefixes are ruled out once."""
+    if len(last) < 3:
+        last[1:] = [{p.split("/", 1)[0] for p in params}, {}]
+    heads, ruled_out = last[1], last[2]
+    prefix = path[:cut]
+    hit = ruled_out.get(prefix)
+    if hit is None:
+        hit = ruled_out[prefix] = not any(c in heads for c in prefix.split("/")[1:])
+    if hit:
+        return False
     i = path.find("/")
     while 0 <= i < cut - 1:
         if path[i + 1 :] in params:
