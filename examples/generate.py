@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             while len(x) < 1 + i % buckets[-1]:
                 x.append((3 * x[-1] + 1) % vocab)
             prompts.append(x)
-        console.print(f"mesh {placement.mesh_shape}, cache spec {gen.cache_spec}, prompt lengths "
+        console.print(f"mesh {placement.mesh_shape}, cache spec {gen.cache_spec} ({gen.cache_origin}), prompt lengths "
                       f"{[len(x) for x in prompts]}")
         result = gen.generate(prompts, key=jax.random.key(args.seed),
                               on_token=lambda step, toks: console.print(f"step {step:3d}: {' '.join(map(str, toks))}"))

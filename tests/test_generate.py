@@ -205,3 +205,25 @@ def test_a_model_that_half_follows_the_convention_is_named_before_any_compile(ma
         Generator(placement, model, GenerationConfig(max_len=32, buckets=(8,), max_new_tokens=4))
     assert info.value.diagnostics[0].code == "not-a-causal-lm" and says in str(info.value)
     assert dict(shardplan.runtime.generate.COMPILES) == before
+
+
+def test_the_plan_says_how_the_cache_is_laid_out(tmp_path):
+    """`cache SPEC` decides the layout (Llama's projections are k/v: nothing is read from names)."""
+    p = tmp_path / "served.splan"
+    p.write_text(f'extends "{PLANS / "llama_tp.splan"}"\ncache (data, _, _, _)\n')
+    plan = shardplan.load(p)
+    model, _, placement = shardplan.init_sharded(plan, lambda: models.llama_tiny_cached(0), None)
+    gen = Generator(placement, model, GenerationConfig(max_len=32, buckets=(8,), max_new_tokens=4))
+    assert gen.cache_spec == P("data") and "cache statement (" in gen.cache_origin  # trailing dims whole
+    m2, _, p2 = shardplan.init_sharded(shardplan.load(PLANS / "llama_tp.splan"), lambda: models.llama_tiny_cached(0),
+                                       None)
+    inferred = Generator(p2, m2, GenerationConfig(max_len=32, buckets=(8,), max_new_tokens=4))
+    assert inferred.cache_spec == P("data", None, "model", None) and inferred.cache_origin.startswith("inferred")
+    reference = llama_reference(models.llama_tiny)
+    batch = [[int(t) for t in np.random.default_rng(5).integers(1, 64, size=6)] for _ in range(8)]
+    for p_, toks in zip(batch, gen.generate(batch).tokens):
+        assert reference(p_, toks)
+    with pytest.raises(shardplan.ShardPlanError, match="'cache' given twice"):
+        shardplan.loads("mesh d = *\ncache (d)\ncache (d)\n")
+    with pytest.raises(shardplan.ShardPlanError, match="unknown-axis|lacks"):
+        shardplan.loads("mesh d = *\ncache (e)\n")

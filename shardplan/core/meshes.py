@@ -107,6 +107,8 @@ def mesh_override_problems(plan: Plan, sizes: MeshSizes, where: str = "--mesh") 
         items.append((plan.batch.axes, plan.batch_span, ""))
     if plan.default is not None:
         items.append((plan.default.axes, plan.default_span, ""))
+    if plan.cache is not None:
+        items.append((plan.cache.axes, plan.cache_span, ""))
     for axes, span, line in items:
         for a in axes:
             if a not in names:

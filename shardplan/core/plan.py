@@ -84,6 +84,8 @@ class Plan:
     warnings: tuple[Diagnostic, ...] = ()
     sources: tuple[tuple[str, str], ...] = ()  # (file, text) of the plan and every base it extends
     mesh_source_line: str = ""
+    cache: Spec | None = None  # the ``cache`` statement: a generation cache's layout
+    cache_span: Span | None = None
 
     @property
     def text(self) -> str:

@@ -46,6 +46,7 @@ class _Checker:
             ast.BatchNode: "batch",
             ast.BackendNode: "backend",
             ast.DefaultNode: "default",
+            ast.CacheNode: "cache",
         }.get(kind, "statement")
         for extra in found[1:]:
             self.err(
@@ -284,6 +285,7 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
     backend_node = c.nearest(ast.BackendNode)
     batch_node = c.nearest(ast.BatchNode)
     default_node = c.nearest(ast.DefaultNode)
+    cache_node = c.nearest(ast.CacheNode)
 
     mesh = c.mesh(mesh_node)
     if mesh_override is not None:
@@ -315,6 +317,7 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
 
     batch = c.spec(batch_node.spec, axis_names, "a batch statement") if batch_node else None
     default = c.spec(default_node.spec, axis_names) if default_node else None
+    cache = c.spec(cache_node.spec, axis_names) if cache_node else None
     params = c.rules("param", axis_names)
     opts = c.rules("opt", axis_names)
     inputs = c.rules("input", axis_names)
@@ -351,4 +354,6 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
         warnings=tuple(d for d in c.diags if d.severity == "warning"),
         sources=tuple((m.file, m.text) for m in modules),
         mesh_source_line=c.line(mesh_node.span) if mesh_node else "",
+        cache=cache,
+        cache_span=cache_node.span if cache_node else None,
     )

@@ -58,6 +58,8 @@ def _statement(s: syntax.Statement) -> _Stmt:
         return _Stmt(f'{s.kind} "{s.pattern}"', _spec(s.spec), "rule")
     if isinstance(s, syntax.AxisNode):
         return _Stmt(f"axis {_name(s.logical)}", f"-> {_dim(s.dim)}", "axis")
+    if isinstance(s, syntax.CacheNode):
+        return _Stmt(f"cache {_spec(s.spec)}", "", "")
     assert isinstance(s, syntax.DefaultNode)
     return _Stmt(f"default {_spec(s.spec)}", "", "")
 

@@ -136,6 +136,9 @@ class _ToAst(Transformer):
     def default_stmt(self, meta, c):
         return syntax.DefaultNode(c[0], self._s(meta))
 
+    def cache_stmt(self, meta, c):
+        return syntax.CacheNode(c[0], self._s(meta))
+
     def spec_dims(self, meta, c):
         return syntax.SpecNode(tuple(c), self._s(meta))
 

@@ -94,7 +94,15 @@ class DefaultNode:
     span: Span
 
 
-Statement = PlanName | Extends | MeshNode | BackendNode | BatchNode | RuleNode | AxisNode | DefaultNode
+@dataclass(frozen=True)
+class CacheNode:
+    """``cache spec``: how a generation cache's arrays are laid out."""
+
+    spec: SpecNode
+    span: Span
+
+
+Statement = PlanName | Extends | MeshNode | BackendNode | BatchNode | RuleNode | AxisNode | DefaultNode | CacheNode
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.errors import PlanApplyError, error
 from shardplan.runtime.placement import Placement
+from shardplan.runtime.specs import pspec
 
 # Real XLA compiles, counted by jitted-function name (jax.monitoring's compile event). The
 # listener is registered when the first Generator is made, not when this module is imported.
@@ -237,14 +238,25 @@ class Generator:
         self.mode = convention(model, config.max_len, cache_dtype, cache_layout_given=cache_spec is not None)
         mesh = placement.mesh
         if self.mode == "cache":
-            if cache_spec is None:
+            plan = placement.plan
+            if cache_spec is not None:
+                self.cache_origin = "cache_spec= argument"
+            elif plan.cache is not None:
+                abstract = jax.eval_shape(lambda: model.init_cache(1, config.max_len, cache_dtype))
+                concrete = plan.cache.for_rank(len(jax.tree.leaves(abstract)[0].shape)) or plan.cache
+                cache_spec = pspec(concrete)
+                span = plan.cache_span
+                self.cache_origin = f"the plan's cache statement ({span.file}:{span.line})" if span else "the plan"
+            else:
                 abstract = jax.eval_shape(lambda: model.init_cache(1, config.max_len, cache_dtype))
                 _, _, kv_heads, head_dim = jax.tree.leaves(abstract)[0].shape
                 cache_spec = cache_spec_for(placement, kv_heads, head_dim)
+                self.cache_origin = "inferred: batch axes, and the split of the params as wide as kv_heads x head_dim"
             self.cache_spec = cache_spec
             batch_entry = self.cache_spec[0] if len(self.cache_spec) else None
         else:
             self.cache_spec = P()
+            self.cache_origin = "no cache (plain path)"
             axes = placement.plan.batch_dim0_axes
             batch_entry = None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
         self.cache_sharding = NamedSharding(mesh, self.cache_spec)

@@ -33,7 +33,20 @@ from shardplan.lang.fmt import format_text
 from shardplan.lang.loader import loads
 from shardplan.version import version
 
-STATEMENTS = ("plan", "extends", "mesh", "backend", "batch", "input", "param", "opt", "axis", "default", "replicated")
+STATEMENTS = (
+    "plan",
+    "extends",
+    "mesh",
+    "backend",
+    "batch",
+    "input",
+    "param",
+    "opt",
+    "axis",
+    "default",
+    "cache",
+    "replicated",
+)
 DIRECTIVE = "# shardplan:"
 
 
