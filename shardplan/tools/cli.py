@@ -46,11 +46,12 @@ def _simulate_devices(n: int | None) -> None:
 
 
 def _quiet_absl() -> None:
-    """Orbax logs through absl at WARNING; the CLI reports through diagnostics instead."""
+    """Orbax logs through absl (a damaged checkpoint file even at ERROR); the CLI reports
+    through diagnostics instead, once."""
     try:
         from absl import logging as absl_logging
 
-        absl_logging.set_verbosity(absl_logging.ERROR)
+        absl_logging.set_verbosity(absl_logging.FATAL)
     except ImportError:
         pass
 
@@ -367,13 +368,10 @@ def cmd_lower(args, out: Console, err: Console) -> int:
 
 
 def cmd_ckpt_info(args, out: Console, err: Console) -> int:
-    import logging
-
     from rich.table import Table
 
     from shardplan.runtime import checkpoint
 
-    logging.getLogger("absl").setLevel(logging.CRITICAL)  # damaged files are reported below, once
     manager = checkpoint.open_readonly(args.directory)
     all_steps = sorted(manager.all_steps())
     bad = checkpoint.problems(Path(manager.directory), all_steps)
