@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Union, overload
 
 from shardplan.core.spec import Spec
 from shardplan.errors import Diagnostic
@@ -61,16 +62,126 @@ class Decision(NamedTuple):
         return math.prod(self.shape) * self.itemsize
 
 
+class Node(NamedTuple):
+    """A subtree of a state, shared: subtrees equal but for their paths (same keys, same leaf
+    shapes, dtypes, kinds and annotations) are one object, so a 100-layer model is one layer
+    and a list of 100 references. Leaves in it are ``Leaf`` records with an empty path; a
+    leaf's path is the keys from the root joined with '/'."""
+
+    keys: tuple[str, ...]
+    children: tuple[Union[Node, Leaf], ...]  # noqa: UP007 (a forward reference in a NamedTuple)
+    leaves: int  # how many leaves under it
+
+
+def paths(tree: Node | Leaf) -> list[str]:
+    """Every leaf's path, in order."""
+    out: list[str] = []
+
+    def walk(node: Node | Leaf, prefix: str) -> None:
+        if type(node) is Leaf:
+            out.append(prefix)
+            return
+        assert type(node) is Node
+        sep = "/" if prefix else ""
+        for k, child in zip(node.keys, node.children, strict=True):
+            walk(child, f"{prefix}{sep}{k}")
+
+    walk(tree, "")
+    return out
+
+
+def leaves_of(tree: Node | Leaf) -> list[Leaf]:
+    """The leaves of a shared tree as records with their paths, in order."""
+    out: list[Leaf] = []
+
+    def walk(node: Node | Leaf, prefix: str) -> None:
+        if type(node) is Leaf:
+            out.append(node._replace(path=prefix))
+            return
+        assert type(node) is Node
+        sep = "/" if prefix else ""
+        for k, child in zip(node.keys, node.children, strict=True):
+            walk(child, f"{prefix}{sep}{k}")
+
+    walk(tree, "")
+    return out
+
+
+class Decisions(Sequence[Decision]):
+    """Decisions in leaf order, made on first use from shared records.
+
+    A resolution of a big state decides each distinct subtree once: ``records`` holds, per
+    leaf, its decision with an empty path (the same object for every leaf that decided
+    alike), which is all that specs and byte counts need. The per-leaf decisions, paths
+    included, are built the first time they are read.
+    """
+
+    def __init__(self, records: list[Decision], paths: Callable[[], list[str]], cuts: dict[int, int]):
+        self.records = records
+        self._paths = paths
+        self._cuts = cuts  # id(record) -> components to drop from the path for a mirror origin
+        self._made: tuple[Decision, ...] | None = None
+
+    def _all(self) -> tuple[Decision, ...]:
+        if self._made is None:
+            cuts = self._cuts
+            out = []
+            for path, r in zip(self._paths(), self.records, strict=True):
+                cut = cuts.get(id(r)) if cuts else None
+                origin = r.origin if cut is None else "/".join(path.split("/")[cut:])
+                out.append(Decision(path, r.shape, r.dtype, r.itemsize, r.spec, r.how, origin, r.role, r.shard_shape))
+            self._made = tuple(out)
+        return self._made
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @overload
+    def __getitem__(self, i: int) -> Decision: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Decision]: ...
+    def __getitem__(self, i):
+        if isinstance(i, slice) and self._made is None:
+            whole = self._paths
+            return Decisions(self.records[i], lambda: whole()[i], self._cuts)
+        return self._all()[i]
+
+    def __iter__(self) -> Iterator[Decision]:
+        return iter(self._all())
+
+    def __add__(self, other: Sequence[Decision]) -> tuple[Decision, ...]:
+        return self._all() + tuple(other)
+
+    def __radd__(self, other: Sequence[Decision]) -> tuple[Decision, ...]:
+        return tuple(other) + self._all()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Decisions, tuple)):
+            return self._all() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._all())
+
+    def __repr__(self) -> str:
+        return f"Decisions({len(self)} leaves, {len({id(r) for r in self.records})} distinct)"
+
+
+def records(decisions: Sequence[Decision]) -> Sequence[Decision]:
+    """What per-leaf figures need (specs, shapes, bytes, roles), without building paths."""
+    return decisions.records if isinstance(decisions, Decisions) else decisions
+
+
 @dataclass(frozen=True)
 class Resolution:
     """The result of resolving leaves: per-leaf decisions (in leaf order) and warnings."""
 
     mesh: dict[str, int]
-    decisions: tuple[Decision, ...]
+    decisions: Sequence[Decision]  # a tuple, or Decisions built on first read
     warnings: tuple[Diagnostic, ...]
 
     def bytes_per_device(self, role: Role | None = None) -> int:
-        return sum(d.bytes_per_device for d in self.decisions if role is None or d.role == role)
+        return sum(d.bytes_per_device for d in records(self.decisions) if role is None or d.role == role)
 
     def by_path(self) -> dict[str, Decision]:
         return {d.path: d for d in self.decisions}

@@ -8,6 +8,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import re2
 
+from shardplan.core.automaton import Automaton
 from shardplan.errors import as_error, error
 
 _DIGITS = str.maketrans("0123456789", "0000000000")
@@ -39,6 +40,7 @@ class RuleSet(Generic[R]):
     def __init__(self, rules: Sequence[R]):
         self.rules: tuple[R, ...] = tuple(rules)
         self.blind = all(digit_blind(r.pattern) for r in rules)
+        self._automaton: object = _UNBUILT
         # One RE2 set has a memory budget (thousands of rules exceed it: "failed to compile
         # Set"); rules are compiled in chunks, halved until each fits.
         self._sets: list[tuple[int, Any]] = []
@@ -65,6 +67,13 @@ class RuleSet(Generic[R]):
             self._sets.append((start, compiled))
             start += size
 
+    def automaton(self) -> Automaton | None:
+        """The rules' prefix automaton (``shardplan.core.automaton``), built on first use;
+        None where a regex is one it does not model."""
+        if self._automaton is _UNBUILT:
+            self._automaton = Automaton.build([r.pattern for r in self.rules])
+        return self._automaton  # type: ignore[return-value]
+
     def key(self, path: str) -> str:
         """What a match can depend on: the path, with digits zeroed when every rule is digit-blind."""
         return path.translate(_DIGITS) if self.blind else path
@@ -79,6 +88,7 @@ class RuleSet(Generic[R]):
         return out
 
 
+_UNBUILT = object()
 CHUNK = 1024  # rules per RE2 set (smaller where a chunk exceeds RE2's memory budget)
 
 

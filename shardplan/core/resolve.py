@@ -16,6 +16,7 @@ path suffix and shape); scalars and everything else replicated.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from shardplan.core.explain import nearest
 from shardplan.core.format import fmt_bytes, fmt_shape
@@ -232,7 +233,7 @@ class _Resolver:
             leaf.path, leaf.shape, leaf.dtype, leaf.itemsize, REPLICATED, "state", origin, "state", leaf.shape
         )
 
-    def stacked_splits(self, params: list[Leaf] | tuple[Leaf, ...], pdec: list[Decision]) -> None:
+    def stacked_splits(self, pdec: Sequence[Decision]) -> None:
         """Warn where a rule written for fewer dims splits the leading (layer) axis of stacked arrays.
 
         Stacked: under one top-level module, at least 3 arrays, no numbered path component, all of
@@ -240,9 +241,9 @@ class _Resolver:
         norm's scale becomes (L, d)). The sign of the mistake: the rule names fewer dims than the
         array has, and splits dim 0.
         """
-        groups: dict[str, list[Leaf]] = {}
-        for leaf in params:
-            if leaf.is_param:
+        groups: dict[str, list[Decision]] = {}
+        for leaf in pdec:
+            if leaf.role == "param":
                 groups.setdefault(leaf.path.split("/", 1)[0], []).append(leaf)
         stacked: dict[str, int] = {}
         for top, leaves in groups.items():
@@ -357,7 +358,7 @@ class _Resolver:
                     )
                 )
 
-    def opt_less_sharded(self, odec: list[Decision], params: dict[str, Decision]) -> None:
+    def opt_less_sharded(self, odec: Sequence[Decision], params: dict[str, Decision]) -> None:
         """Optimizer state split less than the param it belongs to (Adam moments replicated
         beside sharded params: the optimizer's memory stops scaling with the mesh)."""
         last = [""]
@@ -525,7 +526,7 @@ def resolve_leaves(
     if report_params:
         r.usage("param", "param")
         r.axis_usage(params)
-        r.stacked_splits(params, pdec)
+        r.stacked_splits(pdec)
     else:
         r.grouped.clear()
         r.diags = [d for d in r.diags if d.severity == "error"]

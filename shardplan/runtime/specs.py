@@ -15,7 +15,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardplan.core import resolve as core
-from shardplan.core.leaves import Resolution
+from shardplan.core.leaves import Leaf, Resolution, records
+from shardplan.core.shared import resolve_tree
 from shardplan.core.plan import Plan
 from shardplan.core.spec import Spec
 from shardplan.runtime import tree
@@ -40,13 +41,13 @@ class Resolved(Resolution):
     @property
     def specs(self) -> Any:
         """PartitionSpec pytree shaped like the resolved tree."""
-        return self._tree([pspec(d.spec) for d in self.decisions])
+        return self._tree([pspec(d.spec) for d in records(self.decisions)])
 
     def shardings(self, mesh: Mesh) -> Any:
         """The spec tree as ``NamedSharding``s on ``mesh`` (one object per spec)."""
         made: dict[Spec, NamedSharding] = {}
         out = []
-        for d in self.decisions:
+        for d in records(self.decisions):
             s = made.get(d.spec)
             if s is None:
                 s = made[d.spec] = NamedSharding(mesh, pspec(d.spec))
@@ -94,6 +95,15 @@ def resolve(
             indivisible dimensions, ...).
     """
     sizes = _mesh(plan, devices, mesh)
+    shared = tree.shared(tree_)
+    pshared = tree.shared(params) if params is not None and shared is not None else None
+    if shared is not None and (params is None or pshared is not None):
+        res = (
+            resolve_tree(plan, sizes, shared, None, replicated_threshold)
+            if pshared is None
+            else resolve_tree(plan, sizes, pshared, shared, replicated_threshold, report_params=False)
+        )
+        return _tree(res, tree.rebuilder(tree_))
     leaves, rebuild = tree.flatten(tree_)
     if params is None:
         res = core.resolve_leaves(plan, sizes, leaves, (), replicated_threshold)
@@ -117,6 +127,14 @@ def resolve_model(
     Warnings are carried on the params' resolution.
     """
     sizes = _mesh(plan, devices, mesh)
+    pshared = tree.shared(model)
+    oshared = tree.shared(optimizer) if optimizer is not None and pshared is not None else None
+    if pshared is not None and (optimizer is None or oshared is not None):
+        res = resolve_tree(plan, sizes, pshared, oshared, replicated_threshold)
+        n = pshared.leaves if not isinstance(pshared, Leaf) else 1
+        params = Resolved(res.mesh, res.decisions[:n], res.warnings, tree.rebuilder(model))
+        opt = Resolved(res.mesh, res.decisions[n:], (), tree.rebuilder(optimizer)) if optimizer is not None else None
+        return params, opt
     pleaves, prebuild = tree.flatten(model)
     oleaves, orebuild = tree.flatten(optimizer) if optimizer is not None else ([], None)
     res = core.resolve_leaves(plan, sizes, pleaves, oleaves, replicated_threshold)

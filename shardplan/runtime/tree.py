@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from shardplan.core.leaves import Leaf
+from shardplan.core.leaves import Leaf, Node
 from shardplan.errors import as_error, error
 
 
@@ -163,18 +163,141 @@ def _walk(x, prefix: str, out: list) -> None:
             out.append(_leaf(f"{prefix}/{sub}" if prefix and sub else prefix or sub, v))
 
 
-def flatten(tree: Any) -> tuple[list[Leaf], Callable[[list], Any]]:
-    """Leaves of ``tree`` with their paths, and a function that rebuilds the tree's shape
-    from one value per leaf (Variables are replaced by the value)."""
+def _state(tree: Any) -> Any:
     if isinstance(tree, nnx.Module) or (
         hasattr(nnx, "Pytree") and isinstance(tree, nnx.Pytree) and not isinstance(tree, nnx.State)
     ):
-        tree = nnx.state(tree)
-    leaves: list[Leaf] = []
-    _walk(tree, "", leaves)
+        return nnx.state(tree)
+    return tree
+
+
+def rebuilder(tree: Any) -> Callable[[list], Any]:
+    """A function that rebuilds the tree's shape from one value per leaf (Variables are
+    replaced by the value)."""
+    tree = _state(tree)
 
     def rebuild(values: list) -> Any:
         treedef = jax.tree_util.tree_structure(tree, is_leaf=_is_var)
         return jax.tree_util.tree_unflatten(treedef, values)
 
-    return leaves, rebuild
+    return rebuild
+
+
+def flatten(tree: Any) -> tuple[list[Leaf], Callable[[list], Any]]:
+    """Leaves of ``tree`` with their paths, and a function that rebuilds the tree's shape
+    from one value per leaf (Variables are replaced by the value)."""
+    tree = _state(tree)
+    leaves: list[Leaf] = []
+    _walk(tree, "", leaves)
+    return leaves, rebuilder(tree)
+
+
+_KEYED = (dict, nnx.State)
+
+
+def _keys(typ: type, data: Any, n: int) -> tuple[str, ...] | None:
+    """Child keys of a pytree node, as path components (None: a node only _walk handles)."""
+    if typ is dict or typ is nnx.State or (isinstance(typ, type) and issubclass(typ, dict)):
+        keys = tuple(str(k) for k in data)
+    elif typ is list or typ is tuple:
+        keys = tuple(str(i) for i in range(n))
+    elif typ is type(None):
+        keys = ()
+    elif isinstance(typ, type) and issubclass(typ, tuple) and hasattr(typ, "_fields"):
+        keys = tuple(typ._fields)
+    else:
+        return None
+    return keys if len(keys) == n else None
+
+
+def shared(tree: Any) -> Node | Leaf | None:
+    """The tree as a shared ``Node`` (equal subtrees one object), built from JAX's C++ flatten
+    without visiting each leaf in Python; None where the tree holds a node this does not
+    read (custom pytree classes, Python scalars, Variables holding pytrees): use ``flatten``.
+
+    Same leaves, in the same order, with the same paths, kinds and annotations as
+    ``flatten``; ``jax.tree_util.tree_unflatten`` of the tree's structure puts values back.
+    """
+    tree = _state(tree)
+    try:
+        flat, treedef = jax.tree_util.tree_flatten(tree)
+        shapes = [x.shape for x in flat]
+        dtypes = [x.dtype for x in flat]
+    except (AttributeError, TypeError, ValueError):
+        return None
+    memo: dict[Any, list[tuple[list, list, Node | Leaf]]] = {}
+    records: dict[tuple, Leaf] = {}
+
+    def record(i: int, names: tuple | None, kind: str | None) -> Leaf:
+        shape, dtype = shapes[i], dtypes[i]
+        key = (shape, dtype, names, kind)
+        hit = records.get(key)
+        if hit is None:
+            name, itemsize = _dtype(dtype)
+            hit = records[key] = Leaf(
+                "", shape if type(shape) is tuple else tuple(int(s) for s in shape), name, itemsize, names, kind
+            )
+        return hit
+
+    def build(td: Any, start: int) -> Node | Leaf | None:
+        n = td.num_leaves
+        if td.num_nodes == 1 and n == 1:
+            return record(start, None, None)
+        cands = memo.get(td)
+        if cands:
+            sh, dt = shapes[start : start + n], dtypes[start : start + n]
+            for csh, cdt, node in cands:
+                if csh == sh and cdt == dt:
+                    return node
+        data = td.node_data()
+        if data is None:
+            return None
+        typ, aux = data
+        children = td.children()
+        out: Node | Leaf | None
+        if _is_var_type(typ):
+            if len(children) != 1 or children[0].num_nodes != 1 or n != 1:
+                return None
+            try:
+                meta = dict(aux)
+            except (TypeError, ValueError):
+                return None
+            out = record(start, _names(meta), variable_kind(typ))
+        else:
+            keys = _keys(typ, aux, len(children))
+            if keys is None:
+                return None
+            kids = []
+            pos = start
+            for child in children:
+                sub = build(child, pos)
+                if sub is None:
+                    return None
+                kids.append(sub)
+                pos += child.num_leaves
+            out = Node(keys, tuple(kids), n)
+        memo.setdefault(td, []).append((shapes[start : start + n], dtypes[start : start + n], out))
+        return out
+
+    try:
+        return build(treedef, 0)
+    except (TypeError, RecursionError):  # unhashable node data, absurd depth
+        return None
+
+
+def _is_var_type(t: Any) -> bool:
+    if not isinstance(t, type):
+        return False
+    hit = _VAR_TYPES.get(t)
+    if hit is None:
+        hit = _VAR_TYPES[t] = issubclass(t, nnx.Variable)
+    return hit
+
+
+def _names(meta: dict) -> tuple | None:
+    """``logical_names`` from a Variable's metadata as its pytree node carries it."""
+    for key in ("out_sharding", "sharding_names", "sharding"):
+        names = meta.get(key)
+        if names:
+            return tuple(names)
+    return None

@@ -1,0 +1,246 @@
+"""Which path prefixes a rule set cannot tell apart: a lazy DFA over the plan's regexes.
+
+Resolution of a big state is mostly repetition: 100 layers, 64 experts, Adam's mu and nu
+mirroring the params. Two subtrees with the same structure decide the same specs when the
+rules cannot distinguish their path prefixes: after reading ``blocks/3`` and ``blocks/57`` every
+rule's automaton is in the same state, so every suffix matches the same rules. This module
+builds that automaton (a Thompson NFA per rule, run as a lazily built DFA whose states are
+sets of NFA states) so the resolver can decide each distinct subtree once.
+
+Only an equivalence test: the rule hits themselves still come from RE2 (``RuleSet``), and the
+resolver checks the automaton's accepting rules against RE2's on every path it decides. A
+regex feature this module does not model (anchors, flags, lookaround, POSIX classes, ...)
+makes ``Automaton.build`` return None and resolution goes leaf by leaf.
+
+Classes (``[a-z]``, ``\\d``, ``.``) are tested with RE2 itself, one character at a time, so
+their meaning is RE2's; the structure comes from Python's regex parser, used only on
+patterns whose structure both engines read alike (the cases that differ are refused).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import re2
+
+try:  # Python 3.11+
+    import re._constants as _c
+    import re._parser as _p
+except ImportError:  # pragma: no cover
+    import sre_constants as _c  # type: ignore[no-redef]
+    import sre_parse as _p  # type: ignore[no-redef]
+
+MAX_NFA_STATES = 50_000  # larger rule sets resolve leaf by leaf
+MAX_DFA_STATES = 20_000  # a blow-up past this gives up (Unsupported) mid-walk
+MAX_RULES = 2_000
+
+# Text where RE2 and Python's parser disagree on structure, or that we do not model.
+_REFUSE = re.compile(r"\[:|\{,|\\[QEpPzCAbBZxNuUG0-9]|\(\?(?!:|P<)")
+_CATEGORIES = {
+    _c.CATEGORY_DIGIT: r"\d",
+    _c.CATEGORY_NOT_DIGIT: r"\D",
+    _c.CATEGORY_SPACE: r"\s",
+    _c.CATEGORY_NOT_SPACE: r"\S",
+    _c.CATEGORY_WORD: r"\w",
+    _c.CATEGORY_NOT_WORD: r"\W",
+}
+
+
+class Unsupported(Exception):
+    """A pattern (or a blow-up) this automaton does not handle: resolve leaf by leaf."""
+
+
+def _char(c: int) -> str:
+    return "\\x{%x}" % c
+
+
+def _class_source(op, av) -> str:
+    """RE2 source for one single-character item of Python's parse."""
+    if op is _c.LITERAL:
+        return _char(av)
+    if op is _c.NOT_LITERAL:
+        return f"[^{_char(av)}]"
+    if op is _c.ANY:
+        return "."
+    if op is _c.IN:
+        parts = []
+        neg = ""
+        for iop, iav in av:
+            if iop is _c.NEGATE:
+                neg = "^"
+            elif iop is _c.LITERAL:
+                parts.append(_char(iav))
+            elif iop is _c.RANGE:
+                parts.append(f"{_char(iav[0])}-{_char(iav[1])}")
+            elif iop is _c.CATEGORY and iav in _CATEGORIES:
+                parts.append(_CATEGORIES[iav])
+            else:
+                raise Unsupported(f"class item {iop}")
+        if not parts:
+            raise Unsupported("empty class")
+        return f"[{neg}{''.join(parts)}]"
+    raise Unsupported(str(op))
+
+
+class _NFA:
+    def __init__(self) -> None:
+        self.eps: list[list[int]] = []
+        self.edges: list[list[tuple[int, int]]] = []  # (class id, target)
+        self.accept: dict[int, int] = {}  # state -> rule index
+        self.classes: list[str] = []
+        self.class_ids: dict[str, int] = {}
+
+    def new(self) -> int:
+        if len(self.eps) >= MAX_NFA_STATES:
+            raise Unsupported("too many states")
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def cls(self, source: str) -> int:
+        hit = self.class_ids.get(source)
+        if hit is None:
+            hit = self.class_ids[source] = len(self.classes)
+            self.classes.append(source)
+        return hit
+
+    def seq(self, items, cur: int) -> int:
+        """Append ``items`` (Python's parse) from state ``cur``; return the end state."""
+        for op, av in items:
+            if op in (_c.LITERAL, _c.NOT_LITERAL, _c.ANY, _c.IN):
+                nxt = self.new()
+                self.edges[cur].append((self.cls(_class_source(op, av)), nxt))
+                cur = nxt
+            elif op is _c.SUBPATTERN:
+                _group, add_flags, del_flags, sub = av
+                if add_flags or del_flags:
+                    raise Unsupported("flags")
+                cur = self.seq(sub, cur)
+            elif op is _c.BRANCH:
+                end = self.new()
+                for alt in av[1]:
+                    start = self.new()
+                    self.eps[cur].append(start)
+                    self.eps[self.seq(alt, start)].append(end)
+                cur = end
+            elif op in (_c.MAX_REPEAT, _c.MIN_REPEAT):  # greediness does not change a full match
+                lo, hi, sub = av
+                for _ in range(lo):
+                    cur = self.seq(sub, cur)
+                if hi is _c.MAXREPEAT:
+                    entry = self.new()
+                    self.eps[cur].append(entry)
+                    self.eps[self.seq(sub, entry)].append(entry)
+                    cur = entry
+                else:
+                    end = self.new()
+                    for _ in range(hi - lo):
+                        self.eps[cur].append(end)
+                        cur = self.seq(sub, cur)
+                    self.eps[cur].append(end)
+                    cur = end
+            else:
+                raise Unsupported(str(op))
+        return cur
+
+
+class Automaton:
+    """The rules' combined automaton; states are small ints, built on demand.
+
+    ``step(state, text)`` reads ``text`` (memoised per whole string); ``hits(state)`` are the
+    indices of the rules that fully match what was read. Two prefixes that reach the same
+    state match exactly the same rules after any suffix.
+    """
+
+    def __init__(self, nfa: _NFA, starts: list[int]):
+        self._nfa = nfa
+        self._sets: list[frozenset[int]] = []
+        self._ids: dict[frozenset[int], int] = {}
+        self._trans: dict[tuple[int, str], int] = {}
+        self._text: dict[tuple[int, str], int] = {}
+        self._hits: list[tuple[int, ...]] = []
+        self._member: dict[tuple[int, str], bool] = {}
+        self._compiled = [re2.compile(src) for src in nfa.classes]
+        self.dead = self._intern(frozenset())
+        self.start = self._intern(self._closure(starts))
+
+    @staticmethod
+    def build(patterns: Sequence[str]) -> Automaton | None:
+        """The automaton for ``patterns`` (first index wins), or None where one is refused."""
+        if len(patterns) > MAX_RULES:
+            return None
+        nfa = _NFA()
+        starts = []
+        try:
+            for i, pattern in enumerate(patterns):
+                if _REFUSE.search(pattern):
+                    return None
+                parsed = _p.parse(pattern)
+                if parsed.state.flags & ~(_c.SRE_FLAG_UNICODE):
+                    return None
+                start = nfa.new()
+                starts.append(start)
+                nfa.accept[nfa.seq(list(parsed), start)] = i
+            return Automaton(nfa, starts)
+        except (Unsupported, re.error, RecursionError, OverflowError, re2.error):
+            return None
+
+    def _closure(self, states) -> frozenset[int]:
+        """The epsilon closure, kept to the states that matter for what follows (those that
+        read a character, or accept): prefixes that differ only in pass-through states are
+        the same DFA state."""
+        nfa = self._nfa
+        eps, edges, accept = nfa.eps, nfa.edges, nfa.accept
+        seen = set(states)
+        todo = list(states)
+        while todo:
+            for t in eps[todo.pop()]:
+                if t not in seen:
+                    seen.add(t)
+                    todo.append(t)
+        return frozenset(s for s in seen if edges[s] or s in accept)
+
+    def _intern(self, states: frozenset[int]) -> int:
+        hit = self._ids.get(states)
+        if hit is None:
+            if len(self._sets) >= MAX_DFA_STATES:
+                raise Unsupported("automaton too large")
+            hit = self._ids[states] = len(self._sets)
+            self._sets.append(states)
+            accept = self._nfa.accept
+            self._hits.append(tuple(sorted({accept[s] for s in states if s in accept})))
+        return hit
+
+    def _in(self, cls: int, ch: str) -> bool:
+        key = (cls, ch)
+        hit = self._member.get(key)
+        if hit is None:
+            hit = self._member[key] = self._compiled[cls].fullmatch(ch) is not None
+        return hit
+
+    def _step_char(self, state: int, ch: str) -> int:
+        key = (state, ch)
+        hit = self._trans.get(key)
+        if hit is None:
+            edges = self._nfa.edges
+            nxt = [t for s in self._sets[state] for cls, t in edges[s] if self._in(cls, ch)]
+            hit = self._trans[key] = self._intern(self._closure(nxt)) if nxt else self.dead
+        return hit
+
+    def step(self, state: int, text: str) -> int:
+        if state == self.dead:
+            return state
+        key = (state, text)
+        hit = self._text.get(key)
+        if hit is None:
+            hit = state
+            for ch in text:
+                if hit == self.dead:
+                    break
+                hit = self._step_char(hit, ch)
+            self._text[key] = hit
+        return hit
+
+    def hits(self, state: int) -> tuple[int, ...]:
+        return self._hits[state]
