@@ -402,6 +402,10 @@ def main(argv=None) -> int:
     console.print("7. reshard done")
     res["shape_cache"] = bench_shape_cache(args.quick)
     console.print("8. shapes cache done")
+    from benchmarks import lsp
+
+    res["lsp"] = lsp.run(args.quick)
+    console.print("9. language server done")
 
     r = res["resolution"]
     checks = [
@@ -438,6 +442,9 @@ def main(argv=None) -> int:
     sc8 = res["shape_cache"]
     checks.append(_check(f"re-check {sc8['model']} through the shapes cache (first {sc8['first_s']:.1f} s), seconds",
                          sc8["cached_s"], 1.0, "<=", "{:.2f} s"))
+    ls = res["lsp"]
+    checks.append(_check(f"language server: diagnostics after an edit, 40 rules x {ls['leaves']:,} leaves (slowest of "
+                         f"{ls['edits']}), seconds", ls["edit_max_s"], 0.2, "<=", "{:.3f} s"))
     d70 = res["reshard"]["diff_70b"]
     checks.append(_check(f"shardplan diff {d70['model']} ({d70['leaves']} params) from cached shapes, seconds",
                          d70["seconds"], 1.0, "<=", "{:.2f} s"))
@@ -453,6 +460,8 @@ def main(argv=None) -> int:
         info.add_column(col)
     info.add_row("resolve: shardplan / naive / floor seconds",
                  f"{r['shardplan_s']:.3f} / {r['naive_s']:.3f} / {r['floor_s']:.3f}")
+    info.add_row("resolve, garbage collector running: shardplan / naive seconds",
+                 f"{r['shardplan_gc_s']:.3f} / {r['naive_gc_s']:.3f} ({r['speedup_vs_naive_gc']:.1f}x)")
     for row in res["steps"]["plans"]:
         info.add_row(f"step {row['plan']}: auto / hand / shard_map ms",
                      f"{row['auto_ms']:.1f} / {row['hand_ms']:.1f} / {row['shard_map_ms']:.1f} "

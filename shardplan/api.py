@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from shardplan.core import cost, lock, optimizers, reshard, shapecache
 from shardplan.core import explain as explain_mod
-from shardplan.core.leaves import Decision, Leaf, Resolution
+from shardplan.core.leaves import Decision, Leaf, Node, Resolution, share
 from shardplan.core.lowering import Lowering
 from shardplan.core.plan import Plan
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD, resolve_inputs, resolve_leaves
 from shardplan.core.shapes import ITEMSIZE, load_shapes, parse_batch_arg
+from shardplan.core.shared import resolve_tree
 from shardplan.core.stepcost import StepCost
 from shardplan.errors import Diagnostic, as_error, error
 from shardplan.lang.loader import load, load_sources, read_file
@@ -176,8 +177,30 @@ def check(
         )
     if leaves is None:
         leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer, cache=cache)
-    res = resolve_leaves(p, p.mesh_shape(devices), leaves[0], leaves[1], replicated_threshold)
+    res = resolve_model_leaves(p, p.mesh_shape(devices), leaves, replicated_threshold)
     return CheckResult(p, res, leaves, tuple(notes))
+
+
+_SHARED: list[tuple[ModelLeaves, Node, Node]] = []  # the last few leaf lists' shared trees
+_SHARED_KEEP = 4
+
+
+def resolve_model_leaves(
+    plan: Plan, mesh: dict[str, int], leaves: ModelLeaves, replicated_threshold: int = DEFAULT_REPLICATED_THRESHOLD
+) -> Resolution:
+    """``resolve_leaves`` of (params, optimizer state), each distinct subtree decided once
+    (``shardplan.core.shared``). The shared trees of the last few leaf lists are kept, so
+    checking several plans (or every edit of one, in the language server) against one model
+    builds them once."""
+    trees = next(((p, o) for known, p, o in _SHARED if known[0] is leaves[0] and known[1] is leaves[1]), None)
+    if trees is None:
+        p, o = share(leaves[0]), share(leaves[1])
+        if p is None or o is None:
+            return resolve_leaves(plan, mesh, leaves[0], leaves[1], replicated_threshold)
+        trees = (p, o)
+        _SHARED.insert(0, (leaves, p, o))
+        del _SHARED[_SHARED_KEEP:]
+    return resolve_tree(plan, mesh, trees[0], trees[1], replicated_threshold)
 
 
 # -- models, batches, losses ---------------------------------------------------------------

@@ -20,16 +20,11 @@ patterns whose structure both engines read alike (the cases that differ are refu
 from __future__ import annotations
 
 import re
+import re._constants as _c  # Python's own regex parser (3.11+), for the structure only
+import re._parser as _p
 from collections.abc import Sequence
 
 import re2
-
-try:  # Python 3.11+
-    import re._constants as _c
-    import re._parser as _p
-except ImportError:  # pragma: no cover
-    import sre_constants as _c  # type: ignore[no-redef]
-    import sre_parse as _p  # type: ignore[no-redef]
 
 MAX_NFA_STATES = 50_000  # larger rule sets resolve leaf by leaf
 MAX_DFA_STATES = 20_000  # a blow-up past this gives up (Unsupported) mid-walk
@@ -52,7 +47,7 @@ class Unsupported(Exception):
 
 
 def _char(c: int) -> str:
-    return "\\x{%x}" % c
+    return f"\\x{{{c:x}}}"
 
 
 def _class_source(op, av) -> str:

@@ -73,6 +73,46 @@ class Node(NamedTuple):
     leaves: int  # how many leaves under it
 
 
+def share(leaves: Sequence[Leaf]) -> Node | None:
+    """Leaves (in order, with paths) as a shared ``Node``: equal subtrees become one object.
+
+    None where the paths do not form a tree in that order (a duplicate path, a path that is
+    also another's prefix, a subtree whose leaves are not contiguous): resolve leaf by leaf.
+    """
+    root: dict = {}
+    records: dict[tuple, Leaf] = {}
+    for leaf in leaves:
+        parts = leaf.path.split("/")
+        node = root
+        for part in parts[:-1]:
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            elif type(nxt) is not dict or next(reversed(node)) != part:
+                return None
+            node = nxt
+        last = parts[-1]
+        if last in node:
+            return None
+        sig = leaf[1:]
+        rec = records.get(sig)
+        if rec is None:
+            rec = records[sig] = Leaf("", *sig)
+        node[last] = rec
+    made: dict[tuple, Node] = {}
+
+    def cons(d: dict) -> Node:
+        kids = tuple(cons(v) if type(v) is dict else v for v in d.values())
+        key = (tuple(d), tuple(map(id, kids)))
+        hit = made.get(key)
+        if hit is None:
+            count = sum(k.leaves if type(k) is Node else 1 for k in kids)
+            hit = made[key] = Node(key[0], kids, count)
+        return hit
+
+    return cons(root)
+
+
 def paths(tree: Node | Leaf) -> list[str]:
     """Every leaf's path, in order."""
     out: list[str] = []

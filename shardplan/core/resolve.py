@@ -16,7 +16,7 @@ path suffix and shape); scalars and everything else replicated.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from shardplan.core.explain import nearest
 from shardplan.core.format import fmt_bytes, fmt_shape
@@ -28,6 +28,7 @@ from shardplan.errors import Diagnostic, PlanCheckError, error, warning
 
 DEFAULT_REPLICATED_THRESHOLD = 64 * 2**20  # bytes; a larger replicated tensor is warned about
 MAX_NEAR_MISSES = 20  # unused rules per kind whose near miss is searched for
+SAMPLE = 5000  # distinct match keys (paths) a near miss is searched among
 
 
 class _Resolver:
@@ -314,7 +315,9 @@ class _Resolver:
         )
 
     # -- rule usage warnings -------------------------------------------------------------
-    def usage(self, kind: RuleKind, what: str) -> None:
+    def usage(self, kind: RuleKind, what: str, sample: Callable[[], list[str]] | None = None) -> None:
+        """Unused and shadowed rules of one kind. Near misses are searched among the paths of the
+        first distinct match keys (``sample`` gives them where the memo holds fewer)."""
         rules = self.plan.rule_sets[kind].rules
         matched = [0] * len(rules)
         decided = [0] * len(rules)
@@ -329,10 +332,12 @@ class _Resolver:
                     shadowed_by.setdefault(i, win)
             if win >= 0:
                 decided[win] += count
-        paths = [path for _, path in list(self.seen[kind].values())[:5000]]
+        paths: list[str] | None = None
         searched = 0  # near misses for the first few unused rules only: bounded work for huge plans
         for i, r in enumerate(rules):
             if not matched[i]:
+                if paths is None:
+                    paths = sample() if sample is not None else [p for _, p in list(self.seen[kind].values())[:SAMPLE]]
                 near = nearest(r.pattern, paths) if paths and searched < MAX_NEAR_MISSES else ""
                 searched += 1
                 self.diags.append(

@@ -15,12 +15,14 @@ refuses) sends the whole resolution leaf by leaf, so the answer never depends on
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 from shardplan.core.automaton import Automaton, Unsupported
 from shardplan.core.leaves import Decision, Decisions, Leaf, Node, Resolution, leaves_of, paths
 from shardplan.core.plan import Plan
 from shardplan.core.resolve import (
     DEFAULT_REPLICATED_THRESHOLD,
+    SAMPLE,
     _check_mesh_names,
     _raise_or_warnings,
     _Resolver,
@@ -104,7 +106,9 @@ class _Walk:
         for k, child in zip(node.keys, node.children, strict=True):
             if "/" in k or k in kids:  # a path that does not split back into these keys
                 raise _Fallback
-            sub = self.params(child, auto.step(state, f"/{k}" if depth else k), f"{path}/{k}" if depth else k, depth + 1)
+            sub = self.params(
+                child, auto.step(state, f"/{k}" if depth else k), f"{path}/{k}" if depth else k, depth + 1
+            )
             kids[k] = sub
             if type(sub) is _Sub:
                 flat.extend(sub.flat)
@@ -144,7 +148,12 @@ class _Walk:
             if depth >= 1 and k in root.kids:
                 sub_align += ((root.kids[k], depth),)
             sub = self.opt(
-                child, auto.step(state, f"/{k}" if depth else k), sub_align, root, f"{path}/{k}" if depth else k, depth + 1
+                child,
+                auto.step(state, f"/{k}" if depth else k),
+                sub_align,
+                root,
+                f"{path}/{k}" if depth else k,
+                depth + 1,
             )
             if type(sub) is list:
                 flat.extend(sub)
@@ -183,6 +192,32 @@ class _Walk:
         ):
             self.passes = True
         return rec
+
+
+def first_keys(tree: Tree, key: Callable[[str], str], limit: int) -> list[str]:
+    """The path of each of the first ``limit`` distinct match keys, in leaf order: what the
+    leaf-by-leaf resolver's memo holds. A subtree met again under an equal key prefix adds no
+    key (``key`` only zeroes digits, or is the path itself), so it is not walked again."""
+    out: dict[str, str] = {}
+    walked: set[tuple[int, str]] = set()
+
+    def walk(node: Tree, prefix: str) -> None:
+        if len(out) >= limit:
+            return
+        if type(node) is Leaf:
+            out.setdefault(key(prefix), prefix)
+            return
+        assert type(node) is Node
+        mark = (id(node), key(prefix))
+        if mark in walked:
+            return
+        walked.add(mark)
+        sep = "/" if prefix else ""
+        for k, child in zip(node.keys, node.children, strict=True):
+            walk(child, f"{prefix}{sep}{k}")
+
+    walk(tree, "")
+    return list(out.values())
 
 
 def _shadowing(r: _Resolver, kind: str) -> bool:
@@ -235,7 +270,7 @@ def _shared(
         proot = w.params(params, w.pauto.start, "", 0)
         if opt_state is not None and type(proot) is not _Sub:
             raise _Fallback
-        pflat = proot.flat if type(proot) is _Sub else [proot]
+        pflat: list[Decision] = proot.flat if isinstance(proot, _Sub) else [proot]
         oflat: list[Decision] = []
         if opt_state is not None:
             assert type(proot) is _Sub
@@ -257,14 +292,14 @@ def _shared(
     pdec = Decisions(pflat, lambda: paths(params), {})
     odec = Decisions(oflat, (lambda: paths(opt_state)) if opt_state is not None else list, w.cuts)
     if report_params:
-        r.usage("param", "param")
+        r.usage("param", "param", lambda: first_keys(params, plan.rule_sets["param"].key, SAMPLE))
         r.axis_usage(w.leaves)
         if w.passes:
             r.stacked_splits(pdec)
     if w.passes:
         r.opt_less_sharded(odec, {d.path: d for d in pdec})
     if opt_state is not None:
-        r.usage("opt", "optimizer-state leaf")
+        r.usage("opt", "optimizer-state leaf", lambda: first_keys(opt_state, plan.rule_sets["opt"].key, SAMPLE))
     if w.passes:
         r.big_replicated(list(pdec if report_params else ()) + list(odec))
     r.flush()

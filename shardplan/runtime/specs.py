@@ -16,8 +16,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardplan.core import resolve as core
 from shardplan.core.leaves import Leaf, Resolution, records
-from shardplan.core.shared import resolve_tree
 from shardplan.core.plan import Plan
+from shardplan.core.shared import resolve_tree
 from shardplan.core.spec import Spec
 from shardplan.runtime import tree
 

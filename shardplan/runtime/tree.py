@@ -192,7 +192,7 @@ def flatten(tree: Any) -> tuple[list[Leaf], Callable[[list], Any]]:
     return leaves, rebuilder(tree)
 
 
-_KEYED = (dict, nnx.State)
+MAX_CANDIDATES = 8  # equal-sized subtrees compared per lookup (more distinct ones are not shared)
 
 
 def _keys(typ: type, data: Any, n: int) -> tuple[str, ...] | None:
@@ -225,7 +225,9 @@ def shared(tree: Any) -> Node | Leaf | None:
         dtypes = [x.dtype for x in flat]
     except (AttributeError, TypeError, ValueError):
         return None
-    memo: dict[Any, list[tuple[list, list, Node | Leaf]]] = {}
+    # Candidates by (nodes, leaves): comparing treedefs only when their sizes agree, rather than
+    # hashing every subtree's treedef (each hash walks the whole subtree: O(size x depth)).
+    memo: dict[tuple[int, int], list[tuple[Any, int, Node | Leaf]]] = {}
     records: dict[tuple, Leaf] = {}
 
     def record(i: int, names: tuple | None, kind: str | None) -> Leaf:
@@ -243,11 +245,15 @@ def shared(tree: Any) -> Node | Leaf | None:
         n = td.num_leaves
         if td.num_nodes == 1 and n == 1:
             return record(start, None, None)
-        cands = memo.get(td)
+        sizes = (td.num_nodes, n)
+        cands = memo.get(sizes)
         if cands:
-            sh, dt = shapes[start : start + n], dtypes[start : start + n]
-            for csh, cdt, node in cands:
-                if csh == sh and cdt == dt:
+            for ctd, cstart, node in cands[:MAX_CANDIDATES]:
+                if (
+                    ctd == td
+                    and shapes[cstart : cstart + n] == shapes[start : start + n]
+                    and dtypes[cstart : cstart + n] == dtypes[start : start + n]
+                ):
                     return node
         data = td.node_data()
         if data is None:
@@ -276,7 +282,7 @@ def shared(tree: Any) -> Node | Leaf | None:
                 kids.append(sub)
                 pos += child.num_leaves
             out = Node(keys, tuple(kids), n)
-        memo.setdefault(td, []).append((shapes[start : start + n], dtypes[start : start + n], out))
+        memo.setdefault(sizes, []).append((td, start, out))
         return out
 
     try:

@@ -24,6 +24,7 @@ from lsprotocol import types
 from pygls.lsp.server import LanguageServer
 
 from shardplan import api
+from shardplan.core import shapecache
 from shardplan.core.format import fmt_bytes, layer_group
 from shardplan.core.leaves import Resolution
 from shardplan.core.meshes import parse_mesh_arg
@@ -116,8 +117,7 @@ def validate(uri: str, text: str) -> list[types.Diagnostic]:
         if model or shapes:
             mesh = parse_mesh_arg(state.options["mesh"]) if state.options.get("mesh") else None
             devices = int(state.options["devices"]) if state.options.get("devices") else None
-            leaves = api.model_leaves(model=model, shapes=shapes, optimizer=state.options.get("optimizer", "adam"))
-            state.logical = tuple(sorted({n for leaf in leaves[0] if leaf.names for n in leaf.names if n}))
+            leaves, state.logical = _model_leaves(model, shapes, state.options.get("optimizer", "adam"))
             result = api.check(plan, leaves=leaves, mesh=mesh, devices=devices)
             state.resolution = result.resolution
             found = list(result.warnings)
@@ -127,6 +127,35 @@ def validate(uri: str, text: str) -> list[types.Diagnostic]:
         found.append(error("model-build", f"checking against the model failed: {type(e).__name__}: {e}"))
     own = [d for d in found if d.span is None or d.span.file == str(path)]
     return [_lsp(d) for d in own]
+
+
+_leaves: dict[tuple, tuple[api.ModelLeaves, tuple[str, ...]]] = {}
+_LEAVES_KEEP = 4
+
+
+def _model_leaves(model: str | None, shapes: str | None, optimizer: str) -> tuple[api.ModelLeaves, tuple[str, ...]]:
+    """The model's leaves and logical axis names, kept between edits while the model's sources
+    (or the shapes file) are unchanged: an edit re-checks the plan, not the model."""
+    fresh: object = shapecache.key(model) if model else _stat(shapes)
+    key = (model, shapes, optimizer, fresh)
+    hit = _leaves.get(key) if fresh is not None else None
+    if hit is None:
+        leaves = api.model_leaves(model=model, shapes=shapes, optimizer=optimizer)
+        logical = tuple(sorted({n for leaf in leaves[0] if leaf.names for n in leaf.names if n}))
+        hit = (leaves, logical)
+        if fresh is not None:
+            _leaves[key] = hit
+            for old in list(_leaves)[:-_LEAVES_KEEP]:
+                del _leaves[old]
+    return hit
+
+
+def _stat(path: str | None) -> tuple[int, int] | None:
+    try:
+        st = Path(path).stat() if path else None
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size) if st else None
 
 
 def _publish(uri: str, text: str) -> None:
