@@ -59,5 +59,7 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
         assert row["error"] == 0.0, row  # the quick pairs are exact (the full run reports every row)
     assert any(sum(row["compiled"].values()) > 0 for row in reshard["rows"])
     assert res["shape_cache"]["cached_s"] > 0
-    assert len(checks) == 3 + 4 + 2 * 5 + 1 + 2 + step_checks + 1 + len(reshard["rows"]) + 1
+    # The language server: every edit answered with its diagnostics (the benchmark asserts which).
+    assert res["lsp"]["edits"] == 12 and 0 < res["lsp"]["edit_median_s"] <= res["lsp"]["edit_max_s"] < 60
+    assert len(checks) == 3 + 4 + 2 * 5 + 1 + 2 + step_checks + 1 + len(reshard["rows"]) + 1 + 1
     assert all(c["met"] in ("yes", "NO (missed)") for c in checks)
