@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from flax import linen as nn
 from flax import nnx
 
 
@@ -270,6 +271,16 @@ class LlamaMLP(nnx.Module):
         return self.down(nnx.silu(self.gate(x)) * self.up(x))
 
 
+# The residual stream's logical axes (the names MaxText uses): a no-op unless the step runs under
+# logical-axis rules and a mesh, as shardplan sets up from a plan's `axis` rules
+# (plans/llama_sp.splan splits the sequence over `model` here).
+RESIDUAL = ("activation_batch", "activation_length", "activation_embed")
+
+
+def residual(x: jax.Array) -> jax.Array:
+    return nn.with_logical_constraint(x, RESIDUAL)
+
+
 class LlamaBlock(nnx.Module):
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         dt = jnp.dtype(cfg.dtype)
@@ -281,11 +292,11 @@ class LlamaBlock(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None,
                  cache: dict | None = None):
         if cache is None:
-            x = x + self.attn(self.attn_norm(x), positions)
-            return x + self.mlp(self.mlp_norm(x))
+            x = residual(x + self.attn(self.attn_norm(x), positions))
+            return residual(x + self.mlp(self.mlp_norm(x)))
         h, cache = self.attn(self.attn_norm(x), positions, mask, cache)
-        x = x + h
-        return x + self.mlp(self.mlp_norm(x)), cache
+        x = residual(x + h)
+        return residual(x + self.mlp(self.mlp_norm(x))), cache
 
 
 _REMAT_POLICIES = {
@@ -317,7 +328,7 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         b, t = tokens.shape
         positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        x = self.embed(tokens)
+        x = residual(self.embed(tokens))
         if self.cfg.scan_layers:
             def apply(block: LlamaBlock, x: jax.Array) -> jax.Array:
                 return block(x, positions)

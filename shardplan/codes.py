@@ -102,6 +102,8 @@ CODES: dict[str, Code] = {
         _e("mesh-processes", "apply", "a mesh that cannot be laid out over the processes' devices"),
         _e("no-optimizer", "apply", "a step or restore that needs optimizer state the placement lacks"),
         _e("loss-failed", "apply", "the loss function fails on the model and batch"),
+        _e("model-axis", "apply", "the model's code names a mesh axis the plan's mesh lacks"),
+        _e("act-rank", "apply", "an act rule's spec does not fit the rank of a module's output"),
         _e("loss-not-scalar", "apply", "the loss function does not return a float scalar"),
         _e("sharding-mismatch", "apply", "a live array placed other than the plan says (`verify`)"),
         _e("not-a-checkpoint", "apply", "a checkpoint directory that is missing, not a directory, or empty"),

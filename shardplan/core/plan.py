@@ -17,7 +17,7 @@ from shardplan.core.spec import Spec
 from shardplan.errors import Diagnostic, PlanCheckError, Span, error
 
 MAX_DEVICES = 2**24  # 16.7M: beyond any machine built; a larger mesh or device count is a typo
-RuleKind = Literal["param", "opt", "input"]
+RuleKind = Literal["param", "opt", "input", "act"]
 LINKS = ("ici", "dcn")  # what a mesh axis's collectives cross: fast links in a host/slice, or the network
 
 
@@ -31,7 +31,7 @@ class MeshAxis:
 
 @dataclass(frozen=True)
 class Rule:
-    """One path rule (``param``, ``opt`` or ``input``) in the order it is tried."""
+    """One path rule (``param``, ``opt``, ``input`` or ``act``) in the order it is tried."""
 
     kind: RuleKind
     pattern: str
@@ -86,6 +86,7 @@ class Plan:
     mesh_source_line: str = ""
     cache: Spec | None = None  # the ``cache`` statement: a generation cache's layout
     cache_span: Span | None = None
+    acts: tuple[Rule, ...] = ()  # ``act`` rules: module outputs constrained, by module path
 
     @property
     def text(self) -> str:
@@ -95,7 +96,12 @@ class Plan:
     @functools.cached_property
     def rule_sets(self) -> dict[RuleKind, RuleSet[Rule]]:
         """Compile once, match many: one RE2 set per rule kind, built on first use."""
-        return {"param": RuleSet(self.params), "opt": RuleSet(self.opts), "input": RuleSet(self.inputs)}
+        return {
+            "param": RuleSet(self.params),
+            "opt": RuleSet(self.opts),
+            "input": RuleSet(self.inputs),
+            "act": RuleSet(self.acts),
+        }
 
     # -- mesh ---------------------------------------------------------------------------
     @property

@@ -272,12 +272,19 @@ class _Resolver:
                 continue
             if not names:
                 msg = (
-                    f"axis rule '{rule.logical}' cannot apply: no array of this model carries logical-axis "
-                    "annotations (nnx.with_partitioning), so every axis rule is a no-op"
+                    f"axis rule '{rule.logical}' places no param: no array of this model carries logical-axis "
+                    "annotations (nnx.with_partitioning); it applies only to activations the model constrains "
+                    "with that name"
                 )
-                hint = "annotate the model's params with nnx.with_partitioning, or place them with param rules"
+                hint = (
+                    "annotate the model's params with nnx.with_partitioning, or place them with param rules; "
+                    "`check --step` lists the activations the model constrains"
+                )
             else:
-                msg = f"axis rule '{rule.logical}' maps a logical axis that no param is annotated with"
+                msg = (
+                    f"axis rule '{rule.logical}' maps a logical axis that no param is annotated with (it applies "
+                    "only to activations the model constrains with that name)"
+                )
                 near = closest(rule.logical, names)
                 hint = f"{near + ' ' if near else ''}the model's logical axes: {', '.join(sorted(names)[:12])}"
             self.diags.append(warning("unused-axis-rule", msg, hint, span=rule.span, source_line=rule.source_line))
@@ -501,6 +508,36 @@ def _longer_suffix(path: str, cut: int, params: dict[str, Decision], last: list)
     return False
 
 
+def _prefix_hits(plan: Plan, leaves: Sequence[Leaf]) -> set[int]:
+    """Indices of the ``act`` rules some module path matches, the module paths taken as the
+    proper prefixes of the leaves' paths (the modules that hold arrays; '' is the root)."""
+    ruleset = plan.rule_sets["act"]
+    prefixes = {""}
+    for leaf in leaves:
+        parts = leaf.path.split("/")
+        for i in range(1, len(parts)):
+            prefixes.add("/".join(parts[:i]))
+    return {i for p in prefixes for i in ruleset.matches(p)}
+
+
+def act_usage(plan: Plan, hit: set[int]) -> list[Diagnostic]:
+    """A warning at each ``act`` rule that no module path of the model matches."""
+    out = []
+    for i, r in enumerate(plan.acts):
+        if i not in hit:
+            out.append(
+                warning(
+                    "unused-rule",
+                    f'act rule "{r.pattern}" matches no module of this model (a module path is a param path '
+                    "without its last component(s), e.g. layers/0/attn)",
+                    "check the regex against the module paths (it must match the whole path), or delete the rule",
+                    span=r.pattern_span,
+                    source_line=r.source_line,
+                )
+            )
+    return out
+
+
 def _raise_or_warnings(diags: list[Diagnostic], plan_warnings=()) -> tuple[Diagnostic, ...]:
     if any(d.severity == "error" for d in diags):
         # Errors first; warnings stay visible after them.
@@ -530,6 +567,8 @@ def resolve_leaves(
     pdec = [d for d in (r.param(leaf) if leaf.is_param else r.state(leaf) for leaf in params) if d is not None]
     if report_params:
         r.usage("param", "param")
+        if plan.acts:
+            r.diags += act_usage(plan, _prefix_hits(plan, params))
         r.axis_usage(params)
         r.stacked_splits(pdec)
     else:

@@ -24,8 +24,10 @@ from shardplan.core.resolve import (
     DEFAULT_REPLICATED_THRESHOLD,
     SAMPLE,
     _check_mesh_names,
+    _prefix_hits,
     _raise_or_warnings,
     _Resolver,
+    act_usage,
     resolve_leaves,
 )
 from shardplan.core.spec import REPLICATED
@@ -220,6 +222,27 @@ def first_keys(tree: Tree, key: Callable[[str], str], limit: int) -> list[str]:
     return list(out.values())
 
 
+def _module_hits(plan: Plan, tree: Tree) -> set[int]:
+    """``_prefix_hits`` on a shared tree: the act rules that some internal node's path matches,
+    each (subtree, automaton state) walked once."""
+    auto = plan.rule_sets["act"].automaton()
+    if auto is None:
+        return _prefix_hits(plan, leaves_of(tree))
+    hit: set[int] = set()
+    seen: set[tuple[int, int]] = set()
+
+    def walk(node: Tree, state: int, depth: int) -> None:
+        if type(node) is not Node or (id(node), state) in seen:
+            return
+        seen.add((id(node), state))
+        hit.update(auto.hits(state))
+        for k, child in zip(node.keys, node.children, strict=True):
+            walk(child, auto.step(state, f"/{k}" if depth else k), depth + 1)
+
+    walk(tree, auto.start, 0)
+    return hit
+
+
 def _shadowing(r: _Resolver, kind: str) -> bool:
     """Whether some rule matches a leaf but decides none."""
     matched: set[int] = set()
@@ -293,6 +316,8 @@ def _shared(
     odec = Decisions(oflat, (lambda: paths(opt_state)) if opt_state is not None else list, w.cuts)
     if report_params:
         r.usage("param", "param", lambda: first_keys(params, plan.rule_sets["param"].key, SAMPLE))
+        if plan.acts:
+            r.diags += act_usage(plan, _module_hits(plan, params))
         r.axis_usage(w.leaves)
         if w.passes:
             r.stacked_splits(pdec)

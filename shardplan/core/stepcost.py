@@ -31,6 +31,19 @@ class Communication:
 
 
 @dataclass(frozen=True)
+class Constrained:
+    """An activation the step constrains to a layout: by a plan's ``act`` rule, a Flax logical
+    name through the plan's ``axis`` rules, or the model's own sharding constraint."""
+
+    what: str  # "act rule plans/x.splan:12 on layers/0/attn", or "sharding constraint"
+    source: str  # model source 'file:line'
+    shape: tuple[int, ...]
+    spec: str  # the layout, e.g. (data, model, _)
+    bytes: int  # per device, one instance
+    count: int  # instances per step (a constraint inside a scanned layer counts per layer)
+
+
+@dataclass(frozen=True)
 class Memory:
     """Per-device bytes. ``peak`` is what the step needs at once."""
 
@@ -59,6 +72,8 @@ class StepCost:
     transcendentals: float = 0.0
     seconds: float = 0.0  # how long the analysis took
     notes: tuple[str, ...] = field(default=())
+    constrained: tuple[Constrained, ...] = field(default=())  # fast mode: activations with a set layout
+    logical_names: tuple[str, ...] = field(default=())  # names the model's activation constraints use
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -90,6 +105,8 @@ class StepCost:
             },
             "analysis_seconds": self.seconds,
             "notes": list(self.notes),
+            "constrained_activations": [dict(c.__dict__, shape=list(c.shape)) for c in self.constrained],
+            "logical_names": list(self.logical_names),
         }
 
     @staticmethod
@@ -107,4 +124,6 @@ class StepCost:
             doc.get("transcendentals_per_device", 0.0),
             doc.get("analysis_seconds", 0.0),
             tuple(doc.get("notes", ())),
+            tuple(Constrained(**dict(c, shape=tuple(c["shape"]))) for c in doc.get("constrained_activations", ())),
+            tuple(doc.get("logical_names", ())),
         )

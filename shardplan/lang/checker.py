@@ -321,6 +321,7 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
     params = c.rules("param", axis_names)
     opts = c.rules("opt", axis_names)
     inputs = c.rules("input", axis_names)
+    acts = c.rules("act", axis_names)
     axes = c.axis_rules(axis_names)
 
     catch = next((r for r in params if r.is_catch_all), None)
@@ -348,6 +349,7 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
         params=params,
         opts=opts,
         inputs=inputs,
+        acts=acts,
         axes=axes,
         default=default,
         default_span=default_node.span if default_node else None,

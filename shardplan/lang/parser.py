@@ -125,6 +125,9 @@ class _ToAst(Transformer):
     def opt_stmt(self, meta, c):
         return self._rule("opt", meta, c)
 
+    def act_stmt(self, meta, c):
+        return self._rule("act", meta, c)
+
     def input_stmt(self, meta, c):
         return self._rule("input", meta, c)
 

@@ -49,6 +49,7 @@ def compile_step(
 
     from shardplan.runtime import backends, specs
     from shardplan.runtime import model as model_mod
+    from shardplan.runtime.activations import Activations
     from shardplan.runtime.mesh import make_mesh, mesh_shape_of
     from shardplan.runtime.placement import Placement
 
@@ -76,9 +77,10 @@ def compile_step(
     batch_in = abstract_state(batch_abs, inputs.shardings(mesh))
     sm = abstract_state(nnx.state(abs_model), params.shardings(mesh))
     so = abstract_state(nnx.state(abs_opt), opt.shardings(mesh))
-    check_loss(loss_fn, abs_model, batch_abs, where="--step")
+    acts = Activations(plan, mesh, backend)
+    check_loss(acts.wrap(loss_fn, mesh_context=True), abs_model, batch_abs, where="--step")
     with nnx.use_eager_sharding(False):
-        step = backends.get(backend).build(placement, loss_fn, abs_model, abs_opt)
+        step = backends.get(backend).build(placement, acts.wrap(loss_fn), abs_model, abs_opt)
         compiled = step.lower(sm, so, batch_in).compile()
     text = compiled.as_text()
     mem = compiled.memory_analysis()
@@ -109,6 +111,7 @@ def compile_step(
             f"FLOPs include {loops / 1e9:,.3f} GFLOP of loop iterations XLA's cost analysis leaves out "
             "(it counts a while body once), counted from the loop bodies' HLO"
         )
+    notes += acts.notes()
     return StepCost(
         "exact",
         backend,
@@ -119,6 +122,7 @@ def compile_step(
         float(costs.get("transcendentals", 0.0)),
         time.perf_counter() - t0,
         tuple(notes),
+        logical_names=tuple(sorted(acts.used)),
     )
 
 

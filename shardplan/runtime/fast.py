@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from shardplan.core.stepcost import Communication, Memory, StepCost
+from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 
 Dims = tuple[tuple[str, ...], ...]
 
@@ -174,6 +174,7 @@ class _Propagator:
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
+        self.constrained: list[Constrained] = []  # activations with a set layout, in program order
 
     # -- resharding ------------------------------------------------------------------------
     def resolve(self, var: Any, v: Val, target: Dims | None, mult: int, why: str) -> Val:
@@ -354,6 +355,8 @@ class _Propagator:
             "threefry2x32",
         ):
             return [_replicated(a) for a in outs_avals]
+        if name == "sharding_constraint":
+            return [self.constraint(eqn, ins[0], mult)]
         if name == "gather":
             return [self.gather(eqn, ins, mult)]
         if name in ("scatter-add", "scatter_add", "scatter"):
@@ -542,6 +545,33 @@ class _Propagator:
             self.reshard(var, v, tuple(gathered), mult, "reshape")
         return Val(shape, v.itemsize, tuple(out), v.partial)
 
+    def constraint(self, eqn: Any, v: Val, mult: int) -> Val:
+        """An activation constrained to a layout (``with_sharding_constraint``: a plan's ``act``
+        rule, a logical name, the model's own): pending sums resolved onto it (a reduce-scatter
+        where it splits a dim the sum leaves whole), then resharded to it."""
+        spec = getattr(eqn.params.get("sharding"), "spec", None)
+        if spec is None:
+            self.ctx.unmodeled["sharding_constraint"] = self.ctx.unmodeled.get("sharding_constraint", 0) + 1
+            return v
+        unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
+        target = []
+        for i in range(len(v.shape)):
+            entry = spec[i] if i < len(spec) else None
+            if entry is unconstrained:
+                target.append(v.dims[i])
+            elif entry is None:
+                target.append(())
+            else:
+                target.append((entry,) if isinstance(entry, str) else tuple(entry))
+        dims = _tuple(target)
+        scope = str(getattr(eqn.source_info, "name_stack", ""))
+        what = next((part for part in scope.split("/") if part.startswith("act ")), "sharding constraint")
+        why = f"{what} (activation constraint)"
+        out = self.reshard(eqn.invars[0], self.resolve(eqn.invars[0], v, dims, mult, why), dims, mult, why)
+        written = ", ".join("_" if not d else d[0] if len(d) == 1 else f"({', '.join(d)})" for d in dims)
+        self.constrained.append(Constrained(what, self.ctx.source, v.shape, f"({written})", self.ctx.local(out), mult))
+        return out
+
     def gather(self, eqn: Any, ins: list[Val], mult: int) -> Val:
         table, idx = ins[0], ins[1]
         out_aval = eqn.outvars[0].aval
@@ -693,6 +723,12 @@ def _fits(shape: tuple[int, ...], dims: Dims, ctx: _Ctx) -> bool:
     return len(dims) <= len(shape) and all(shape[i] % ctx.split(d) == 0 for i, d in enumerate(dims) if d)
 
 
+def _abstract_mesh(mesh: dict[str, int]) -> Any:
+    from jax.sharding import AbstractMesh, AxisType
+
+    return AbstractMesh(tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh))
+
+
 def analyze(
     plan: Any,
     factory: Callable[[], Any],
@@ -708,6 +744,7 @@ def analyze(
 
     from shardplan.runtime import model as model_mod
     from shardplan.runtime import specs
+    from shardplan.runtime.activations import Activations
     from shardplan.runtime.backends.auto import pure_step
     from shardplan.runtime.step import check_loss
 
@@ -718,6 +755,8 @@ def analyze(
     assert opt is not None
     batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
     inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
+    acts = Activations(plan, _abstract_mesh(mesh), "auto")
+    loss_fn = acts.wrap(loss_fn)
     check_loss(loss_fn, abs_model, batch_abs, where="--step")
     step = pure_step(loss_fn, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
     with nnx.use_eager_sharding(False):
@@ -767,6 +806,7 @@ def analyze(
             "such 2-D splits XLA also moves activations (all-gathers, all-to-alls) in ways fast mode does "
             "not predict (see docs/benchmarks.md); use --compile for this plan's communication"
         )
+    notes += acts.notes()
     if ctx.unmodeled:
         notes.append(
             "not modelled (outputs taken as replicated, no communication counted): "
@@ -795,6 +835,8 @@ def analyze(
         ctx.transcendentals,
         time.perf_counter() - t0,
         tuple(notes),
+        _merge_constrained(prop.constrained),
+        tuple(sorted(acts.used)),
     )
 
 
@@ -810,3 +852,15 @@ def _merge(comm: list[Communication], params: Any, opt: Any) -> list[Communicati
         (Communication(k, a, b, n, op, src, mv, rules.get(mv, "")) for (k, a, op, src, mv), (b, n) in groups.items()),
         key=lambda c: (c.kind, -c.bytes),
     )
+
+
+def _merge_constrained(items: list[Constrained]) -> tuple[Constrained, ...]:
+    """One row per (what, source, shape, spec): the forward constraint and its transpose in the
+    backward pass, and the same act rule on every layer, are counted together."""
+    out: dict[tuple, Constrained] = {}
+    for c in items:
+        what = c.what.split(" on ")[0] if c.what.startswith("act ") else c.what
+        key = (what, c.source, c.shape, c.spec)
+        prev = out.get(key)
+        out[key] = replace(c, what=what, count=c.count + (prev.count if prev else 0))
+    return tuple(out.values())

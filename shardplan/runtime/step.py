@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -11,8 +13,9 @@ from flax import nnx
 
 from shardplan.core import backends as backends_registry
 from shardplan.core import hlo
-from shardplan.errors import PlanApplyError, as_error, error
+from shardplan.errors import Diagnostic, PlanApplyError, ShardPlanError, as_error, error
 from shardplan.runtime import backends
+from shardplan.runtime.activations import Activations
 from shardplan.runtime.placement import Placement
 
 
@@ -50,10 +53,13 @@ class TrainStep:
         self.backend = name
         self.loss_fn = loss_fn
         self._checked = False
-        self.fn = backends.get(name).build(placement, loss_fn, model, optimizer)
+        self._traced = False
+        # The activations the plan constrains (logical names, act rules, the mesh context).
+        self.activations = Activations(placement.plan, placement.mesh, name)
+        self.fn = backends.get(name).build(placement, self.activations.wrap(loss_fn), model, optimizer)
 
     def _check_loss(self, model, batch) -> None:
-        check_loss(self.loss_fn, model, batch)
+        check_loss(self.activations.wrap(self.loss_fn, mesh_context=True), model, batch)
         self._checked = True
 
     def place(self, batch: Any) -> Any:
@@ -63,9 +69,14 @@ class TrainStep:
         batch = self.place(batch)
         if not self._checked:
             self._check_loss(model, batch)
+        first = not self._traced
         sm, so, loss = self.fn(nnx.state(model), nnx.state(optimizer), batch)
         nnx.update(model, sm)
         nnx.update(optimizer, so)
+        if first:
+            self._traced = True
+            for note in self.activations.notes():  # said once, when the step is first traced
+                warnings.warn(f"shardplan: {note}", stacklevel=2)
         return loss
 
     def lower(self, model: Any, optimizer: Any, batch: Any):
@@ -90,6 +101,26 @@ def user_frame(tb: Any) -> str:
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
+_MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (.+?) is not found in mesh: \((.*?)\)")
+
+
+def axis_mismatch(e: BaseException, frame: str = "") -> Diagnostic | None:
+    """The diagnostic for a model that names a mesh axis the plan's mesh lacks (a model written
+    for ``P('fsdp', ..., 'tensor')`` run under a plan whose mesh is ``data, model``)."""
+    m = _MISSING_AXIS.search(str(e))
+    if m is None:
+        return None
+    axis, spec, mesh = m.group(1), m.group(2), m.group(3).replace("'", "")
+    where = f" at {frame}" if frame else ""
+    return error(
+        "model-axis",
+        f"the model names mesh axis '{axis}' ({spec}{where}), but the plan's mesh has axes ({mesh})",
+        f"name the plan's mesh axes as the model does (mesh {axis} = ..., with rules over them), or make the "
+        "model's axis names configurable and pass the plan's",
+        path=frame or "model",
+    )
+
+
 def check_loss(loss_fn: Any, model: Any, batch: Any, *, where: str = "loss_fn") -> None:
     """The loss must trace on the model and batch (abstractly: nothing runs) and return a float scalar.
 
@@ -98,8 +129,13 @@ def check_loss(loss_fn: Any, model: Any, batch: Any, *, where: str = "loss_fn") 
     """
     try:
         out = nnx.eval_shape(loss_fn, model, batch)
+    except ShardPlanError:
+        raise
     except Exception as e:  # the user's code: show their error and their frame, not ours
         frame = user_frame(e.__traceback__)
+        mismatch = axis_mismatch(e, frame)
+        if mismatch is not None:
+            raise as_error([mismatch]) from None
         raise as_error(
             [
                 error(

@@ -101,14 +101,15 @@ def cmd_check(args, out: Console, err: Console) -> int:
         for note in r.notes:
             err.print(f"note: {note}", style="dim", markup=False, highlight=False)
     costs = _step_costs(args, results) if args.step else None
+    shown = [_warnings(r, c) for r, c in zip(results, costs or [None] * len(results), strict=True)]
     times = None
     if args.chip and costs is not None:
         links = parse_links_arg(args.link or [])
         chip = chips.lookup(args.chip)
         times = [timing.step_time(c, with_links(r.plan, links), chip) for c, r in zip(costs, results, strict=True)]
-    all_diags = [d for r in results for d in r.warnings]
+    all_diags = [d for w in shown for d in w]
     if args.format == "json":
-        docs = [report.to_json(r.plan, r.resolution, list(r.warnings), budget) for r in results]
+        docs = [report.to_json(r.plan, r.resolution, list(w), budget) for r, w in zip(results, shown, strict=True)]
         for i, (doc, cost) in enumerate(zip(docs, costs or [], strict=False)):
             doc["step_cost"] = cost.to_json()
             if times is not None:
@@ -275,6 +276,19 @@ def cmd_cache(args, out: Console, err: Console) -> int:
     else:
         out.print(str(shapecache.cache_dir()), markup=False)
     return EXIT_OK
+
+
+def _warnings(result, cost) -> tuple:
+    """A check's warnings; with a step, less the axis rules no param uses that the step's
+    activations do (the model constrains activations with those names: the rules are used)."""
+    if cost is None:
+        return result.warnings
+    used = set(cost.logical_names)
+    return tuple(
+        w
+        for w in result.warnings
+        if not (w.code == "unused-axis-rule" and any(a.span == w.span and a.logical in used for a in result.plan.axes))
+    )
 
 
 def _check_step_args(args) -> None:

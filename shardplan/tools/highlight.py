@@ -11,7 +11,7 @@ from pygments.token import Comment, Error, Keyword, Name, Number, Operator, Punc
 
 __all__ = ["SplanLexer"]
 
-STATEMENTS = ("plan", "extends", "mesh", "backend", "batch", "input", "param", "opt", "axis", "default", "cache")
+STATEMENTS = ("plan", "extends", "mesh", "backend", "batch", "input", "param", "opt", "act", "axis", "default", "cache")
 
 
 class SplanLexer(RegexLexer):

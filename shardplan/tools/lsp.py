@@ -43,6 +43,7 @@ STATEMENTS = (
     "input",
     "param",
     "opt",
+    "act",
     "axis",
     "default",
     "cache",

@@ -130,6 +130,16 @@ def print_step_cost(
         moves = f"{c.moves} ({_short(c.rule)})" if c.rule else c.moves
         top.add_row(c.kind, ",".join(c.axes), fmt_bytes(c.bytes), escape(c.op), escape(source), escape(moves))
     console.print(top)
+    if cost.constrained:
+        acts = Table(title="constrained activations (per device, one instance)", header_style="bold")
+        for col in ("by", "source", "shape", "layout", "bytes", "count"):
+            acts.add_column(col, justify="right" if col in ("bytes", "count") else "left")
+        for a in cost.constrained:
+            where = os.path.basename(a.source) if a.source else ""
+            acts.add_row(
+                escape(a.what), escape(where), fmt_shape(a.shape), escape(a.spec), fmt_bytes(a.bytes), str(a.count)
+            )
+        console.print(acts)
     if time is not None:
         links = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(time.comm_by_link.items())) or "none"
         console.print(

@@ -1,0 +1,193 @@
+"""Activations in the plan: Flax logical constraints driven by `axis` rules, `act` rules by module
+path, models that name mesh axes themselves, and sequence parallelism for the Llama."""
+
+import collections
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import shardplan
+from examples import models
+from shardplan import api
+from shardplan.core import hlo
+from tests.fixtures import act_models as am
+from tests.helpers import FIXTURES, PLANS
+
+ACT = FIXTURES / "act_models.py"
+DP = 'plan "dp"\nmesh data = 4, model = 2\nbatch (data, _)\ndefault replicated\n'
+LOGICAL = DP + "axis batch -> data\naxis hidden -> model\n"
+BY_PATH = DP + 'act "up" (data, model)\n'
+XY = {"x": ((16, 16), "float32"), "y": ((16, 16), "float32")}
+
+
+def compiled_ops(plan, factory, loss, batch, backend=None):
+    model, opt, placement = shardplan.init_sharded(plan, factory, optax.sgd(0.1))
+    step = shardplan.train_step(placement, loss, model, opt, backend=backend)
+    text = step.lower(model, opt, batch).compile().as_text()
+    return hlo.with_axes(hlo.parse(text, 8), placement.mesh_shape), step
+
+
+def losses(plan, factory, loss, batch, steps, backend=None, tx=None):
+    model, opt, placement = shardplan.init_sharded(plan, factory, tx or optax.sgd(0.1))
+    step = shardplan.train_step(placement, loss, model, opt, backend=backend)
+    return [float(step(model, opt, batch)) for _ in range(steps)], model
+
+
+def one_device(factory, loss, batch, steps, tx=None):
+    from flax import nnx
+
+    model = factory()
+    opt = nnx.Optimizer(model, tx or optax.sgd(0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        value, grads = nnx.value_and_grad(loss)(model, batch)
+        opt.update(model, grads)
+        return value
+
+    dev = jax.devices()[0]
+    batch = jax.device_put(batch, dev)
+    return [float(step(model, opt, batch)) for _ in range(steps)], model
+
+
+def by_axes(ops, kind):
+    out = collections.Counter()
+    for o in ops:
+        if o.kind == kind:
+            out[",".join(o.axes)] += o.bytes_per_step
+    return dict(out)
+
+
+@pytest.mark.parametrize("text", [LOGICAL, BY_PATH], ids=["logical-name", "act-rule"])
+def test_a_constraint_changes_the_compiled_step_as_predicted_and_keeps_the_numbers(text, tmp_path):
+    """Without the constraint the DP step gathers nothing; with it (by logical name through the
+    plan's axis rules, or by module path) the hidden activation is split over `model` and must be
+    gathered back: fast mode predicts the gather over `model`, the compiled step has it."""
+    base = shardplan.loads(DP, "dp.splan")
+    plan = shardplan.loads(text, "p.splan")
+    before, _ = compiled_ops(base, am.logical, am.loss, am.batch())
+    after, step = compiled_ops(plan, am.logical, am.loss, am.batch())
+    assert not [o for o in before if "model" in o.axes and o.kind == "all-gather"]
+    gathers = [o for o in after if "model" in o.axes and o.kind == "all-gather"]
+    assert gathers and all(o.shapes[0].startswith("f32[16,64]") for o in gathers)
+    p = tmp_path / "p.splan"
+    p.write_text(text)
+    fast = api.analyze(p, model=f"{ACT}:logical", step=f"{ACT}:loss", batch=XY, optimizer="sgd", mode="fast")
+    assert fast.bytes_by_axes()["all-gather"].get("model", 0) > 0
+    (c,) = fast.constrained
+    assert c.shape == (16, 64) and c.spec == "(data, model)" and c.bytes == 16 * 64 * 4 // 8
+    assert ("act rule p.splan:5" in c.what) == (text == BY_PATH)
+    if text == BY_PATH:
+        assert step.activations.applied == {"up": 1}
+    # The numbers: 5 steps equal one device, on both backends (shard_map: constraints have no
+    # global layout to act on inside its per-device code; the loss is unchanged).
+    want, _ = one_device(am.logical, am.loss, am.batch(), 5)
+    for backend in ("auto", "shard_map"):
+        got, _ = losses(plan, am.logical, am.loss, am.batch(), 5, backend=backend)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_sequence_parallel_plan_turns_tp_activation_all_reduces_into_reduce_scatter_and_all_gather():
+    """Under llama_tp the compiled step all-reduces the residual stream over `model`; under
+    llama_sp (the same weights, the residual stream split over the sequence) those become
+    reduce-scatters (XLA:CPU: all-reduces every device only slices) and all-gathers."""
+    tokens = np.random.default_rng(0).integers(0, 256, size=(8, 32)).astype(np.int32)
+    batch = {"tokens": tokens, "labels": np.roll(tokens, -1, axis=1)}
+    act = "f32[2,32,256]"  # the residual stream per device: batch 8 / data 4, whole sequence, d_model
+
+    def model_ops(plan_file):
+        ops, _ = compiled_ops(shardplan.load(PLANS / plan_file), am.llama_wide, am.lm_loss, batch)
+        out = collections.Counter()
+        for o in ops:
+            if o.axes == ("model",) and o.shapes == (act,):
+                out["reduce-scatter" if o.as_reduce_scatter else o.kind] += 1
+        return out
+
+    tp, sp = model_ops("llama_tp.splan"), model_ops("llama_sp.splan")
+    assert tp["all-reduce"] >= 8 and tp["all-gather"] == 0 and tp["reduce-scatter"] == 0
+    assert sp["all-reduce"] == 0 and sp["reduce-scatter"] >= 4 and sp["all-gather"] >= 4
+    # And the numbers: 5 AdamW steps equal one device.
+    plan = shardplan.load(PLANS / "llama_sp.splan")
+    got, _ = losses(plan, am.llama_wide, am.lm_loss, batch, 5, tx=optax.adamw(1e-2))
+    want, _ = one_device(am.llama_wide, am.lm_loss, batch, 5, tx=optax.adamw(1e-2))
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_sequence_parallel_saves_the_activation_memory_fast_mode_predicts():
+    """With layers under nnx.remat the residual stream is what a step keeps for the backward
+    pass: splitting it over the sequence shrinks XLA's temporaries, by what fast mode says."""
+    kw = dict(model=f"{ACT}:llama_wide_scan", step=f"{ACT}:lm_loss", optimizer="adamw", devices=8,
+              batch={"tokens": ((8, 256), "int32"), "labels": ((8, 256), "int32")})
+    cost = {(plan, mode): api.analyze(PLANS / plan, mode=mode, **kw)
+            for plan in ("llama_tp.splan", "llama_sp.splan") for mode in ("exact", "fast")}
+    temps = {k: c.memory.temporaries for k, c in cost.items()}
+    saved_exact = temps["llama_tp.splan", "exact"] - temps["llama_sp.splan", "exact"]
+    saved_fast = temps["llama_tp.splan", "fast"] - temps["llama_sp.splan", "fast"]
+    assert saved_exact > 0.15 * temps["llama_tp.splan", "exact"]  # a real saving, not noise
+    assert abs(saved_fast - saved_exact) <= 0.15 * saved_exact
+    for plan in ("llama_tp.splan", "llama_sp.splan"):
+        exact, fast = cost[plan, "exact"].memory, cost[plan, "fast"].memory
+        assert abs(fast.temporaries - exact.temporaries) <= 0.15 * exact.temporaries
+        assert abs(fast.peak - exact.peak) <= 0.15 * exact.peak
+    assert cost["llama_sp.splan", "fast"].constrained  # check --step lists the constrained activations
+
+
+def test_a_model_that_names_mesh_axes_runs_under_the_plans_mesh_on_both_backends():
+    """`with_sharding_constraint(x, P("data", "model"))` in model code: shardplan provides the mesh
+    context (no jax.set_mesh in user code); shard_map drops the constraint inside its per-device code."""
+    plan = shardplan.loads(DP, "dp.splan")
+    want, _ = one_device(am.mesh_named, am.loss, am.batch(), 3)
+    for backend in ("auto", "shard_map"):
+        got, _ = losses(plan, am.mesh_named, am.loss, am.batch(), 3, backend=backend)
+        np.testing.assert_allclose(got, want, rtol=1e-5)
+    # The same model written for other axis names: one diagnostic naming both.
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        losses(plan, am.mesh_named_fsdp, am.loss, am.batch(), 1)
+    (d,) = info.value.diagnostics
+    assert d.code == "model-axis" and "'fsdp'" in d.message and "(data, model)" in d.message
+    assert "act_models.py:" in d.message and "mesh fsdp" in d.hint
+
+
+def test_logical_names_no_axis_rule_maps_are_reported():
+    plan = shardplan.loads(DP + "axis hidden -> model\n", "p.splan")  # 'batch' has no rule
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        losses(plan, am.logical, am.loss, am.batch(), 1)
+    assert any("'batch'" in str(w.message) and "no axis rule maps" in str(w.message) for w in seen)
+
+
+def test_act_rules_are_checked_against_the_model(tmp_path):
+    p = tmp_path / "p.splan"
+    p.write_text(DP + 'act "up" (data, model)\nact "ffn" (data, _)\n')
+    warned = [w for w in api.check(p, model=f"{ACT}:logical", devices=8).warnings if w.code == "unused-rule"]
+    assert [(w.span.line, '"ffn"' in w.message) for w in warned] == [(6, True)]
+    bad = shardplan.loads(DP + 'act "up" (data, model, _)\n', "bad.splan")
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        losses(bad, am.logical, am.loss, am.batch(), 1)
+    (d,) = info.value.diagnostics
+    assert d.code == "act-rank" and "'up'" in d.message and d.span.line == 5
+
+
+def test_the_plan_splits_the_cache_of_a_model_with_k_v_projections_over_heads(tmp_path):
+    """The Llama's projections are named k/v: the layout comes from the plan's cache statement,
+    and generation equals the unsharded model token for token."""
+    from jax.sharding import PartitionSpec as P
+
+    from shardplan.runtime.generate import GenerationConfig, Generator
+
+    p = tmp_path / "served.splan"
+    p.write_text(f'extends "{PLANS / "llama_tp.splan"}"\ncache (data, _, model, _)\n')
+    model, _, placement = shardplan.init_sharded(shardplan.load(p), lambda: models.llama_tiny_cached(0), None)
+    gen = Generator(placement, model, GenerationConfig(max_len=32, buckets=(8,), max_new_tokens=6))
+    assert gen.cache_spec == P("data", None, "model", None) and "cache statement" in gen.cache_origin
+    ref = models.llama_tiny(0)
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(1, 64, size=5)] for i in range(8)]
+    for prompt, toks in zip(prompts, gen.generate(prompts).tokens):
+        seq = list(prompt)
+        for _ in range(6):
+            logits = ref(np.asarray([seq], np.int32))
+            seq.append(int(np.argmax(np.asarray(logits[0, -1]))))
+        assert toks == seq[len(prompt):]
