@@ -18,8 +18,9 @@ from tests.helpers import FIXTURES, PLANS
 
 ACT = FIXTURES / "act_models.py"
 DP = 'plan "dp"\nmesh data = 4, model = 2\nbatch (data, _)\ndefault replicated\n'
-LOGICAL = DP + "axis batch -> data\naxis hidden -> model\n"
-BY_PATH = DP + 'act "up" (data, model)\n'
+TP = DP.replace("default", 'param "up/kernel" (_, model)\nparam "up/bias" (model)\nparam "down/kernel" (model, _)\ndefault')
+LOGICAL = TP + "axis batch -> data\naxis hidden -> model\naxis features -> model\n"
+BY_PATH = TP + 'act "down" (data, model)\n'
 XY = {"x": ((16, 16), "float32"), "y": ((16, 16), "float32")}
 
 
@@ -36,9 +37,15 @@ def losses(plan, factory, loss, batch, steps, backend=None, tx=None):
     return [float(step(model, opt, batch)) for _ in range(steps)], model
 
 
-def one_device(factory, loss, batch, steps, tx=None):
+def one_device(factory, loss, batch, steps, tx=None, axes=None):
+    """The reference: one device (under a 1 x 1 mesh with ``axes`` for a model that names them)."""
     from flax import nnx
 
+    if axes is not None:
+        mesh = jax.make_mesh((1,) * len(axes), axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes),
+                             devices=jax.devices()[:1])
+        with jax.set_mesh(mesh):
+            return one_device(factory, loss, batch, steps, tx)
     model = factory()
     opt = nnx.Optimizer(model, tx or optax.sgd(0.1), wrt=nnx.Param)
 
@@ -63,25 +70,37 @@ def by_axes(ops, kind):
 
 @pytest.mark.parametrize("text", [LOGICAL, BY_PATH], ids=["logical-name", "act-rule"])
 def test_a_constraint_changes_the_compiled_step_as_predicted_and_keeps_the_numbers(text, tmp_path):
-    """Without the constraint the DP step gathers nothing; with it (by logical name through the
-    plan's axis rules, or by module path) the hidden activation is split over `model` and must be
-    gathered back: fast mode predicts the gather over `model`, the compiled step has it."""
-    base = shardplan.loads(DP, "dp.splan")
+    """Under tensor parallelism the MLP's output is a partial sum over `model`, all-reduced. A
+    constraint that splits it over `model` too (by logical name through the plan's axis rules, or
+    by module path) leaves each device a block that the loss needs whole: one more all-gather
+    over `model` of the output per device, as fast mode predicts, and the compiled step has."""
+    base = shardplan.loads(TP, "tp.splan")
     plan = shardplan.loads(text, "p.splan")
     before, _ = compiled_ops(base, am.logical, am.loss, am.batch())
     after, step = compiled_ops(plan, am.logical, am.loss, am.batch())
-    assert not [o for o in before if "model" in o.axes and o.kind == "all-gather"]
-    gathers = [o for o in after if "model" in o.axes and o.kind == "all-gather"]
-    assert gathers and all(o.shapes[0].startswith("f32[16,64]") for o in gathers)
-    p = tmp_path / "p.splan"
-    p.write_text(text)
-    fast = api.analyze(p, model=f"{ACT}:logical", step=f"{ACT}:loss", batch=XY, optimizer="sgd", mode="fast")
-    assert fast.bytes_by_axes()["all-gather"].get("model", 0) > 0
-    (c,) = fast.constrained
-    assert c.shape == (16, 64) and c.spec == "(data, model)" and c.bytes == 16 * 64 * 4 // 8
-    assert ("act rule p.splan:5" in c.what) == (text == BY_PATH)
+
+    def gathered(ops):  # all-gathers over `model` alone: their results' bytes
+        return sum(o.bytes_per_step for o in ops if o.kind == "all-gather" and o.axes == ("model",))
+
+    out = 16 // 4 * 16 * 4  # the MLP's output per device: batch 16 / data 4, 16 features, f32
+    assert gathered(before) == 0 and gathered(after) == out
+    paths = {}
+    for name, t in (("tp", TP), ("p", text)):
+        paths[name] = tmp_path / f"{name}.splan"
+        paths[name].write_text(t)
+    fast = {
+        name: api.analyze(p, model=f"{ACT}:logical", step=f"{ACT}:loss", batch=XY, optimizer="sgd", mode="fast")
+        for name, p in paths.items()
+    }
+    predicted = fast["p"].bytes_by_axes()["all-gather"].get("model", 0) - fast["tp"].bytes_by_axes()[
+        "all-gather"
+    ].get("model", 0)
+    assert predicted == out
+    (c,) = [c for c in fast["p"].constrained if c.shape == (16, 16)]
+    assert c.spec == "(data, model)" and c.bytes == 16 * 16 * 4 // 8
+    assert ("act rule p.splan:8" in c.what) == (text == BY_PATH)
     if text == BY_PATH:
-        assert step.activations.applied == {"up": 1}
+        assert step.activations.applied == {"down": 1}
     # The numbers: 5 steps equal one device, on both backends (shard_map: constraints have no
     # global layout to act on inside its per-device code; the loss is unchanged).
     want, _ = one_device(am.logical, am.loss, am.batch(), 5)
@@ -139,7 +158,7 @@ def test_a_model_that_names_mesh_axes_runs_under_the_plans_mesh_on_both_backends
     """`with_sharding_constraint(x, P("data", "model"))` in model code: shardplan provides the mesh
     context (no jax.set_mesh in user code); shard_map drops the constraint inside its per-device code."""
     plan = shardplan.loads(DP, "dp.splan")
-    want, _ = one_device(am.mesh_named, am.loss, am.batch(), 3)
+    want, _ = one_device(am.mesh_named, am.loss, am.batch(), 3, axes=("data", "model"))
     for backend in ("auto", "shard_map"):
         got, _ = losses(plan, am.mesh_named, am.loss, am.batch(), 3, backend=backend)
         np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -182,7 +201,7 @@ def test_the_plan_splits_the_cache_of_a_model_with_k_v_projections_over_heads(tm
     p.write_text(f'extends "{PLANS / "llama_tp.splan"}"\ncache (data, _, model, _)\n')
     model, _, placement = shardplan.init_sharded(shardplan.load(p), lambda: models.llama_tiny_cached(0), None)
     gen = Generator(placement, model, GenerationConfig(max_len=32, buckets=(8,), max_new_tokens=6))
-    assert gen.cache_spec == P("data", None, "model", None) and "cache statement" in gen.cache_origin
+    assert gen.cache_spec == P("data", None, "model") and "cache statement" in gen.cache_origin
     ref = models.llama_tiny(0)
     prompts = [[int(t) for t in np.random.default_rng(i).integers(1, 64, size=5)] for i in range(8)]
     for prompt, toks in zip(prompts, gen.generate(prompts).tokens):

@@ -21,6 +21,7 @@ in the result's notes, never silently dropped.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -565,7 +566,9 @@ class _Propagator:
                 target.append((entry,) if isinstance(entry, str) else tuple(entry))
         dims = _tuple(target)
         scope = str(getattr(eqn.source_info, "name_stack", ""))
-        what = next((part for part in scope.split("/") if part.startswith("act ")), "sharding constraint")
+        # An act rule's constraint runs in a named scope, which transforms wrap: jvp(act rule f:8 on m).
+        named = re.search(r"act rule \S+ on [^()/]+", scope)
+        what = named.group(0) if named else "sharding constraint"
         why = f"{what} (activation constraint)"
         out = self.reshard(eqn.invars[0], self.resolve(eqn.invars[0], v, dims, mult, why), dims, mult, why)
         written = ", ".join("_" if not d else d[0] if len(d) == 1 else f"({', '.join(d)})" for d in dims)
