@@ -7,10 +7,12 @@ inside the functions that need devices or models, never at module import.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -178,7 +180,22 @@ def check(
     if leaves is None:
         leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer, cache=cache)
     res = resolve_model_leaves(p, p.mesh_shape(devices), leaves, replicated_threshold)
+    if model is not None:
+        res = _activation_names(p, res, model)
     return CheckResult(p, res, leaves, tuple(notes))
+
+
+def _activation_names(plan: Plan, res: Resolution, model: str) -> Resolution:
+    """An ``axis`` rule no param is annotated with may still be used: by activations the model
+    constrains with that logical name (``with_logical_constraint``), which only a traced step
+    shows (``check --step``). Without one, a name written as a string in the model's source
+    files is taken as used; one written nowhere there stays a warning."""
+    text = shapecache.sources(model)
+    if text is None:
+        return res
+    used = {a.span for a in plan.axes if re.search(f"[\"']{re.escape(a.logical)}[\"']", text)}
+    keep = tuple(w for w in res.warnings if not (w.code == "unused-axis-rule" and w.span in used))
+    return dataclasses.replace(res, warnings=keep) if len(keep) != len(res.warnings) else res
 
 
 _SHARED: list[tuple[ModelLeaves, Node, Node]] = []  # the last few leaf lists' shared trees

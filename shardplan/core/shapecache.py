@@ -71,6 +71,20 @@ def key(spec: str) -> str | None:
     return h.hexdigest()[:32]
 
 
+def sources(spec: str) -> str | None:
+    """The text of the model's source files (what ``key`` hashes), or None when not found."""
+    file = _model_file(spec)
+    if file is None:
+        return None
+    out = []
+    for source in sorted(file.parent.glob("*.py")):
+        try:
+            out.append(source.read_text(errors="replace"))
+        except OSError:
+            return None
+    return "\n".join(out)
+
+
 def read(spec: str) -> list[Leaf] | None:
     """The cached param leaves of a model, or None (no entry, or one that cannot be read)."""
     k = key(spec)
