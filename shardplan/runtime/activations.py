@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ from flax.linen import spmd as flax_linen_spmd
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from shardplan.core.format import fmt_shape
+from shardplan.core.hlo import LIBRARY_PATHS
 from shardplan.core.plan import Plan, Rule
 from shardplan.errors import PlanApplyError, error
 from shardplan.runtime.specs import pspec
@@ -158,8 +160,16 @@ def _constrain(out: Any, path: str, rule: Rule, mesh: Mesh | AbstractMesh) -> An
     return jax.tree.map(one, out)
 
 
+def _user_frame() -> str:
+    """'file:line' of the innermost frame of the user's code on the stack (not jax, flax, shardplan)."""
+    for frame in reversed(traceback.extract_stack()):
+        if not any(p in frame.filename for p in LIBRARY_PATHS):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return ""
+
+
 @contextlib.contextmanager
-def _names_seen(rules: tuple, unknown: dict[str, int], used: set[str]) -> Iterator[None]:
+def _names_seen(rules: tuple, unknown: dict[str, str], used: set[str]) -> Iterator[None]:
     """Record the logical names model code constrains with (``used``), and those no rule maps
     (``unknown``): Flax keeps such a dim whole (replicated), which is rarely what a plan that
     maps the others meant."""
@@ -174,8 +184,8 @@ def _names_seen(rules: tuple, unknown: dict[str, int], used: set[str]) -> Iterat
         for name in array_dim_names or ():
             if isinstance(name, str):
                 used.add(name)
-                if name not in mapped:
-                    unknown[name] = unknown.get(name, 0) + 1
+                if name not in mapped and name not in unknown:
+                    unknown[name] = _user_frame()
         return original(array_dim_names, rules)
 
     module._logical_to_mesh_axes = translate
@@ -221,8 +231,8 @@ class Activations:
         self.rules = logical_rules(plan) if backend == "auto" else ()
         self.applied: dict[str, int] = {}
         # Logical names model code constrained with that no axis rule maps (Flax then keeps
-        # those dims whole): name -> how many constraints named it.
-        self.unknown: dict[str, int] = {}
+        # those dims whole): name -> where the model first constrains with it ('file:line').
+        self.unknown: dict[str, str] = {}
         self.used: set[str] = set()  # every logical name model code constrained with
         self.matched: dict[str, str] = {}  # module path -> origin of the act rule that matched it
 
@@ -230,7 +240,7 @@ class Activations:
         """What the traces so far say about the plan's activation rules, for reports."""
         out = []
         if self.unknown:
-            names = ", ".join(f"'{n}'" for n in sorted(self.unknown))
+            names = ", ".join(f"'{n}'" + (f" (at {w})" if w else "") for n, w in sorted(self.unknown.items()))
             out.append(
                 f"the model constrains activations with logical name(s) {names} that no axis rule maps: Flax keeps "
                 "those dims whole (replicated); add axis rules for them (axis NAME -> _ leaves a dim unsplit on "
