@@ -49,10 +49,11 @@ def subtree(depth: int):
 SPECS = ["(model, _)", "(_, model)", "(data, _)", "replicated", "(..., model)", "(model)", "(data, model)"]
 
 
-def plan_from(rules: list[tuple[str, str]], opt_rules: list[tuple[str, str]], default: bool) -> str:
+def plan_from(rules: list[tuple[str, str]], opt_rules: list[tuple[str, str]], default: bool, acts=()) -> str:
     lines = ['plan "p"', "mesh data = 2, model = 4", "batch (data, _)"]
     lines += [f'param "{p}" {s}' for p, s in rules]
     lines += [f'opt "{p}" {s}' for p, s in opt_rules]
+    lines += [f'act "{p}" {s}' for p, s in acts]
     if default:
         lines.append("default replicated")
     return "\n".join(lines) + "\n"
@@ -73,10 +74,11 @@ def outcome(fn):
     opt_rules=st.lists(st.tuples(rule_patterns(), st.sampled_from(SPECS)), max_size=2),
     default=st.booleans(),
     threshold=st.sampled_from([0, 10**9]),
+    acts=st.lists(st.tuples(rule_patterns(), st.sampled_from(SPECS)), max_size=2),
 )
-def test_shared_resolution_equals_leaf_by_leaf(state, rules, opt_rules, default, threshold):
+def test_shared_resolution_equals_leaf_by_leaf(state, rules, opt_rules, default, threshold, acts):
     try:
-        plan = shardplan.loads(plan_from(rules, opt_rules, default), "p.splan")
+        plan = shardplan.loads(plan_from(rules, opt_rules, default, acts), "p.splan")
     except shardplan.ShardPlanError:
         return
     params = {"model": state}
