@@ -20,6 +20,8 @@ from shardplan.core.plan import Plan, Rule, RuleKind
 _EDIT_CHARS = "_/-.0123456789"
 MAX_EDIT_PATH = 300  # one-character edits are tried on paths up to this long (bounded work)
 
+_DIGITS = str.maketrans("0123456789", "0000000000")
+
 
 @dataclass(frozen=True)
 class Trial:
@@ -100,7 +102,12 @@ def nearest(pattern: str, paths: list[str]) -> str:
         if rx.search(p):
             return f"{p}: {near_miss(pattern, p)}"
     literal = "".join(c for c in pattern if c.isalnum() or c in "/_")
-    for p in difflib.get_close_matches(literal, paths, n=2, cutoff=0.5):
+    # Paths that differ only in digits (layer and expert numbers) are one candidate: the text
+    # comparison is the slow part, and 5,000 numbered copies of one path add nothing to it.
+    distinct: dict[str, str] = {}
+    for p in paths:
+        distinct.setdefault(p.translate(_DIGITS), p)
+    for p in difflib.get_close_matches(literal, list(distinct.values()), n=2, cutoff=0.5):
         hint = near_miss(pattern, p)
         if hint:
             return f"{p}: {hint}"
