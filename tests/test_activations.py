@@ -96,6 +96,7 @@ def test_a_constraint_changes_the_compiled_step_as_predicted_and_keeps_the_numbe
         "all-gather"
     ].get("model", 0)
     assert predicted == out
+    assert ("all-gather", "model", out) in fast["p"].constraint_delta  # what `check --step` says they add
     (c,) = [c for c in fast["p"].constrained if c.shape == (16, 16)]
     assert c.spec == "(data, model)" and c.bytes == 16 * 16 * 4 // 8
     assert ("act rule p.splan:8" in c.what) == (text == BY_PATH)
@@ -151,7 +152,10 @@ def test_sequence_parallel_saves_the_activation_memory_fast_mode_predicts():
         exact, fast = cost[plan, "exact"].memory, cost[plan, "fast"].memory
         assert abs(fast.temporaries - exact.temporaries) <= 0.15 * exact.temporaries
         assert abs(fast.peak - exact.peak) <= 0.15 * exact.peak
-    assert cost["llama_sp.splan", "fast"].constrained  # check --step lists the constrained activations
+    sp = cost["llama_sp.splan", "fast"]
+    assert sp.constrained  # check --step lists the constrained activations, and what they change:
+    delta = {(kind, axes): n for kind, axes, n in sp.constraint_delta}
+    assert delta[("all-reduce", "model")] < 0 < delta[("reduce-scatter", "model")]
 
 
 def test_a_model_that_names_mesh_axes_runs_under_the_plans_mesh_on_both_backends():

@@ -74,6 +74,9 @@ class StepCost:
     notes: tuple[str, ...] = field(default=())
     constrained: tuple[Constrained, ...] = field(default=())  # fast mode: activations with a set layout
     logical_names: tuple[str, ...] = field(default=())  # names the model's activation constraints use
+    # Fast mode, when activations are constrained: per (collective, mesh axes), the bytes per
+    # device the constraints add (> 0) or remove (< 0), against the same step without them.
+    constraint_delta: tuple[tuple[str, str, int], ...] = field(default=())
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -107,6 +110,7 @@ class StepCost:
             "notes": list(self.notes),
             "constrained_activations": [dict(c.__dict__, shape=list(c.shape)) for c in self.constrained],
             "logical_names": list(self.logical_names),
+            "constraint_delta": [list(x) for x in self.constraint_delta],
         }
 
     @staticmethod
@@ -126,4 +130,5 @@ class StepCost:
             tuple(doc.get("notes", ())),
             tuple(Constrained(**dict(c, shape=tuple(c["shape"]))) for c in doc.get("constrained_activations", ())),
             tuple(doc.get("logical_names", ())),
+            tuple((k, a, int(n)) for k, a, n in doc.get("constraint_delta", ())),
         )

@@ -167,8 +167,9 @@ def _norm(dims: Dims, rank: int) -> Dims:
 class _Propagator:
     """Shardings through one jaxpr (recursing into nested jaxprs)."""
 
-    def __init__(self, ctx: _Ctx, names: dict[Any, str]):
+    def __init__(self, ctx: _Ctx, names: dict[Any, str], ignore_constraints: bool = False):
         self.ctx = ctx
+        self.ignore_constraints = ignore_constraints  # propagate as if the step constrained nothing
         self.names = names  # top-level invar -> leaf path (for 'moves')
         self.hints: dict[Any, Dims] = {}
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
@@ -551,6 +552,8 @@ class _Propagator:
         rule, a logical name, the model's own): pending sums resolved onto it (a reduce-scatter
         where it splits a dim the sum leaves whole), then resharded to it."""
         spec = getattr(eqn.params.get("sharding"), "spec", None)
+        if self.ignore_constraints:
+            return v
         if spec is None:
             self.ctx.unmodeled["sharding_constraint"] = self.ctx.unmodeled.get("sharding_constraint", 0) + 1
             return v
@@ -769,30 +772,39 @@ def analyze(
     prefixes = ["param"] * len(params.decisions) + ["opt"] * len(opt.decisions) + ["input"] * len(inputs.decisions)
     if len(decisions) != len(jaxpr.invars):
         raise RuntimeError(f"traced {len(jaxpr.invars)} inputs for {len(decisions)} leaves")
-    ctx = _Ctx(dict(mesh), plan.batch_axes)
-    names: dict[Any, str] = {}
-    env: dict[Any, Val] = {}
-    for var, d, role in zip(jaxpr.invars, decisions, prefixes, strict=True):
-        env[var] = Val(tuple(var.aval.shape), _itemsize(var.aval), _norm(d.spec.dims, len(var.aval.shape)))
-        if role != "input":
-            names[var] = d.path
-    for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
-        env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
-    prop = _Propagator(ctx, names)
-    # The step's outputs keep the plan's layout (the backend's out_shardings).
     out_specs = list(params.decisions) + list(opt.decisions)
-    for var, d in zip(jaxpr.outvars, out_specs, strict=False):
-        if not hasattr(var, "val"):
-            prop.hints[var] = _norm(d.spec.dims, len(var.aval.shape))
-    prop.aliased = {v for v in jaxpr.outvars[: len(out_specs)] if not hasattr(v, "val")}
-    outs = prop.run(jaxpr, env, 1)
-    for var, v, d in zip(jaxpr.outvars, outs, out_specs, strict=False):
-        target = _norm(d.spec.dims, len(v.shape))
-        done = prop.resolve(var, v, target, 1, "out_shardings")
-        prop.reshard(var, done, target, 1, "out_shardings")
-    if len(outs) > len(out_specs):  # the loss: a scalar, summed over the batch axes
-        loss = outs[-1]
-        prop.resolve(jaxpr.outvars[-1], loss, (), 1, "loss")
+
+    def propagate(ignore_constraints: bool) -> tuple[_Ctx, _Propagator]:
+        ctx = _Ctx(dict(mesh), plan.batch_axes)
+        names: dict[Any, str] = {}
+        env: dict[Any, Val] = {}
+        for var, d, role in zip(jaxpr.invars, decisions, prefixes, strict=True):
+            env[var] = Val(tuple(var.aval.shape), _itemsize(var.aval), _norm(d.spec.dims, len(var.aval.shape)))
+            if role != "input":
+                names[var] = d.path
+        for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
+            env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
+        prop = _Propagator(ctx, names, ignore_constraints)
+        # The step's outputs keep the plan's layout (the backend's out_shardings).
+        for var, d in zip(jaxpr.outvars, out_specs, strict=False):
+            if not hasattr(var, "val"):
+                prop.hints[var] = _norm(d.spec.dims, len(var.aval.shape))
+        prop.aliased = {v for v in jaxpr.outvars[: len(out_specs)] if not hasattr(v, "val")}
+        outs = prop.run(jaxpr, env, 1)
+        for var, v, d in zip(jaxpr.outvars, outs, out_specs, strict=False):
+            target = _norm(d.spec.dims, len(v.shape))
+            done = prop.resolve(var, v, target, 1, "out_shardings")
+            prop.reshard(var, done, target, 1, "out_shardings")
+        if len(outs) > len(out_specs):  # the loss: a scalar, summed over the batch axes
+            loss = outs[-1]
+            prop.resolve(jaxpr.outvars[-1], loss, (), 1, "loss")
+        return ctx, prop
+
+    ctx, prop = propagate(False)
+    delta: tuple[tuple[str, str, int], ...] = ()
+    if prop.constrained:  # what the constraints change: the same step propagated without them
+        bare, _ = propagate(True)
+        delta = _delta(ctx.comm, bare.comm)
     comm = _merge(ctx.comm, params, opt)
     notes = [
         "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns; "
@@ -840,6 +852,7 @@ def analyze(
         tuple(notes),
         _merge_constrained(prop.constrained),
         tuple(sorted(acts.used)),
+        delta,
     )
 
 
@@ -867,3 +880,13 @@ def _merge_constrained(items: list[Constrained]) -> tuple[Constrained, ...]:
         prev = out.get(key)
         out[key] = replace(c, what=what, count=c.count + (prev.count if prev else 0))
     return tuple(out.values())
+
+
+def _delta(with_: list[Communication], without: list[Communication]) -> tuple[tuple[str, str, int], ...]:
+    """Per (kind, axes), the bytes the constraints add (> 0) or remove (< 0)."""
+    totals: dict[tuple[str, str], int] = {}
+    for sign, comm in ((1, with_), (-1, without)):
+        for c in comm:
+            key = (c.kind, ",".join(c.axes))
+            totals[key] = totals.get(key, 0) + sign * c.bytes
+    return tuple((kind, axes, n) for (kind, axes), n in sorted(totals.items()) if n)

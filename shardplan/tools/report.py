@@ -140,6 +140,14 @@ def print_step_cost(
                 escape(a.what), escape(where), fmt_shape(a.shape), escape(a.spec), fmt_bytes(a.bytes), str(a.count)
             )
         console.print(acts)
+        if cost.constraint_delta:
+            moved = "; ".join(
+                f"{kind} over {axes or '-'} {'+' if n > 0 else '-'}{fmt_bytes(abs(n))}"
+                for kind, axes, n in cost.constraint_delta
+            )
+            console.print(f"the constraints change this step's communication (vs none): {moved}")
+        else:
+            console.print("the constraints change no communication of this step")
     if time is not None:
         links = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(time.comm_by_link.items())) or "none"
         console.print(
