@@ -175,7 +175,11 @@ def _step_cost(res: dict) -> list[str]:
     out += [
         "",
         f"Fast mode on `{sc['model']}` (mesh {sc['mesh']}, the full train step): {sc['fast_s']:.1f} s, against "
-        f"{sc['eval_shape_s']:.1f} s for `nnx.eval_shape` of the model alone ({sc['ratio']:.2f}x); it predicts "
+        f"{sc['eval_shape_s']:.1f} s for `nnx.eval_shape` of the model alone ({sc['ratio']:.2f}x). shardplan's own "
+        "abstract builds skip JAX's search for a tracer's origin (Flax reads `.sharding` on every Variable write; "
+        "on a tracer that raises an error whose text JAX builds by walking the whole trace, so an init is "
+        f"quadratic): with that, `nnx.eval_shape` takes {sc['eval_shape_quiet_s']:.1f} s "
+        f"({sc['fast_s'] / sc['eval_shape_quiet_s']:.1f}x against it; the step's trace itself dominates). It predicts "
         f"{sc['flops_per_device'] / 1e12:,.1f} TFLOP and a peak of {sc['peak_per_device'] / 2**30:,.1f} GiB per "
         "device.",
     ]

@@ -765,7 +765,7 @@ def analyze(
     loss_fn = acts.wrap(loss_fn)
     check_loss(loss_fn, abs_model, batch_abs, where="--step")
     step = pure_step(loss_fn, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
-    with nnx.use_eager_sharding(False):
+    with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
         closed = jax.make_jaxpr(step)(nnx.state(abs_model), nnx.state(abs_opt), batch_abs)
     jaxpr = closed.jaxpr
     decisions = list(params.decisions) + list(opt.decisions) + list(inputs.decisions)
