@@ -113,13 +113,13 @@ def share(leaves: Sequence[Leaf]) -> Node | None:
     return cons(root)
 
 
-def paths(tree: Node | Leaf) -> list[str]:
-    """Every leaf's path, in order."""
-    out: list[str] = []
+def _walk(tree: Node | Leaf) -> list[tuple[str, Leaf]]:
+    """(path, leaf record) for every leaf of a shared tree, in order."""
+    out: list[tuple[str, Leaf]] = []
 
     def walk(node: Node | Leaf, prefix: str) -> None:
         if type(node) is Leaf:
-            out.append(prefix)
+            out.append((prefix, node))
             return
         assert type(node) is Node
         sep = "/" if prefix else ""
@@ -128,23 +128,16 @@ def paths(tree: Node | Leaf) -> list[str]:
 
     walk(tree, "")
     return out
+
+
+def paths(tree: Node | Leaf) -> list[str]:
+    """Every leaf's path, in order."""
+    return [path for path, _ in _walk(tree)]
 
 
 def leaves_of(tree: Node | Leaf) -> list[Leaf]:
     """The leaves of a shared tree as records with their paths, in order."""
-    out: list[Leaf] = []
-
-    def walk(node: Node | Leaf, prefix: str) -> None:
-        if type(node) is Leaf:
-            out.append(node._replace(path=prefix))
-            return
-        assert type(node) is Node
-        sep = "/" if prefix else ""
-        for k, child in zip(node.keys, node.children, strict=True):
-            walk(child, f"{prefix}{sep}{k}")
-
-    walk(tree, "")
-    return out
+    return [leaf._replace(path=path) for path, leaf in _walk(tree)]
 
 
 class Decisions(Sequence[Decision]):
