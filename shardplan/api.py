@@ -275,6 +275,7 @@ def lower(
     from shardplan.core.lowering import lower as lower_plan
     from shardplan.runtime import model as model_mod
     from shardplan.runtime import specs, tree
+    from shardplan.runtime.backends.shard_map import params_only
 
     p = _plan(plan, mesh)
     factory = model_mod.load_factory(model)
@@ -283,6 +284,7 @@ def lower(
         devices = tree.device_count()
     sizes = p.mesh_shape(devices)
     abs_model, abs_opt = model_mod.abstract_model_and_optimizer(factory, tx)
+    params_only(abs_model)  # the runtime backend refuses these: never emit a module that fails when run
     params, opt = specs.resolve_model(p, abs_model, abs_opt, mesh=sizes)
     assert opt is not None
     if not batch:  # the batch axes are all the lowering needs: one leaf under the batch spec

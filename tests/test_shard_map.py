@@ -203,6 +203,27 @@ def test_model_with_non_param_state_cannot_be_lowered():
     assert "non-Param state" in str(info.value) and info.value.diagnostics[0].path.startswith("bn/")
 
 
+def test_lower_refuses_what_the_backend_refuses(tmp_path):
+    """`shardplan lower` of a model with RNG streams: the same cannot-lower error as the runtime
+    backend, not a module that then fails with a uint32 gradient TypeError."""
+    model = tmp_path / "with_rngs.py"
+    model.write_text(
+        "from flax import nnx\n"
+        "class M(nnx.Module):\n"
+        "    def __init__(self):\n"
+        "        self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))\n"
+        "        self.drop = nnx.Dropout(0.1, rngs=nnx.Rngs(dropout=1))\n"
+        "def make():\n"
+        "    return M()\n"
+    )
+    r = subprocess.run([sys.executable, "-m", "shardplan", "lower", str(PLANS / "dp.splan"), "--model",
+                        f"{model}:make", "--simulate-devices", "8", "-o", str(tmp_path / "step.py")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "error[cannot-lower]" in r.stderr and "non-Param state" in r.stderr
+    assert "drop/rngs" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "step.py").exists()
+
+
 def test_backend_line_in_plan_selects_shard_map():
     plan = shardplan.loads("mesh data = *\nbatch (data, _)\ndefault replicated\nbackend shard_map")
     model, optimizer, placement = shardplan.init_sharded(plan, models.gpt_tiny, optax.adam(1e-3))

@@ -75,7 +75,14 @@ def local_grads(lowering: Lowering, loss_fn: LossFn, gm) -> Callable:
     return fn
 
 
-def _params_only(model) -> None:
+def params_only(model) -> None:
+    """The shard_map backend differentiates and returns Params only: a model with other state
+    (batch statistics, RNG streams) cannot be lowered (also what ``shardplan lower`` checks, so
+    it never emits a module that fails when run).
+
+    Raises:
+        PlanApplyError: ``cannot-lower``, naming the first non-Param leaf.
+    """
     others = nnx.state(model, nnx.Not(nnx.Param))
     bad = ["/".join(map(str, k)) for k, _ in nnx.to_flat_state(others)]
     if bad:
@@ -96,7 +103,7 @@ class ShardMapStep:
     """Jitted step per batch structure (the in_specs depend on the batch's leaves)."""
 
     def __init__(self, placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any):
-        _params_only(model)
+        params_only(model)
         self.placement = placement
         self.loss_fn = loss_fn
         self.gm = nnx.graphdef(model)
