@@ -14,7 +14,7 @@ from examples import models
 from shardplan import api
 from shardplan.core import hlo
 from tests.fixtures import act_models as am
-from tests.helpers import FIXTURES, PLANS
+from tests.helpers import FIXTURES, PLANS, ROOT
 
 ACT = FIXTURES / "act_models.py"
 DP = 'plan "dp"\nmesh data = 4, model = 2\nbatch (data, _)\ndefault replicated\n'
@@ -214,3 +214,15 @@ def test_the_plan_splits_the_cache_of_a_model_with_k_v_projections_over_heads(tm
             logits = ref(np.asarray([seq], np.int32))
             seq.append(int(np.argmax(np.asarray(logits[0, -1]))))
         assert toks == seq[len(prompt):]
+
+
+def test_axis_rules_for_activations_are_checked_against_the_model(tmp_path):
+    """The Llama has no annotated params; its residual stream is constrained with logical names.
+    Without --step, a name written in the model's source counts as used; a misspelt one warns."""
+    model = f"{ROOT / 'examples' / 'models.py'}:llama_tiny"
+    clean = api.check(PLANS / "llama_sp.splan", model=model, devices=8)
+    assert [w for w in clean.warnings if w.code == "unused-axis-rule"] == []
+    typo = tmp_path / "typo.splan"
+    typo.write_text(f'extends "{PLANS / "llama_sp.splan"}"\naxis activation_lenght -> model\n')
+    warned = [w for w in api.check(typo, model=model, devices=8).warnings if w.code == "unused-axis-rule"]
+    assert [(w.span.line, "'activation_lenght'" in w.message) for w in warned] == [(2, True)]
