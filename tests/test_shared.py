@@ -184,3 +184,48 @@ def test_automaton_hits_equal_re2_full_matches(patterns, texts):
 )
 def test_regex_features_the_automaton_does_not_model_are_refused(pattern):
     assert Automaton.build([pattern]) is None
+
+
+def _both(plan_text, params, opt=None, **kw):
+    """(shared, leaf by leaf) outcomes for one plan and state; asserts the shared pass ran."""
+    plan = shardplan.loads(plan_text, "p.splan")
+    mesh = {"data": 2, "model": 4}
+    p, o = sp_tree.shared(params), sp_tree.shared(opt) if opt is not None else None
+    assert p is not None and (opt is None or o is not None)
+    assert leaves_of(p) == sp_tree.flatten(params)[0]
+    ol = sp_tree.flatten(opt)[0] if opt is not None else ()
+    got = outcome(lambda: resolve_tree(plan, mesh, p, o, **kw))
+    want = outcome(lambda: shardplan.resolve_leaves(plan, mesh, sp_tree.flatten(params)[0], ol, **kw))
+    return got, want
+
+
+X = jax.ShapeDtypeStruct((8, 16), np.float32)
+
+
+@pytest.mark.parametrize(
+    "text, params, opt",
+    [
+        # One optimizer subtree at two depths: each copy mirrors the param its own suffix names.
+        ('mesh data = 2, model = 4\nparam "w" (data, _)\ndefault replicated\n', {"w": X},
+         {"a": {"w": X}, "b": {"c": {"w": X}}}),
+        # A leading empty key adds nothing to the path ('w', not '/w').
+        ('mesh data = 2, model = 4\nparam "w" (_, model)\ndefault replicated\n', {"": {"w": X}}, None),
+        # An empty optimizer state (optax's EmptyState): no opt rule is 'unused'.
+        ('mesh data = 2, model = 4\nopt "x" replicated\ndefault replicated\n', {"w": X}, {"s": ()}),
+        # An act rule that matches only a subtree without arrays is unused, as leaf by leaf.
+        ('mesh data = 2, model = 4\nact "cache" (data, _)\ndefault replicated\n', {"m": {"w": X}, "cache": None},
+         None),
+    ],
+    ids=["subtree-at-two-depths", "empty-key", "empty-opt-state", "act-on-empty-subtree"],
+)
+def test_corner_cases_resolve_as_leaf_by_leaf(text, params, opt):
+    got, want = _both(text, params, opt)
+    assert got == want
+
+
+def test_defaultdict_paths_are_its_keys():
+    from collections import defaultdict
+
+    tree = {"x": defaultdict(list, a=X, b=X)}
+    shared = sp_tree.shared(tree)
+    assert shared is not None and [leaf.path for leaf in leaves_of(shared)] == ["x/a", "x/b"]

@@ -152,7 +152,7 @@ class Decisions(Sequence[Decision]):
     def __init__(self, records: list[Decision], paths: Callable[[], list[str]], cuts: dict[int, int]):
         self.records = records
         self._paths = paths
-        self._cuts = cuts  # id(record) -> components to drop from the path for a mirror origin
+        self._cuts = cuts  # id(record) -> for a mirror, how many of the path's last keys its origin is
         self._made: tuple[Decision, ...] | None = None
 
     def _all(self) -> tuple[Decision, ...]:
@@ -160,8 +160,8 @@ class Decisions(Sequence[Decision]):
             cuts = self._cuts
             out = []
             for path, r in zip(self._paths(), self.records, strict=True):
-                cut = cuts.get(id(r)) if cuts else None
-                origin = r.origin if cut is None else "/".join(path.split("/")[cut:])
+                keys = cuts.get(id(r)) if cuts else None  # a mirror: its param's path, the last keys
+                origin = r.origin if keys is None else "/".join(path.split("/")[-keys:])
                 out.append(Decision(path, r.shape, r.dtype, r.itemsize, r.spec, r.how, origin, r.role, r.shard_shape))
             self._made = tuple(out)
         return self._made

@@ -108,9 +108,9 @@ class _Walk:
         for k, child in zip(node.keys, node.children, strict=True):
             if "/" in k or k in kids:  # a path that does not split back into these keys
                 raise _Fallback
-            sub = self.params(
-                child, auto.step(state, f"/{k}" if depth else k), f"{path}/{k}" if depth else k, depth + 1
-            )
+            # Joined as paths() joins them: no '/' after an empty path (so a leading empty key
+            # adds nothing), and the automaton reads exactly that text.
+            sub = self.params(child, auto.step(state, f"/{k}" if path else k), f"{path}/{k}" if path else k, depth + 1)
             kids[k] = sub
             if type(sub) is _Sub:
                 flat.extend(sub.flat)
@@ -146,15 +146,18 @@ class _Walk:
         for k, child in zip(node.keys, node.children, strict=True):
             if "/" in k:
                 raise _Fallback
-            sub_align = tuple((x.kids[k], j) for x, j in align if type(x) is _Sub and k in x.kids)
-            if depth >= 1 and k in root.kids:
-                sub_align += ((root.kids[k], depth),)
+            # An alignment: a param subtree reached by a suffix of the path (one starting after a
+            # '/'), and how many keys that suffix has so far: relative, so a memoised subtree is
+            # right wherever it sits. The longest suffix comes first.
+            sub_align = tuple((x.kids[k], n + 1) for x, n in align if type(x) is _Sub and k in x.kids)
+            if path and k in root.kids:
+                sub_align += ((root.kids[k], 1),)
             sub = self.opt(
                 child,
-                auto.step(state, f"/{k}" if depth else k),
+                auto.step(state, f"/{k}" if path else k),
                 sub_align,
                 root,
-                f"{path}/{k}" if depth else k,
+                f"{path}/{k}" if path else k,
                 depth + 1,
             )
             if type(sub) is list:
@@ -184,7 +187,7 @@ class _Walk:
             raise _Fallback
         rec = d._replace(path="")
         self._hits("opt", self.oauto, state, leaf.path, rec)
-        if rec.how == "mirror":
+        if rec.how == "mirror":  # the mirrored param's path: the leaf path's last n keys
             self.cuts[id(rec)] = mirror[1]  # type: ignore[index]
         if self._warns(rec) or (
             rec.how in ("rule", "replicated")
@@ -228,18 +231,22 @@ def _module_hits(plan: Plan, tree: Tree) -> set[int]:
     auto = plan.rule_sets["act"].automaton()
     if auto is None:
         return _prefix_hits(plan, leaves_of(tree))
-    hit: set[int] = set()
+    hit: set[int] = set(auto.hits(auto.start))  # the root's path '' always counts
     seen: set[tuple[int, int]] = set()
 
-    def walk(node: Tree, state: int, depth: int) -> None:
-        if type(node) is not Node or (id(node), state) in seen:
+    def walk(node: Tree, state: int, path: str) -> None:
+        # A module path is a proper prefix of some leaf's: subtrees without leaves do not count.
+        if type(node) is not Node or not node.leaves or (id(node), state) in seen:
             return
         seen.add((id(node), state))
         hit.update(auto.hits(state))
         for k, child in zip(node.keys, node.children, strict=True):
-            walk(child, auto.step(state, f"/{k}" if depth else k), depth + 1)
+            walk(child, auto.step(state, f"/{k}" if path else k), f"{path}/{k}" if path else k)
 
-    walk(tree, auto.start, 0)
+    try:
+        walk(tree, auto.start, "")
+    except (Unsupported, RecursionError):
+        return _prefix_hits(plan, leaves_of(tree))
     return hit
 
 
@@ -323,7 +330,9 @@ def _shared(
             r.stacked_splits(pdec)
     if w.passes:
         r.opt_less_sharded(odec, {d.path: d for d in pdec})
-    if opt_state is not None:
+    if (
+        oflat and opt_state is not None
+    ):  # as leaf by leaf: an empty optimizer state (optax's EmptyState) has no usage to check
         r.usage("opt", "optimizer-state leaf", lambda: first_keys(opt_state, plan.rule_sets["opt"].key, SAMPLE))
     if w.passes:
         r.big_replicated(list(pdec if report_params else ()) + list(odec))

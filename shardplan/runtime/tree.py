@@ -8,6 +8,7 @@ so ``nnx.state(model)`` gives paths like ``blocks/3/attn/query/kernel``.
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Callable
 from typing import Any
@@ -197,8 +198,10 @@ MAX_CANDIDATES = 8  # equal-sized subtrees compared per lookup (more distinct on
 
 def _keys(typ: type, data: Any, n: int) -> tuple[str, ...] | None:
     """Child keys of a pytree node, as path components (None: a node only _walk handles)."""
-    if typ is dict or typ is nnx.State or (isinstance(typ, type) and issubclass(typ, dict)):
+    if typ is dict or typ is nnx.State or typ is collections.OrderedDict:
         keys = tuple(str(k) for k in data)
+    elif typ is collections.defaultdict:  # node data (default_factory, keys)
+        keys = tuple(str(k) for k in data[1])
     elif typ is list or typ is tuple:
         keys = tuple(str(i) for i in range(n))
     elif typ is type(None):
