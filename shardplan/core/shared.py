@@ -83,7 +83,7 @@ class _Walk:
         self.keys[id(rec)] = (kind, ruleset.key(path))
 
     # -- params -------------------------------------------------------------------------
-    def params(self, node: Tree, state: int, path: str, depth: int) -> _Sub | Decision:
+    def params(self, node: Tree, state: int, path: str) -> _Sub | Decision:
         key = (id(node), state)
         hit = self.pmemo.get(key)
         if hit is not None:
@@ -110,7 +110,7 @@ class _Walk:
                 raise _Fallback
             # Joined as paths() joins them: no '/' after an empty path (so a leading empty key
             # adds nothing), and the automaton reads exactly that text.
-            sub = self.params(child, auto.step(state, f"/{k}" if path else k), f"{path}/{k}" if path else k, depth + 1)
+            sub = self.params(child, auto.step(state, f"/{k}" if path else k), f"{path}/{k}" if path else k)
             kids[k] = sub
             if type(sub) is _Sub:
                 flat.extend(sub.flat)
@@ -130,7 +130,7 @@ class _Walk:
         return False
 
     # -- optimizer state ----------------------------------------------------------------
-    def opt(self, node: Tree, state: int, align: tuple, root: _Sub, path: str, depth: int) -> list[Decision] | Decision:
+    def opt(self, node: Tree, state: int, align: tuple, root: _Sub, path: str) -> list[Decision] | Decision:
         key = (id(node), state, tuple((id(x), j) for x, j in align))
         hit = self.omemo.get(key)
         if hit is not None:
@@ -158,7 +158,6 @@ class _Walk:
                 sub_align,
                 root,
                 f"{path}/{k}" if path else k,
-                depth + 1,
             )
             if type(sub) is list:
                 flat.extend(sub)
@@ -297,14 +296,14 @@ def _shared(
     r = _Resolver(plan, mesh, threshold)
     try:
         w = _Walk(r, threshold)
-        proot = w.params(params, w.pauto.start, "", 0)
+        proot = w.params(params, w.pauto.start, "")
         if opt_state is not None and type(proot) is not _Sub:
             raise _Fallback
         pflat: list[Decision] = proot.flat if isinstance(proot, _Sub) else [proot]
         oflat: list[Decision] = []
         if opt_state is not None:
             assert type(proot) is _Sub
-            sub = w.opt(opt_state, w.oauto.start, (), proot, "", 0)
+            sub = w.opt(opt_state, w.oauto.start, (), proot, "")
             oflat = sub if type(sub) is list else [sub]  # type: ignore[list-item]
     except (_Fallback, Unsupported, RecursionError):
         return None
