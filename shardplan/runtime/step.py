@@ -56,7 +56,9 @@ class TrainStep:
         self._traced = False
         # The activations the plan constrains (logical names, act rules, the mesh context).
         self.activations = Activations(placement.plan, placement.mesh, name)
-        self.fn = backends.get(name).build(placement, self.activations.wrap(loss_fn), model, optimizer)
+        # Both backends trace the loss over global values (shard_map partitions the traced program).
+        wrapped = self.activations.wrap(loss_fn, mesh_context=True)
+        self.fn = backends.get(name).build(placement, wrapped, model, optimizer)
 
     def _check_loss(self, model, batch) -> None:
         check_loss(self.activations.wrap(self.loss_fn, mesh_context=True), model, batch)

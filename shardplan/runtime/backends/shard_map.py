@@ -23,7 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.core.lowering import Collective, Lowering, lower
 from shardplan.errors import PlanApplyError, error
-from shardplan.runtime import specs
+from shardplan.core.leaves import records
+from shardplan.runtime import partition, specs
 from shardplan.runtime.placement import Placement, replicated
 
 LossFn = Callable[[Any, Any], jax.Array]
@@ -75,6 +76,14 @@ def local_grads(lowering: Lowering, loss_fn: LossFn, gm) -> Callable:
     return fn
 
 
+def _dims(dims, rank: int) -> partition.Dims:
+    return tuple(tuple(d) for d in dims) + ((),) * (rank - len(dims))
+
+
+def _pspec(dims: partition.Dims) -> P:
+    return P(*[None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims])
+
+
 def params_only(model) -> None:
     """The shard_map backend differentiates and returns Params only: a model with other state
     (batch statistics, RNG streams) cannot be lowered (also what ``shardplan lower`` checks, so
@@ -109,29 +118,45 @@ class ShardMapStep:
         self.gm = nnx.graphdef(model)
         self.go = nnx.graphdef(optimizer)
         self._cache: dict = {}
+        self.records: dict = {}
 
     def lowering(self, batch: Any) -> Lowering:
         p = self.placement
         return lower(p.plan, p.params, specs.resolve_batch(p.plan, batch, mesh=p.mesh_shape))
 
     def _jitted(self, batch: Any):
-        leaves, treedef = jax.tree_util.tree_flatten(batch)
-        key = (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
+        leaves, btree = jax.tree_util.tree_flatten(batch)
+        key = (btree, tuple((x.shape, str(x.dtype)) for x in leaves))
         if key in self._cache:
             return self._cache[key]
         p = self.placement
-        lowering = self.lowering(batch)
         batch_res = specs.resolve_batch(p.plan, batch, mesh=p.mesh_shape)
-        grads_fn = jax.shard_map(
-            local_grads(lowering, self.loss_fn, self.gm),
-            mesh=p.mesh,
-            in_specs=(p.params.specs, batch_res.specs),
-            out_specs=(P(), p.params.specs),
-        )
-        gm, go = self.gm, self.go
+        param_dims = [_dims(d.spec.dims, len(d.shape)) for d in records(p.params.decisions)]
+        batch_dims = [_dims(d.spec.dims, len(d.shape)) for d in records(batch_res.decisions)]
+        pspecs, bspecs = [_pspec(d) for d in param_dims], [_pspec(d) for d in batch_dims]
+        record = partition.Record()
+        gm, go, loss_fn, mesh_shape = self.gm, self.go, self.loss_fn, p.mesh_shape
 
         def step(sm, so, batch):
-            loss, grads = grads_fn(sm, batch)
+            flat, ptree = jax.tree_util.tree_flatten(sm)
+            bflat = jax.tree_util.tree_leaves(batch)
+
+            def loss_of(fp, fb):
+                return loss_fn(nnx.merge(gm, jax.tree_util.tree_unflatten(ptree, fp)),
+                               jax.tree_util.tree_unflatten(btree, fb))
+
+            abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+            babstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in bflat]
+            closed = jax.make_jaxpr(jax.value_and_grad(loss_of))(abstract, babstract)
+            fn = jax.shard_map(
+                partition.local_step(closed, mesh_shape, param_dims, batch_dims, record),
+                mesh=p.mesh,
+                in_specs=(pspecs, bspecs),
+                out_specs=(P(), pspecs),
+                check_vma=False,
+            )
+            loss, grads = fn(flat, bflat)
+            grads = jax.tree_util.tree_unflatten(ptree, grads)
             model, optimizer = nnx.merge(gm, sm), nnx.merge(go, so)
             optimizer.update(model, grads)
             return nnx.state(model), nnx.state(optimizer), loss
@@ -139,7 +164,13 @@ class ShardMapStep:
         out = (p.model_shardings(), p.opt_shardings(), replicated(p.mesh))
         fn = jax.jit(step, out_shardings=out, donate_argnums=(0, 1))
         self._cache[key] = fn
+        self.records[key] = record
         return fn
+
+    def record(self, batch: Any) -> partition.Record:
+        """What the per-device code traced for this batch structure issues (after a trace)."""
+        leaves, btree = jax.tree_util.tree_flatten(batch)
+        return self.records[(btree, tuple((x.shape, str(x.dtype)) for x in leaves))]
 
     def __call__(self, sm, so, batch):
         return self._jitted(batch)(sm, so, batch)

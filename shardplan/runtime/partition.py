@@ -1,0 +1,975 @@
+"""The step's computation lowered to per-device code: the shard_map backend's partitioner.
+
+The training step's forward and backward pass is traced once over global abstract values
+(a jaxpr: ``value_and_grad`` of the loss). Inside ``jax.shard_map`` the jaxpr is then run
+equation by equation on *local* shards: every value carries its layout (per dimension the
+mesh axes that split it, and the axes over which it is a pending partial sum), each op is
+given operands in a layout it can run on locally, and an explicit collective is issued
+only where the layout requires one:
+
+- a matmul contracting a dimension split on both sides (a row-parallel layer, a data
+  parallel weight gradient) runs locally and leaves a pending sum, reduced once where a
+  consumer needs the value whole: ``psum``, or ``psum_scatter`` where the consumer splits
+  a dimension over the same axis (an FSDP gradient, a sequence-parallel activation);
+- a column-parallel matmul (weight split on its output dim) stays split, and so does
+  attention with heads split over an axis;
+- an operand split where the op needs it whole is ``all_gather``-ed right before that op
+  (an FSDP weight before its matmul, and again in the backward pass: nothing keeps it);
+- a lookup in a table split over its rows is a masked local lookup and a pending sum;
+- an op with no local rule gets its operands whole (gathered) and runs replicated:
+  correct, and listed in :attr:`Partitioned.fallbacks` with its source line.
+
+Reductions over the batch become local reductions and a sum over the batch axes, so the
+loss is the global loss whatever it divides by (a padding-masked token count included).
+Every collective issued is recorded (kind, axes, per-device bytes in the convention of
+``shardplan.core.hlo``, why, source line): the prediction of the compiled step's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+Dims = tuple[tuple[str, ...], ...]
+
+_ELEMENTWISE = {
+    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
+    "clamp", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh", "digamma", "div", "eq", "erf",
+    "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le",
+    "lgamma", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or",
+    "population_count", "pow", "real", "reduce_precision", "rem", "round", "rsqrt", "select_n", "shift_left",
+    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient",
+    "sub", "tan", "tanh", "xor", "optimization_barrier",
+}  # fmt: skip
+# Linear in all operands together: a sum of partial sums is a partial sum.
+_LINEAR_ALL = {"add", "add_any", "sub", "neg", "convert_element_type", "copy", "copy_p", "reduce_precision"}
+_INLINE = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+
+
+@dataclass(frozen=True)
+class Issued:
+    """One collective the per-device code issues (per device, per step)."""
+
+    kind: str  # all-gather, reduce-scatter, all-reduce
+    axes: tuple[str, ...]
+    bytes: int  # all-gather: the gathered result; reduce-scatter: the operand; all-reduce: the buffer
+    count: int  # executions per step (a scan body's run once per iteration)
+    why: str
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """An op that had no local rule for its operands' layout and ran on whole (gathered) operands."""
+
+    op: str
+    source: str
+    why: str
+
+
+@dataclass
+class Record:
+    issued: list[Issued] = field(default_factory=list)
+    fallbacks: list[Fallback] = field(default_factory=list)
+
+    def summary(self) -> dict[str, dict[str, int]]:
+        """{kind: {"count", "bytes"}} per device per step, as ``shardplan.core.hlo.summarize``."""
+        out = {k: {"count": 0, "bytes": 0} for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all")}
+        for c in self.issued:
+            out[c.kind]["count"] += c.count
+            out[c.kind]["bytes"] += c.bytes
+        return out
+
+    def by_axes(self) -> dict[str, dict[str, int]]:
+        """{kind: {"axis,axis": bytes}} per device per step."""
+        out: dict[str, dict[str, int]] = {}
+        for c in self.issued:
+            key = ",".join(c.axes)
+            out.setdefault(c.kind, {})[key] = out.setdefault(c.kind, {}).get(key, 0) + c.bytes
+        return out
+
+
+@dataclass
+class V:
+    """A value in the per-device program: the local array (None in a dry run) and its layout."""
+
+    x: Any
+    shape: tuple[int, ...]
+    dtype: Any
+    dims: Dims
+    partial: frozenset[str] = frozenset()
+    act: bool = False  # derived from the batch (an activation), not only from params and constants
+
+
+def _t(dims) -> Dims:
+    return tuple(tuple(d) for d in dims)
+
+
+def _source(eqn: Any) -> str:
+    from shardplan.runtime.fast import _source as source
+
+    return source(eqn)
+
+
+class Partitioner:
+    """Runs a jaxpr on local shards under ``jax.shard_map`` (or, ``dry``, only its layouts)."""
+
+    def __init__(self, mesh: dict[str, int], record: Record | None = None, dry: bool = False):
+        self.mesh = dict(mesh)
+        self.record = record if record is not None else Record()
+        self.dry = dry
+        self.mult = 1
+        self.source = ""
+        self.op = ""
+        # Reductions and activation reshards done once per value; a stack, one level per nested
+        # trace (a scan or remat body), so a value made inside never leaks out of it.
+        self.caches: list[dict] = [{}]
+
+    def _cached(self, key: tuple) -> V | None:
+        for cache in reversed(self.caches):
+            hit = cache.get(key)
+            if hit is not None:
+                return hit[1]
+        return None
+
+    # -- layouts -------------------------------------------------------------------------
+    def n(self, axes) -> int:
+        return math.prod(self.mesh[a] for a in axes)
+
+    def local_shape(self, shape, dims) -> tuple[int, ...]:
+        return tuple(s // self.n(d) if d else s for s, d in zip(shape, dims, strict=True))
+
+    def nbytes(self, shape, dims, dtype) -> int:
+        return math.prod(self.local_shape(shape, dims)) * np.dtype(dtype).itemsize
+
+    def fits(self, shape, dims) -> bool:
+        return all(s % self.n(d) == 0 for s, d in zip(shape, dims, strict=True) if d)
+
+    def issue(self, kind: str, axes, nbytes: int, why: str = "") -> None:
+        if self.dry or not axes:
+            return
+        self.record.issued.append(
+            Issued(kind, tuple(axes), nbytes * self.mult, self.mult, why or self.op, self.source)
+        )
+
+    def index(self, axes) -> Any:
+        """This device's linear index over ``axes`` (the first the major one)."""
+        idx = jnp.int32(0)
+        for a in axes:
+            idx = idx * self.mesh[a] + jax.lax.axis_index(a)
+        return idx
+
+    # -- collectives ---------------------------------------------------------------------
+    def resolve(self, v: V, target: Dims | None = None, keep: frozenset[str] = frozenset()) -> V:
+        """``v`` with its pending sums done (except ``keep``): ``psum_scatter`` over a partial
+        axis that ``target`` adds next to a dimension, ``psum`` over the rest."""
+        todo = v.partial - keep
+        if not todo:
+            return v
+        key = ("resolve", id(v), target, keep)
+        hit = self._cached(key)
+        if hit is not None:
+            return hit
+        out = self._resolve(v, todo, target, keep)
+        self.caches[-1][key] = (v, out)
+        return out
+
+    def _resolve(self, v: V, todo: frozenset[str], target: Dims | None, keep: frozenset[str]) -> V:
+        dims = [list(d) for d in v.dims]
+        x = v.x
+        if target is not None:
+            for i, t in enumerate(target):
+                while (
+                    len(dims[i]) < len(t)
+                    and list(t[: len(dims[i])]) == dims[i]
+                    and t[len(dims[i])] in todo
+                    and v.shape[i] % self.n((*dims[i], t[len(dims[i])])) == 0
+                    and all(t[len(dims[i])] not in d for d in dims)
+                ):
+                    a = t[len(dims[i])]
+                    self.issue("reduce-scatter", (a,), self.nbytes(v.shape, dims, v.dtype))
+                    if not self.dry:
+                        x = jax.lax.psum_scatter(x, a, scatter_dimension=i, tiled=True)
+                    dims[i].append(a)
+                    todo = todo - {a}
+        if todo:
+            rest = tuple(a for a in self.mesh if a in todo)
+            self.issue("all-reduce", rest, self.nbytes(v.shape, dims, v.dtype))
+            if not self.dry:
+                x = jax.lax.psum(x, rest)
+        return V(x, v.shape, v.dtype, _t(dims), frozenset(v.partial & keep), v.act)
+
+    def to(self, v: V, target: Dims, keep_partial: bool = False) -> V:
+        """``v`` laid out as ``target``: pending sums reduced (scattered where the target splits),
+        axes the target drops gathered (``all_gather``), axes it adds sliced locally."""
+        target = _t(target)
+        adds = {a for d in target for a in d}
+        v = self.resolve(v, target, keep=(v.partial - adds) if keep_partial else frozenset())
+        if v.dims == target:
+            return v
+        key = ("to", id(v), target)
+        hit = self._cached(key) if v.act else None
+        if hit is not None:
+            return hit
+        out = self._to(v, target)
+        if v.act:
+            self.caches[-1][key] = (v, out)
+        return out
+
+    def _to(self, v: V, target: Dims) -> V:
+        dims = [list(d) for d in v.dims]
+        x = v.x
+        # Gather what the target does not keep as a prefix, minor axes first.
+        for i, (cur, tgt) in enumerate(zip(v.dims, target, strict=True)):
+            k = 0
+            while k < len(cur) and k < len(tgt) and cur[k] == tgt[k]:
+                k += 1
+            drop = cur[k:]
+            if drop:
+                dims[i] = list(cur[:k])
+                self.issue("all-gather", drop, self.nbytes(v.shape, dims, v.dtype))
+                if not self.dry:
+                    x = jax.lax.all_gather(x, drop if len(drop) > 1 else drop[0], axis=i, tiled=True)
+        # Slice what it adds (the value is replicated over those axes: free).
+        for i, tgt in enumerate(target):
+            add = tgt[len(dims[i]) :]
+            if add:
+                if any(a in d for d in dims for a in add) or any(a in v.partial for a in add):
+                    raise AssertionError(f"cannot slice {add} into {v.dims} (partial {set(v.partial)})")
+                if not self.dry:
+                    size = x.shape[i] // self.n(add)
+                    x = jax.lax.dynamic_slice_in_dim(x, self.index(add) * size, size, axis=i)
+                dims[i] = list(tgt)
+        return V(x, v.shape, v.dtype, _t(dims), v.partial, v.act)
+
+    def whole(self, v: V) -> V:
+        return self.to(v, ((),) * len(v.shape))
+
+    # -- running -------------------------------------------------------------------------
+    def run(self, jaxpr: Any, consts: list, args: list[V]) -> list[V]:
+        env: dict[Any, V] = {}
+        for var, c in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = self.const(c)
+        for var, a in zip(jaxpr.invars, args, strict=True):
+            env[var] = a
+        for eqn in jaxpr.eqns:
+            ins = [self.read(env, x) for x in eqn.invars]
+            self.source, self.op = _source(eqn), eqn.primitive.name
+            outs = self.eqn(eqn, ins)
+            for var, val in zip(eqn.outvars, outs, strict=True):
+                if not isinstance(var, jcore.DropVar):
+                    env[var] = val
+        return [self.read(env, x) for x in jaxpr.outvars]
+
+    def const(self, c: Any) -> V:
+        a = np.asarray(c) if not hasattr(c, "shape") else c
+        shape = tuple(a.shape)
+        return V(None if self.dry else c, shape, a.dtype, ((),) * len(shape))
+
+    def read(self, env: dict, x: Any) -> V:
+        if isinstance(x, jcore.Literal):
+            shape = tuple(getattr(x.aval, "shape", ()))
+            return V(None if self.dry else x.val, shape, x.aval.dtype, ((),) * len(shape))
+        return env[x]
+
+    def out(self, eqn: Any, dims_list, partials=None, act: bool = False, xs=None) -> list[V]:
+        outs = []
+        for k, o in enumerate(eqn.outvars):
+            aval = o.aval
+            shape = tuple(getattr(aval, "shape", ()))
+            p = partials[k] if partials is not None else frozenset()
+            outs.append(V(None if xs is None else xs[k], shape, aval.dtype, _t(dims_list[k]), frozenset(p), act))
+        return outs
+
+    def bind(self, eqn: Any, xs: list, **changes) -> list | None:
+        if self.dry:
+            return None
+        params = {**eqn.params, **changes}
+        try:
+            res = eqn.primitive.bind(*xs, **params)
+        except Exception as e:
+            raise RuntimeError(f"{eqn} with {[getattr(x, 'shape', None) for x in xs]}") from e
+        return list(res) if eqn.primitive.multiple_results else [res]
+
+    def eqn(self, eqn: Any, ins: list[V]) -> list[V]:
+        name = eqn.primitive.name
+        if name in _INLINE:
+            return self.inline(eqn, ins)
+        if name in ("remat2", "checkpoint"):
+            return self.remat(eqn, ins)
+        if name == "scan":
+            return self.scan(eqn, ins)
+        if name in _ELEMENTWISE and all(len(v.shape) in (0, len(eqn.outvars[0].aval.shape)) for v in ins):
+            return self.elementwise(eqn, ins)
+        rule = getattr(self, "op_" + name.replace("-", "_"), None)
+        if rule is not None:
+            got = rule(eqn, ins)
+            if got is not None:
+                return got
+        return self.fallback(eqn, ins, f"no local rule for {name}" if rule is None else "operands' layout")
+
+    def fallback(self, eqn: Any, ins: list[V], why: str) -> list[V]:
+        """Operands whole (sums done, splits gathered), the op run as traced: replicated outputs."""
+        if any(v.dims != ((),) * len(v.shape) or v.partial for v in ins):
+            self.record.fallbacks.append(Fallback(eqn.primitive.name, self.source, why)) if not self.dry else None
+        whole = [self.whole(v) for v in ins]
+        xs = self.bind(eqn, [v.x for v in whole])
+        act = any(v.act for v in ins)
+        return self.out(eqn, [((),) * len(getattr(o.aval, "shape", ())) for o in eqn.outvars], act=act, xs=xs)
+
+    # -- structure -------------------------------------------------------------------------
+    def inline(self, eqn: Any, ins: list[V]) -> list[V]:
+        closed = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
+        consts = list(getattr(closed, "consts", ()))
+        n = len(jaxpr.invars)
+        return self.run(jaxpr, consts, ins[:n])
+
+    def remat(self, eqn: Any, ins: list[V]) -> list[V]:
+        jaxpr = eqn.params["jaxpr"]
+        if self.dry:
+            return self.run(jaxpr, [], ins)
+        layouts: list[V] = []
+
+        def body(*xs):
+            vals = [V(x, v.shape, v.dtype, v.dims, v.partial, v.act) for x, v in zip(xs, ins, strict=True)]
+            self.caches.append({})
+            try:
+                outs = self.run(jaxpr, [], vals)
+            finally:
+                self.caches.pop()
+            layouts[:] = outs
+            return [o.x for o in outs]
+
+        fn = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
+        xs = fn(*[v.x for v in ins])
+        return [V(x, o.shape, o.dtype, o.dims, o.partial, o.act) for x, o in zip(xs, layouts, strict=True)]
+
+    def scan(self, eqn: Any, ins: list[V]) -> list[V]:
+        p = eqn.params
+        closed, nc, ncarry, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
+        consts, carry, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
+        carry = [self.resolve(c) for c in carry]
+        # The scanned dim of each xs whole (each iteration reads one slice).
+        xs = [self.to(x, ((), *x.dims[1:]), keep_partial=True) if x.dims and x.dims[0] else x for x in xs]
+        xs = [self.resolve(x) for x in xs]
+
+        def sliced(v: V, x: Any = None) -> V:
+            return V(x, v.shape[1:], v.dtype, v.dims[1:], v.partial, v.act)
+
+        # Carry layouts: a fixed point of the body (a carry changing layout is made less split).
+        dims = [c.dims for c in carry]
+        dry = Partitioner(self.mesh, Record(), dry=True)
+        for _ in range(8):
+            vals = [V(None, c.shape, c.dtype, d, frozenset(), c.act) for c, d in zip(carry, dims, strict=True)]
+            outs = dry.run(closed.jaxpr, list(closed.consts), [*consts, *vals, *[sliced(x) for x in xs]])
+            new = [_common(d, o.dims) for d, o in zip(dims, outs[:ncarry], strict=True)]
+            acts = [c.act or o.act for c, o in zip(carry, outs[:ncarry], strict=True)]
+            if new == dims:
+                break
+            dims = new
+        else:
+            dims = [((),) * len(c.shape) for c in carry]
+        carry = [self.to(c, d) for c, d in zip(carry, dims, strict=True)]
+        carry = [V(c.x, c.shape, c.dtype, c.dims, c.partial, a) for c, a in zip(carry, acts, strict=True)]
+        ys_layout: list[V] = []
+        outer_mult = self.mult
+        self.mult = outer_mult * length
+
+        def body(c, x):
+            cv = [V(a, v.shape, v.dtype, v.dims, v.partial, v.act) for a, v in zip(c, carry, strict=True)]
+            xv = [sliced(v, a) for a, v in zip(x, xs, strict=True)]
+            self.caches.append({})
+            try:
+                outs = self.run(closed.jaxpr, list(closed.consts), [*consts, *cv, *xv])
+                new_c = [self.to(o, d) for o, d in zip(outs[:ncarry], dims, strict=True)]
+                ys = [self.resolve(o) for o in outs[ncarry:]]
+            finally:
+                self.caches.pop()
+            ys_layout[:] = ys
+            return [v.x for v in new_c], [v.x for v in ys]
+
+        try:
+            if self.dry:
+                body([None] * len(carry), [None] * len(xs))
+                c_out, y_out = [None] * len(carry), [None] * len(ys_layout)
+            else:
+                c_out, y_out = jax.lax.scan(
+                    body,
+                    [c.x for c in carry],
+                    [x.x for x in xs],
+                    length=length,
+                    reverse=p["reverse"],
+                    unroll=p["unroll"],
+                )
+        finally:
+            self.mult = outer_mult
+        outs = [V(x, c.shape, c.dtype, c.dims, frozenset(), c.act) for x, c in zip(c_out, carry, strict=True)]
+        for y, lay in zip(y_out, ys_layout, strict=True):
+            outs.append(V(y, (length, *lay.shape), lay.dtype, ((), *lay.dims), frozenset(), lay.act))
+        return outs
+
+    # -- elementwise -----------------------------------------------------------------------
+    def elementwise(self, eqn: Any, ins: list[V]) -> list[V]:
+        name = eqn.primitive.name
+        shape = tuple(eqn.outvars[0].aval.shape)
+        act = any(v.act for v in ins)
+        full = [i for i, v in enumerate(ins) if len(v.shape) == len(shape) and shape]
+        scal = [i for i in range(len(ins)) if i not in full]
+        partials = {ins[i].partial for i in full}
+        keep: frozenset[str] = frozenset()
+        if len(partials) == 1 and not any(ins[i].partial for i in scal):
+            only = next(iter(partials))
+            if only and name in _LINEAR_ALL:
+                keep = only
+        if name == "mul" and len(ins) == 2 and not keep:
+            ps = [v.partial for v in ins]
+            if bool(ps[0]) != bool(ps[1]):
+                keep = ps[0] or ps[1]
+        if name == "div" and ins[0].partial and not ins[1].partial:
+            keep = ins[0].partial
+        # The layout: the most split operand's, extended by other operands' splits where free.
+        if full:
+            base = max(full, key=lambda i: (self.n(tuple(a for d in ins[i].dims for a in d)), ins[i].act))
+            target = [list(d) for d in ins[base].dims]
+            used = {a for d in target for a in d}
+            for i in full:
+                for j, d in enumerate(ins[i].dims):
+                    if d and not target[j] and not (set(d) & used) and shape[j] % self.n(d) == 0 and (
+                        ins[i].shape[j] == shape[j]
+                    ):
+                        target[j] = list(d)
+                        used |= set(d)
+            tgt = _t(target)
+            if used & keep:
+                keep = frozenset()
+        vals = []
+        for i, v in enumerate(ins):
+            if i in full:
+                own = tuple(t if v.shape[j] == shape[j] else () for j, t in enumerate(tgt))
+                vals.append(self.to(v, own, keep_partial=bool(keep) and v.partial == keep))
+            else:
+                vals.append(self.resolve(v, keep=keep if v.partial == keep else frozenset()))
+        xs = self.bind(eqn, [v.x for v in vals])
+        out_dims = tgt if full else ((),) * len(shape)
+        return self.out(eqn, [out_dims], [keep], act=act, xs=xs)
+
+    # -- shapes ----------------------------------------------------------------------------
+    def op_broadcast_in_dim(self, eqn: Any, ins: list[V]) -> list[V] | None:
+        v, rest = ins[0], ins[1:]
+        if rest:  # dynamic shapes
+            return None
+        shape = tuple(eqn.params["shape"])
+        dims: list[tuple[str, ...]] = [()] * len(shape)
+        for i, j in enumerate(eqn.params["broadcast_dimensions"]):
+            if v.shape[i] == shape[j]:
+                dims[j] = v.dims[i]
+        xs = self.bind(eqn, [v.x], shape=self.local_shape(shape, dims), sharding=None)
+        return self.out(eqn, [dims], [v.partial], act=v.act, xs=xs)
+
+    def op_transpose(self, eqn: Any, ins: list[V]) -> list[V]:
+        v = ins[0]
+        perm = eqn.params["permutation"]
+        xs = self.bind(eqn, [v.x])
+        return self.out(eqn, [tuple(v.dims[p] for p in perm)], [v.partial], act=v.act, xs=xs)
+
+    def op_squeeze(self, eqn: Any, ins: list[V]) -> list[V]:
+        v = ins[0]
+        gone = {d % len(v.shape) for d in eqn.params["dimensions"]}
+        xs = self.bind(eqn, [v.x])
+        return self.out(eqn, [tuple(d for i, d in enumerate(v.dims) if i not in gone)], [v.partial], v.act, xs)
+
+    def op_reshape(self, eqn: Any, ins: list[V]) -> list[V] | None:
+        v = ins[0]
+        if eqn.params.get("dimensions") is not None or len(ins) > 1:
+            return None
+        shape = tuple(eqn.params["new_sizes"])
+        groups = _groups(v.shape, shape)
+        if groups is None:
+            return None
+        need = [list(d) for d in v.dims]
+        out: list[tuple[str, ...]] = [()] * len(shape)
+        for ii, jj in groups:
+            split = [i for i in ii if v.dims[i]]
+            if not split:
+                continue
+            if len(ii) == 1 and jj:  # one dim split into several: the major output dim keeps the split
+                i = ii[0]
+                j = jj[0]
+                if shape[j] % self.n(v.dims[i]) == 0:
+                    out[j] = v.dims[i]
+                else:
+                    need[i] = []
+            elif len(jj) == 1:  # several dims merged into one: only the major one may be split
+                first = next(i for i in ii if v.shape[i] != 1)
+                for i in split:
+                    if i != first:
+                        need[i] = []
+                out[jj[0]] = tuple(need[first])
+            else:
+                for i in split:
+                    need[i] = []
+        v = self.to(v, _t(need), keep_partial=True)
+        xs = self.bind(eqn, [v.x], new_sizes=self.local_shape(shape, out), sharding=None)
+        return self.out(eqn, [out], [v.partial], v.act, xs)
+
+    def op_iota(self, eqn: Any, ins: list[V]) -> list[V]:
+        xs = self.bind(eqn, [])
+        return self.out(eqn, [((),) * len(eqn.params["shape"])], xs=xs)
+
+    def _unsplit(self, eqn: Any, ins: list[V], which: set[int], first: int = 1) -> tuple[V, list[V]]:
+        v = ins[0]
+        v = self.to(v, tuple(() if i in which else d for i, d in enumerate(v.dims)), keep_partial=True)
+        rest = [self.resolve(x) for x in ins[first:]]
+        rest = [self.whole(x) for x in rest]
+        return v, rest
+
+    def op_slice(self, eqn: Any, ins: list[V]) -> list[V]:
+        v = ins[0]
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        strides = eqn.params["strides"] or (1,) * len(v.shape)
+        cut = {i for i in range(len(v.shape)) if (start[i], limit[i], strides[i]) != (0, v.shape[i], 1)}
+        v, _ = self._unsplit(eqn, ins, cut)
+        loc = self.local_shape(v.shape, v.dims)
+        lim = tuple(loc[i] if i not in cut else limit[i] for i in range(len(loc)))
+        xs = self.bind(eqn, [v.x], limit_indices=lim)
+        return self.out(eqn, [v.dims], [v.partial], v.act, xs)
+
+    def op_pad(self, eqn: Any, ins: list[V]) -> list[V]:
+        cfg = eqn.params["padding_config"]
+        cut = {i for i, c in enumerate(cfg) if tuple(c) != (0, 0, 0)}
+        v, rest = self._unsplit(eqn, ins, cut)
+        if v.partial:
+            v = self.resolve(v)
+        xs = self.bind(eqn, [v.x, *[r.x for r in rest]])
+        return self.out(eqn, [v.dims], act=v.act or any(r.act for r in rest), xs=xs)
+
+    def op_split(self, eqn: Any, ins: list[V]) -> list[V]:
+        axis = eqn.params["axis"]
+        v, _ = self._unsplit(eqn, ins, {axis})
+        xs = self.bind(eqn, [v.x])
+        return self.out(eqn, [v.dims] * len(eqn.outvars), [v.partial] * len(eqn.outvars), v.act, xs)
+
+    def op_concatenate(self, eqn: Any, ins: list[V]) -> list[V]:
+        dim = eqn.params["dimension"]
+        base = max(ins, key=lambda v: (self.n(tuple(a for d in v.dims for a in d)), v.act))
+        tgt = tuple(() if i == dim else d for i, d in enumerate(base.dims))
+        vals = [self.to(v, tgt) for v in ins]
+        xs = self.bind(eqn, [v.x for v in vals])
+        return self.out(eqn, [tgt], act=any(v.act for v in ins), xs=xs)
+
+    def _along(self, eqn: Any, ins: list[V], axes) -> list[V]:
+        """Ops along some dims (cumsum, sort, argsort, rev): those dims whole, others stay split."""
+        which = {a % len(ins[0].shape) for a in axes}
+        vals = [self.to(self.resolve(v), tuple(() if i in which else d for i, d in enumerate(ins[0].dims)))
+                for v in ins]  # fmt: skip
+        xs = self.bind(eqn, [v.x for v in vals])
+        return self.out(eqn, [vals[0].dims] * len(eqn.outvars), act=any(v.act for v in ins), xs=xs)
+
+    def op_cumsum(self, eqn, ins):
+        return self._along(eqn, ins, (eqn.params["axis"],))
+
+    op_cumprod = op_cummax = op_cummin = op_cumlogsumexp = op_cumsum
+
+    def op_rev(self, eqn, ins):
+        return self._along(eqn, ins, eqn.params["dimensions"])
+
+    def op_sort(self, eqn, ins):
+        if any(v.shape != ins[0].shape for v in ins):
+            return None
+        return self._along(eqn, ins, (eqn.params["dimension"],))
+
+    # -- reductions ------------------------------------------------------------------------
+    def op_reduce_sum(self, eqn: Any, ins: list[V]) -> list[V]:
+        v = ins[0]
+        axes = tuple(eqn.params["axes"])
+        kept = [i for i in range(len(v.shape)) if i not in axes]
+        reduced = frozenset(a for i in axes for a in v.dims[i])
+        xs = self.bind(eqn, [v.x], out_sharding=None) if "out_sharding" in eqn.params else self.bind(eqn, [v.x])
+        return self.out(eqn, [tuple(v.dims[i] for i in kept)], [v.partial | reduced], v.act, xs)
+
+    def op_reduce_max(self, eqn: Any, ins: list[V]) -> list[V]:
+        v = self.resolve(ins[0])
+        axes = tuple(eqn.params["axes"])
+        kept = [i for i in range(len(v.shape)) if i not in axes]
+        reduced = tuple(a for a in self.mesh if any(a in v.dims[i] for i in axes))
+        changes = {"out_sharding": None} if "out_sharding" in eqn.params else {}
+        xs = self.bind(eqn, [v.x], **changes)
+        dims = tuple(v.dims[i] for i in kept)
+        if reduced:
+            o = eqn.outvars[0].aval
+            self.issue("all-reduce", reduced, self.nbytes(tuple(o.shape), dims, o.dtype))
+            if xs is not None:
+                red = jax.lax.pmax if eqn.primitive.name == "reduce_max" else jax.lax.pmin
+                xs = [red(xs[0], reduced)]
+        return self.out(eqn, [dims], act=v.act, xs=xs)
+
+    op_reduce_min = op_reduce_max
+
+    def op_argmax(self, eqn: Any, ins: list[V]) -> list[V]:
+        v = ins[0]
+        axes = set(eqn.params["axes"])
+        v = self.to(self.resolve(v), tuple(() if i in axes else d for i, d in enumerate(v.dims)))
+        xs = self.bind(eqn, [v.x])
+        return self.out(eqn, [tuple(d for i, d in enumerate(v.dims) if i not in axes)], act=v.act, xs=xs)
+
+    op_argmin = op_argmax
+
+    def op_reduce_and(self, eqn: Any, ins: list[V]) -> list[V]:
+        v = ins[0]
+        axes = set(eqn.params["axes"])
+        v = self.to(self.resolve(v), tuple(() if i in axes else d for i, d in enumerate(v.dims)))
+        xs = self.bind(eqn, [v.x])
+        return self.out(eqn, [tuple(d for i, d in enumerate(v.dims) if i not in axes)], act=v.act, xs=xs)
+
+    op_reduce_or = op_reduce_prod = op_reduce_xor = op_reduce_and
+
+    # -- matmul ----------------------------------------------------------------------------
+    def op_dot_general(self, eqn: Any, ins: list[V]) -> list[V]:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = ins
+        if lhs.partial and rhs.partial:
+            rhs = self.resolve(rhs)
+        ldims, rdims = [list(d) for d in lhs.dims], [list(d) for d in rhs.dims]
+        lfree = [i for i in range(len(lhs.shape)) if i not in lc and i not in lb]
+        rfree = [j for j in range(len(rhs.shape)) if j not in rc and j not in rb]
+        # Which side keeps its layout in a conflict: the activation (the batch's split), else the
+        # side whose gather would move more bytes.
+        lbytes = self.nbytes(lhs.shape, lhs.dims, lhs.dtype)
+        rbytes = self.nbytes(rhs.shape, rhs.dims, rhs.dtype)
+        keep_left = (lhs.act, lbytes) >= (rhs.act, rbytes)
+
+        def used(dims, skip):
+            return {a for k, d in enumerate(dims) if k != skip for a in d}
+
+        # Batch dims: both sides the same layout.
+        for i, j in zip(lb, rb, strict=True):
+            if ldims[i] != rdims[j]:
+                src = ldims[i] if keep_left else rdims[j]
+                ldims[i], rdims[j] = list(src), list(src)
+        # An axis a batch dim takes is given up by the other dims of that side.
+        for dims, bs in ((ldims, lb), (rdims, rb)):
+            taken = {a for i in bs for a in dims[i]}
+            for k in range(len(dims)):
+                if k not in bs:
+                    dims[k] = [a for a in dims[k] if a not in taken]
+        # Contracting dims: split alike on both sides -> local, and a pending sum.
+        for i, j in zip(lc, rc, strict=True):
+            if ldims[i] == rdims[j]:
+                continue
+            for _ in range(3):
+                a, b = ldims[i], rdims[j]
+                if a == b:
+                    break
+                if not a and not set(b) & (used(ldims, i) | lhs.partial):
+                    ldims[i] = list(b)
+                elif not b and not set(a) & (used(rdims, j) | rhs.partial):
+                    rdims[j] = list(a)
+                elif keep_left and b:
+                    rdims[j] = []
+                elif a:
+                    ldims[i] = []
+                else:
+                    rdims[j] = []
+            if ldims[i] != rdims[j]:
+                ldims[i], rdims[j] = [], []
+        contract = {a for i in lc for a in ldims[i]}
+        # Free dims: an axis splits one free dim of one side, and not the contraction or batch.
+        inner = {a for i in (*lc, *lb) for a in ldims[i]}
+        for i in lfree:
+            ldims[i] = [a for a in ldims[i] if a not in inner]
+        for j in rfree:
+            rdims[j] = [a for a in rdims[j] if a not in inner]
+        lf = {a for i in lfree for a in ldims[i]}
+        rf = {a for j in rfree for a in rdims[j]}
+        clash = lf & rf
+        if clash:
+            if keep_left:
+                for j in rfree:
+                    rdims[j] = [a for a in rdims[j] if a not in clash]
+            else:
+                for i in lfree:
+                    ldims[i] = [a for a in ldims[i] if a not in clash]
+        # An axis pending on one operand must not split the other (its blocks would not line up).
+        lt, rt = _t(ldims), _t(rdims)
+        # A pending sum over an axis that splits the other side would pair the wrong blocks.
+        if lhs.partial & {a for d in rt for a in d}:
+            lhs = self.resolve(lhs)
+        if rhs.partial & {a for d in lt for a in d}:
+            rhs = self.resolve(rhs)
+        l2 = self.to(lhs, lt, keep_partial=True)
+        r2 = self.to(rhs, rt, keep_partial=True)
+        partial = set(l2.partial | r2.partial | contract)
+        out_dims = [lt[i] for i in lb] + [lt[i] for i in lfree] + [rt[j] for j in rfree]
+        xs = self.bind(eqn, [l2.x, r2.x], out_sharding=None) if "out_sharding" in eqn.params else self.bind(
+            eqn, [l2.x, r2.x]
+        )
+        return self.out(eqn, [out_dims], [frozenset(partial)], act=lhs.act or rhs.act, xs=xs)
+
+    # -- constraints ------------------------------------------------------------------------
+    def op_sharding_constraint(self, eqn: Any, ins: list[V]) -> list[V]:
+        v = ins[0]
+        spec = getattr(eqn.params.get("sharding"), "spec", None)
+        if spec is None:
+            return [v]
+        unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
+        target = []
+        for i in range(len(v.shape)):
+            entry = spec[i] if i < len(spec) else None
+            if entry is unconstrained:
+                target.append(v.dims[i])
+                continue
+            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            target.append(tuple(a for a in names if a in self.mesh))
+        tgt = _t(target)
+        if not self.fits(v.shape, tgt):
+            return [v]
+        return [self.to(v, tgt)]
+
+    # -- lookups ---------------------------------------------------------------------------
+    def op_gather(self, eqn: Any, ins: list[V]) -> list[V] | None:
+        op, idx = ins
+        dn = eqn.params["dimension_numbers"]
+        sizes = tuple(eqn.params["slice_sizes"])
+        mode = eqn.params["mode"]
+        mode_name = getattr(mode, "name", str(mode))
+        if op.partial or idx.partial:
+            op, idx = self.resolve(op), self.resolve(idx)
+        r = len(op.shape)
+        out_rank = len(eqn.outvars[0].aval.shape)
+        batch_out = [k for k in range(out_rank) if k not in dn.offset_dims]
+        ib = list(range(len(idx.shape) - 1))  # indices batch dims, in order -> batch_out
+        idims = [list(d) for d in idx.dims[:-1]]
+        odims = [list(d) for d in op.dims]
+        # Operand batching dims follow the indices' layout.
+        for od, idd in zip(dn.operand_batching_dims, dn.start_indices_batching_dims, strict=True):
+            odims[od] = list(idims[idd])
+        masked: list[int] = []
+        for k, od in enumerate(dn.start_index_map):
+            if odims[od]:
+                if sizes[od] == 1 and od in dn.collapsed_slice_dims and self.fits(op.shape, _t(odims)):
+                    masked.append(k)
+                else:
+                    odims[od] = []
+        window = [d for d in range(r) if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+        for d in window:
+            if odims[d] and sizes[d] != op.shape[d]:
+                odims[d] = []
+        # An axis on the indices and on a window/indexed dim of the table: the table gives it up.
+        idx_axes = {a for d in idims for a in d}
+        for d in range(r):
+            if d not in dn.operand_batching_dims:
+                odims[d] = [a for a in odims[d] if a not in idx_axes]
+        masked = [k for k in masked if odims[dn.start_index_map[k]]]
+        if masked and mode_name == "FILL_OR_DROP" and not jnp.issubdtype(op.dtype, jnp.floating):
+            return None
+        op2 = self.to(op, _t(odims))
+        idx2 = self.to(idx, (*_t(idims), ()))
+        out_dims: list[tuple[str, ...]] = [()] * out_rank
+        for k, i in zip(batch_out, ib, strict=True):
+            out_dims[k] = tuple(idims[i])
+        for k, d in zip(dn.offset_dims, window, strict=True):
+            out_dims[k] = tuple(odims[d])
+        partial = frozenset(a for k in masked for a in odims[dn.start_index_map[k]])
+        act = op.act or idx.act
+        if self.dry:
+            return self.out(eqn, [out_dims], [partial], act)
+        loc_sizes = tuple(s // self.n(odims[d]) if d in window else s for d, s in enumerate(sizes))
+        if not masked:
+            xs = self.bind(eqn, [op2.x, idx2.x], slice_sizes=loc_sizes)
+            return self.out(eqn, [out_dims], [partial], act, xs)
+        indices = idx2.x
+        valid = None
+        gvalid = None
+        cols = []
+        for k, od in enumerate(dn.start_index_map):
+            col = indices[..., k]
+            if k in masked:
+                n = self.n(odims[od])
+                size = op.shape[od] // n
+                if mode_name == "CLIP":
+                    col = jnp.clip(col, 0, op.shape[od] - 1)
+                g_ok = (col >= 0) & (col < op.shape[od])
+                gvalid = g_ok if gvalid is None else gvalid & g_ok
+                local = col - self.index(odims[od]) * size
+                ok = (local >= 0) & (local < size)
+                valid = ok if valid is None else valid & ok
+                col = jnp.clip(local, 0, size - 1)
+            cols.append(col)
+        new_idx = jnp.stack(cols, axis=-1).astype(indices.dtype)
+        (res,) = self.bind(eqn, [op2.x, new_idx], slice_sizes=loc_sizes, mode=jax.lax.GatherScatterMode.CLIP)
+        bdims = tuple(batch_out)
+        mask = jax.lax.broadcast_in_dim(valid, res.shape, bdims)
+        res = jnp.where(mask, res, jnp.zeros((), res.dtype))
+        if mode_name == "FILL_OR_DROP":
+            fill = eqn.params.get("fill_value")
+            fill = jnp.nan if fill is None else fill
+            first = self.index(tuple(partial)) == 0
+            bad = jax.lax.broadcast_in_dim(~gvalid & first, res.shape, bdims)
+            res = jnp.where(bad, jnp.asarray(fill, res.dtype), res)
+        return self.out(eqn, [out_dims], [partial], act, [res])
+
+    def op_scatter_add(self, eqn: Any, ins: list[V]) -> list[V] | None:
+        op, idx, upd = ins
+        dn = eqn.params["dimension_numbers"]
+        if idx.partial:
+            return None
+        op = self.resolve(op)
+        r = len(op.shape)
+        uwin = list(dn.update_window_dims)
+        uscat = [k for k in range(len(upd.shape)) if k not in uwin]
+        owin = [d for d in range(r) if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+        # Indices and updates' scatter dims: the updates' layout (the activation's).
+        udims = [list(d) for d in upd.dims]
+        for n_, k in enumerate(uscat):  # the more split of updates and indices (slicing the other is free)
+            if self.n(tuple(idx.dims[n_])) > self.n(tuple(udims[k])) and not set(idx.dims[n_]) & upd.partial:
+                udims[k] = list(idx.dims[n_])
+        seen: set[str] = set()
+        for k in range(len(udims)):
+            udims[k] = [a for a in udims[k] if a not in seen]
+            seen |= set(udims[k])
+        idims = [list(udims[k]) for k in uscat] + [[]]
+        odims = [list(d) for d in op.dims]
+        for d, k in zip(owin, uwin, strict=True):
+            if udims[k] and op.shape[d] == upd.shape[k]:
+                odims[d] = list(udims[k])
+            else:
+                udims[k] = []
+                odims[d] = []
+        for od, idd in zip(dn.operand_batching_dims, dn.scatter_indices_batching_dims, strict=True):
+            odims[od] = list(idims[idd])
+        masked = [k for k, od in enumerate(dn.scatter_dims_to_operand_dims) if odims[od]]
+        if masked and any(od not in dn.inserted_window_dims for od in dn.scatter_dims_to_operand_dims if odims[od]):
+            for od in dn.scatter_dims_to_operand_dims:
+                odims[od] = []
+            masked = []
+        scat_axes = {a for d in idims for a in d}
+        for d in range(r):
+            if d not in dn.operand_batching_dims:
+                odims[d] = [a for a in odims[d] if a not in scat_axes]
+        masked = [k for k in masked if odims[dn.scatter_dims_to_operand_dims[k]]]
+        op2 = self.to(op, _t(odims))
+        idx2 = self.to(idx, _t(idims))
+        upd2 = self.to(upd, _t(udims), keep_partial=True)
+        batch_axes = {a for d in idims for a in d} - {a for od in dn.operand_batching_dims for a in odims[od]}
+        partial = frozenset(batch_axes | upd2.partial)
+        act = op.act or idx.act or upd.act
+        if self.dry:
+            return self.out(eqn, [op2.dims], [partial], act)
+        base = op2.x
+        if partial:
+            first = self.index(tuple(a for a in self.mesh if a in partial)) == 0
+            base = jnp.where(first, base, jnp.zeros((), base.dtype))
+        indices, updates = idx2.x, upd2.x
+        if masked:
+            cols, valid = [], None
+            for k, od in enumerate(dn.scatter_dims_to_operand_dims):
+                col = indices[..., k]
+                if k in masked:
+                    size = op.shape[od] // self.n(odims[od])
+                    local = col - self.index(odims[od]) * size
+                    ok = (local >= 0) & (local < size)
+                    valid = ok if valid is None else valid & ok
+                    col = jnp.clip(local, 0, size - 1)
+                cols.append(col)
+            indices = jnp.stack(cols, axis=-1).astype(indices.dtype)
+            mask = jax.lax.broadcast_in_dim(valid, updates.shape, tuple(uscat))
+            updates = jnp.where(mask, updates, jnp.zeros((), updates.dtype))
+        xs = self.bind(eqn, [base, indices, updates])
+        return self.out(eqn, [op2.dims], [partial], act, xs)
+
+
+def _common(a: Dims, b: Dims) -> Dims:
+    """The layout both ``a`` and ``b`` refine: per dim, their common leading axes."""
+    out = []
+    for x, y in zip(a, b, strict=True):
+        k = 0
+        while k < len(x) and k < len(y) and x[k] == y[k]:
+            k += 1
+        out.append(tuple(x[:k]))
+    return tuple(out)
+
+
+def _groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
+    """Dims of ``src`` and ``dst`` grouped where their running products meet (a reshape's blocks)."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        ii, jj = [], []
+        a = b = 1
+        if i < len(src):
+            a *= src[i]
+            ii.append(i)
+            i += 1
+        if j < len(dst):
+            b *= dst[j]
+            jj.append(j)
+            j += 1
+        while a != b:
+            if a < b and i < len(src):
+                a *= src[i]
+                ii.append(i)
+                i += 1
+            elif b < a and j < len(dst):
+                b *= dst[j]
+                jj.append(j)
+                j += 1
+            else:
+                return None
+        # Trailing size-1 dims join this group.
+        while i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            ii.append(i)
+            i += 1
+        while j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            jj.append(j)
+            j += 1
+        groups.append((ii, jj))
+    return groups
+
+
+@dataclass(frozen=True)
+class Partitioned:
+    """The per-device (loss, grads) function and what its trace issued."""
+
+    fn: Callable
+    record: Record
+
+
+def grads_program(loss_of: Callable, params: Any, batch: Any) -> tuple[Any, Any, Any]:
+    """The global jaxpr of ``value_and_grad(loss_of)(params, batch)`` and its output tree."""
+    closed, out_shape = jax.make_jaxpr(jax.value_and_grad(loss_of), return_shape=True)(params, batch)
+    return closed, out_shape
+
+
+def local_step(
+    closed: Any,
+    mesh: dict[str, int],
+    param_dims: list[Dims],
+    batch_dims: list[Dims],
+    record: Record,
+) -> Callable:
+    """The per-device function: (flat local params, flat local batch) -> (loss, flat local grads)."""
+
+    def fn(params: list, batch: list):
+        part = Partitioner(mesh, record)
+        record.issued.clear()
+        record.fallbacks.clear()
+        args = []
+        for x, d, var in zip(params, param_dims, closed.jaxpr.invars[: len(params)], strict=True):
+            args.append(V(x, tuple(var.aval.shape), var.aval.dtype, d))
+        for x, d, var in zip(batch, batch_dims, closed.jaxpr.invars[len(params) :], strict=True):
+            args.append(V(x, tuple(var.aval.shape), var.aval.dtype, d, act=True))
+        outs = part.run(closed.jaxpr, list(closed.consts), args)
+        part.source, part.op = "", "gradient"
+        loss = part.whole(outs[0])
+        grads = [part.to(g, d) for g, d in zip(outs[1:], param_dims, strict=True)]
+        return loss.x, [g.x for g in grads]
+
+    return fn
