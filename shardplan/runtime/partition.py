@@ -214,13 +214,14 @@ class Partitioner:
         v = self.resolve(v, target, keep=(v.partial - adds) if keep_partial else frozenset())
         if v.dims == target:
             return v
+        # Once per value and layout: XLA merges equal collectives of one operand (CSE), so a
+        # weight gathered for the forward pass is the one the backward pass reuses.
         key = ("to", id(v), target)
-        hit = self._cached(key) if v.act else None
+        hit = self._cached(key)
         if hit is not None:
             return hit
         out = self._to(v, target)
-        if v.act:
-            self.caches[-1][key] = (v, out)
+        self.caches[-1][key] = (v, out)
         return out
 
     def _to(self, v: V, target: Dims) -> V:
