@@ -72,7 +72,8 @@ def _step_setup(plan_name: str, backend: str, cfg, batch: int, devices=None, han
     if devices is not None:
         plan = shardplan.with_mesh(plan, {a: 1 for a in plan.axis_names})
     mesh = shardplan.make_mesh(plan, devices=devices)
-    model, optimizer, placement = shardplan.init_sharded(plan, lambda: models.GPT(cfg, nnx.Rngs(0)),
+    family = models.Llama if isinstance(cfg, models.LlamaConfig) else models.GPT
+    model, optimizer, placement = shardplan.init_sharded(plan, lambda: family(cfg, nnx.Rngs(0)),
                                                          optax.adamw(1e-3), mesh=mesh)
     data = example.synthetic_batch(np.random.default_rng(0), cfg.vocab, batch, cfg.max_len)
     step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend=backend)
@@ -124,13 +125,32 @@ def bench_steps(quick: bool) -> dict:
     cfg = models.TINY if quick else models.GPTConfig(vocab=256, d_model=128, n_heads=8, d_ff=512, n_layers=4,
                                                      max_len=64)
     steps, repeat = (2, 1) if quick else (10, 5)
+    llama = models.LLAMA_TINY if quick else models.LLAMA_SMALL
+    llama_scan = models.LlamaConfig(**{**llama.__dict__, "scan_layers": True})
+    pairs = [("gpt", cfg, p) for p in ("dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan")]
+    pairs += [("llama", llama, p) for p in ("dp.splan", "fsdp.splan", "llama_tp.splan")]
+    pairs += [("llama scanned", llama_scan, "llama_scan_2d.splan")]
     rows = []
-    for plan in ("dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan"):
-        t_auto, t_hand, t_sm = _time_steps([_step_setup(plan, "auto", cfg, 32),
-                                            _step_setup(plan, "auto", cfg, 32, hand=True),
-                                            _step_setup(plan, "shard_map", cfg, 32)], steps, repeat)
-        rows.append({"plan": plan, "auto_ms": 1e3 * t_auto, "hand_ms": 1e3 * t_hand, "shard_map_ms": 1e3 * t_sm,
-                     "auto_vs_hand": t_auto / t_hand, "shard_map_vs_auto": t_sm / t_auto})
+    for family, c, plan in pairs:
+        setups = [_step_setup(plan, "auto", c, 32), _step_setup(plan, "auto", c, 32, hand=True),
+                  _step_setup(plan, "shard_map", c, 32)]
+        t_auto, t_hand, t_sm = _time_steps(setups, steps, repeat)
+        mem = {}
+        for name, setup in (("auto", setups[0]), ("shard_map", setups[2])):
+            _, step, model, optimizer, data = setup
+            mem[name] = _peak(step.lower(model, optimizer, data).compile())
+        rows.append({"plan": plan, "model": family, "auto_ms": 1e3 * t_auto, "hand_ms": 1e3 * t_hand,
+                     "shard_map_ms": 1e3 * t_sm, "auto_vs_hand": t_auto / t_hand, "shard_map_vs_auto": t_sm / t_auto,
+                     "auto_peak": mem["auto"], "shard_map_peak": mem["shard_map"],
+                     "peak_ratio": mem["shard_map"] / mem["auto"]})
+    # The Llama under FSDP: the partitioned step's peak vs the gather-whole lowering it replaced.
+    from shardplan.runtime.backends import shard_map as sm_backend
+
+    _, step, model, optimizer, data = _step_setup("fsdp.splan", "shard_map", llama, 32)
+    whole = sm_backend.gather_whole_step(step.placement, example_loss(), model, optimizer, step.place(data))
+    whole_peak = _peak(whole.lower(nnx_state(model), nnx_state(optimizer), step.place(data)).compile())
+    fsdp_llama = {"partitioned_peak": _peak(step.lower(model, optimizer, data).compile()), "gather_whole_peak": whole_peak}
+    fsdp_llama["ratio"] = fsdp_llama["partitioned_peak"] / whole_peak
     scaling = []
     for batch in ((8, 32) if quick else (8, 32, 128, 512)):
         big = batch >= 512
@@ -138,7 +158,27 @@ def bench_steps(quick: bool) -> dict:
                               _step_setup("dp.splan", "auto", cfg, batch, devices=jax.devices()[:1])],
                              3 if big else steps, 2 if big else repeat)
         scaling.append({"batch": batch, "ms_8": 1e3 * t8, "ms_1": 1e3 * t1, "speedup_8_vs_1": t1 / t8})
-    return {"plans": rows, "scaling": scaling, "config": cfg.__dict__}
+    return {"plans": rows, "scaling": scaling, "config": cfg.__dict__, "llama_config": llama.__dict__,
+            "fsdp_llama": fsdp_llama}
+
+
+def _peak(compiled) -> int:
+    """Per-device peak bytes: XLA:CPU's peak_memory_in_bytes leaves temporaries out, so arguments +
+    outputs - aliased + temporaries (as exact mode reads it)."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+def example_loss():
+    from examples import train as example
+
+    return example.lm_loss
+
+
+def nnx_state(x):
+    from flax import nnx
+
+    return nnx.state(x)
 
 
 # -- 4. cost model accuracy -------------------------------------------------------------------
@@ -443,6 +483,14 @@ def main(argv=None) -> int:
             checks.append(_check(f"fast vs exact {name}: {kind} bytes error", c["error"], 0.10, "<=", "{:.1%}"))
         checks.append(_check(f"fast vs exact {name}: peak memory error", row["peak_error"], 0.15, "<=", "{:.1%}"))
         checks.append(_check(f"fast vs exact {name}: FLOPs error", row["flops_error"], 0.02, "<=", "{:.2%}"))
+    for row in res["steps"]["plans"]:
+        name = f"{row['plan']} x {row['model']}"
+        checks.append(_check(f"step time shard_map / auto, {name}", row["shard_map_vs_auto"], 1.15, "<="))
+        if "fsdp" in row["plan"] or "2d" in row["plan"]:
+            checks.append(_check(f"peak memory shard_map / auto, {name}", row["peak_ratio"], 1.10, "<="))
+    fl = res["steps"]["fsdp_llama"]
+    checks.append(_check("peak memory, Llama under FSDP: partitioned shard_map step / gather-whole step",
+                         fl["ratio"], 0.5, "<"))
     sc = res["step_cost_scale"]
     checks.append(_check(f"fast mode {sc['model']} full step / nnx.eval_shape of the model", sc["ratio"], 2.0, "<="))
     for row in res["reshard"]["rows"]:
@@ -472,7 +520,7 @@ def main(argv=None) -> int:
     info.add_row("resolve, garbage collector running: shardplan / naive seconds",
                  f"{r['shardplan_gc_s']:.3f} / {r['naive_gc_s']:.3f} ({r['speedup_vs_naive_gc']:.1f}x)")
     for row in res["steps"]["plans"]:
-        info.add_row(f"step {row['plan']}: auto / hand / shard_map ms",
+        info.add_row(f"step {row['plan']} x {row['model']}: auto / hand / shard_map ms",
                      f"{row['auto_ms']:.1f} / {row['hand_ms']:.1f} / {row['shard_map_ms']:.1f} "
                      f"(shard_map / auto {row['shard_map_vs_auto']:.2f}x)")
     for row in res["steps"]["scaling"]:

@@ -563,21 +563,11 @@ def analyze(
     # Fail early, in this process, on what needs no devices: the batch must divide over its axes.
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":
-        if name != "auto":
-            raise as_error(
-                [
-                    error(
-                        "bad-argument",
-                        f"fast mode models the auto backend, not {name}",
-                        "add --compile for the shard_map backend's compiled program",
-                        path="--backend",
-                    )
-                ]
-            )
         from shardplan.runtime import fast
         from shardplan.runtime.model import load_factory
 
-        return fast.analyze(p, load_factory(model), load_factory(step, what="--step"), shapes, optimizer, sizes)
+        run = fast.analyze if name == "auto" else fast.analyze_shard_map
+        return run(p, load_factory(model), load_factory(step, what="--step"), shapes, optimizer, sizes)
     if n > MAX_SIMULATED_DEVICES:
         raise as_error(
             [

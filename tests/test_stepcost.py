@@ -155,9 +155,16 @@ def test_fast_mode_matches_exact_mode(model, plan):
     assert fast.memory.peak == pytest.approx(exact.memory.peak, rel=0.5)
 
 
-def test_fast_mode_is_only_for_the_auto_backend():
-    with pytest.raises(shardplan.ArgumentError, match="fast mode models the auto backend"):
-        analyze("dp.splan", mode="fast", backend="shard_map")
+@pytest.mark.parametrize("plan,model", [("gpt_2d.splan", "gpt_tiny"), ("llama_scan_2d.splan", "llama_tiny_scan")])
+def test_fast_mode_of_the_shard_map_backend_is_its_compiled_communication(plan, model):
+    """Fast mode for shard_map (the partitioner run dry, no devices) vs exact mode (XLA's compiled
+    shard_map step in a child process): every (kind, mesh axes) byte count equal."""
+    fast = analyze(plan, model, mode="fast", backend="shard_map")
+    exact = analyze(plan, model, mode="exact", backend="shard_map")
+    assert fast.backend == exact.backend == "shard_map" and fast.mode == "fast"
+    strip = lambda d: {k: {a: n for a, n in v.items() if n} for k, v in d.items() if any(v.values())}  # noqa: E731
+    assert strip(fast.bytes_by_axes()) == strip(exact.bytes_by_axes())
+    assert any("partitioned per-device code" in n for n in fast.notes)
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -172,16 +179,16 @@ def test_check_step_names_backend_and_mode_in_text_and_json():
     r = cli(*args, "--compile")
     assert r.returncode == 0, r.stderr
     assert "backend auto, exact mode (XLA's compiled program)" in r.stdout and "reduce-scatter" in r.stdout
-    assert "backend shard_map (its lowering, from specs alone)" in r.stdout
+    assert "the gather-whole lowering (shardplan lower's module, from specs" in r.stdout
     doc = json.loads(cli(*args, "--format", "json").stdout)
     assert doc["step_cost"]["mode"] == "fast" and doc["step_cost"]["backend"] == "auto"
-    assert doc["communication"]["backend"] == "shard_map"
+    assert doc["communication"]["backend"] == "gather-whole lowering"
     assert doc["step_cost"]["communication_per_device"]["by_kind"]["reduce-scatter"] > 0
 
 
 def test_without_a_step_check_says_the_table_is_not_the_auto_backends():
     r = cli(PLANS / "gpt_tp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8)
-    assert r.returncode == 0 and "runs on the auto backend, where XLA chooses the collectives" in r.stdout
+    assert r.returncode == 0 and "runs on the auto backend, which does not gather every param whole" in r.stdout
 
 
 # -- bad input ----------------------------------------------------------------------------------

@@ -121,10 +121,11 @@ def _source(eqn: Any) -> str:
 class Partitioner:
     """Runs a jaxpr on local shards under ``jax.shard_map`` (or, ``dry``, only its layouts)."""
 
-    def __init__(self, mesh: dict[str, int], record: Record | None = None, dry: bool = False):
+    def __init__(self, mesh: dict[str, int], record: Record | None = None, dry: bool = False, predict: bool = False):
         self.mesh = dict(mesh)
         self.record = record if record is not None else Record()
-        self.dry = dry
+        self.dry = dry or predict
+        self.predict = predict  # a dry run that records what it would issue (no devices needed)
         self.mult = 1
         self.source = ""
         self.op = ""
@@ -153,11 +154,9 @@ class Partitioner:
         return all(s % self.n(d) == 0 for s, d in zip(shape, dims, strict=True) if d)
 
     def issue(self, kind: str, axes, nbytes: int, why: str = "") -> None:
-        if self.dry or not axes:
+        if (self.dry and not self.predict) or not axes:
             return
-        self.record.issued.append(
-            Issued(kind, tuple(axes), nbytes * self.mult, self.mult, why or self.op, self.source)
-        )
+        self.record.issued.append(Issued(kind, tuple(axes), nbytes * self.mult, self.mult, why or self.op, self.source))
 
     def index(self, axes) -> Any:
         """This device's linear index over ``axes`` (the first the major one)."""
@@ -277,7 +276,7 @@ class Partitioner:
     def read(self, env: dict, x: Any) -> V:
         if isinstance(x, jcore.Literal):
             shape = tuple(getattr(x.aval, "shape", ()))
-            return V(None if self.dry else x.val, shape, x.aval.dtype, ((),) * len(shape))
+            return V(None if self.dry else x.val, shape, getattr(x.aval, "dtype", None), ((),) * len(shape))
         return env[x]
 
     def out(self, eqn: Any, dims_list, partials=None, act: bool = False, xs=None) -> list[V]:
@@ -319,7 +318,8 @@ class Partitioner:
     def fallback(self, eqn: Any, ins: list[V], why: str) -> list[V]:
         """Operands whole (sums done, splits gathered), the op run as traced: replicated outputs."""
         if any(v.dims != ((),) * len(v.shape) or v.partial for v in ins):
-            self.record.fallbacks.append(Fallback(eqn.primitive.name, self.source, why)) if not self.dry else None
+            if not self.dry or self.predict:
+                self.record.fallbacks.append(Fallback(eqn.primitive.name, self.source, why))
         whole = [self.whole(v) for v in ins]
         xs = self.bind(eqn, [v.x for v in whole])
         act = any(v.act for v in ins)
@@ -443,8 +443,12 @@ class Partitioner:
             used = {a for d in target for a in d}
             for i in full:
                 for j, d in enumerate(ins[i].dims):
-                    if d and not target[j] and not (set(d) & used) and shape[j] % self.n(d) == 0 and (
-                        ins[i].shape[j] == shape[j]
+                    if (
+                        d
+                        and not target[j]
+                        and not (set(d) & used)
+                        and shape[j] % self.n(d) == 0
+                        and (ins[i].shape[j] == shape[j])
                     ):
                         target[j] = list(d)
                         used |= set(d)
@@ -709,8 +713,10 @@ class Partitioner:
         r2 = self.to(rhs, rt, keep_partial=True)
         partial = set(l2.partial | r2.partial | contract)
         out_dims = [lt[i] for i in lb] + [lt[i] for i in lfree] + [rt[j] for j in rfree]
-        xs = self.bind(eqn, [l2.x, r2.x], out_sharding=None) if "out_sharding" in eqn.params else self.bind(
-            eqn, [l2.x, r2.x]
+        xs = (
+            self.bind(eqn, [l2.x, r2.x], out_sharding=None)
+            if "out_sharding" in eqn.params
+            else self.bind(eqn, [l2.x, r2.x])
         )
         return self.out(eqn, [out_dims], [frozenset(partial)], act=lhs.act or rhs.act, xs=xs)
 
@@ -787,8 +793,8 @@ class Partitioner:
             xs = self.bind(eqn, [op2.x, idx2.x], slice_sizes=loc_sizes)
             return self.out(eqn, [out_dims], [partial], act, xs)
         indices = idx2.x
-        valid = None
-        gvalid = None
+        valid: Any = None
+        gvalid: Any = None
         cols = []
         for k, od in enumerate(dn.start_index_map):
             col = indices[..., k]
@@ -805,7 +811,9 @@ class Partitioner:
                 col = jnp.clip(local, 0, size - 1)
             cols.append(col)
         new_idx = jnp.stack(cols, axis=-1).astype(indices.dtype)
-        (res,) = self.bind(eqn, [op2.x, new_idx], slice_sizes=loc_sizes, mode=jax.lax.GatherScatterMode.CLIP)
+        bound = self.bind(eqn, [op2.x, new_idx], slice_sizes=loc_sizes, mode=jax.lax.GatherScatterMode.CLIP)
+        assert bound is not None
+        res = bound[0]
         bdims = tuple(batch_out)
         mask = jax.lax.broadcast_in_dim(valid, res.shape, bdims)
         res = jnp.where(mask, res, jnp.zeros((), res.dtype))
@@ -870,7 +878,8 @@ class Partitioner:
             base = jnp.where(first, base, jnp.zeros((), base.dtype))
         indices, updates = idx2.x, upd2.x
         if masked:
-            cols, valid = [], None
+            cols: list = []
+            valid: Any = None
             for k, od in enumerate(dn.scatter_dims_to_operand_dims):
                 col = indices[..., k]
                 if k in masked:
@@ -943,10 +952,13 @@ class Partitioned:
     record: Record
 
 
-def grads_program(loss_of: Callable, params: Any, batch: Any) -> tuple[Any, Any, Any]:
-    """The global jaxpr of ``value_and_grad(loss_of)(params, batch)`` and its output tree."""
-    closed, out_shape = jax.make_jaxpr(jax.value_and_grad(loss_of), return_shape=True)(params, batch)
-    return closed, out_shape
+def predict(closed: Any, mesh: dict[str, int], param_dims: list[Dims], batch_dims: list[Dims]) -> Record:
+    """What the per-device code of ``closed`` issues on ``mesh``, from a dry run (no devices)."""
+    record = Record()
+    local_step(closed, mesh, param_dims, batch_dims, record, predict=True)(
+        [None] * len(param_dims), [None] * len(batch_dims)
+    )
+    return record
 
 
 def local_step(
@@ -955,11 +967,12 @@ def local_step(
     param_dims: list[Dims],
     batch_dims: list[Dims],
     record: Record,
+    predict: bool = False,
 ) -> Callable:
     """The per-device function: (flat local params, flat local batch) -> (loss, flat local grads)."""
 
     def fn(params: list, batch: list):
-        part = Partitioner(mesh, record)
+        part = Partitioner(mesh, record, predict=predict)
         record.issued.clear()
         record.fallbacks.clear()
         args = []

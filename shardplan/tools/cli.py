@@ -374,7 +374,7 @@ def cmd_lower(args, out: Console, err: Console) -> int:
         report.print_compiled_collectives(out, lowered.plan.name or args.plan, lowered.params.mesh, measured)
         predicted = predict(lowered.lowering)
         out.print(
-            "shard_map, predicted from the plan: "
+            "emitted module (gather-whole lowering), predicted from the plan: "
             + ", ".join(f"{k} {v['bytes']:,} B" for k, v in predicted.items() if v["bytes"]),
             markup=False,
         )

@@ -69,7 +69,10 @@ def _how(d: Decision) -> str:
     }[d.how]
 
 
-LOWERING_TITLE = "communication per training step, per device: backend shard_map (its lowering, from specs alone)"
+LOWERING_TITLE = (
+    "communication per training step, per device: the gather-whole lowering (shardplan lower's module, from specs "
+    "alone; the shard_map backend partitions the computation: --step for its collectives)"
+)
 
 
 def print_communication(console: Console, plan: Plan, res: Resolution, *, note: bool = True) -> None:
@@ -84,11 +87,11 @@ def print_communication(console: Console, plan: Plan, res: Resolution, *, note: 
     if not any(comm["by_axis"].values()):
         table.add_row("none", "-", "0 B")
     console.print(table)
-    if note and plan.backend != "shard_map":
+    if note:
         console.print(
-            f"[dim]this plan runs on the {plan.backend} backend, where XLA chooses the collectives: the table "
-            "above is not its communication. Name the step (--step FILE:LOSS_FN --batch ...) and add --compile "
-            "for what XLA compiles for the whole mesh.[/]"
+            f"[dim]this plan runs on the {plan.backend} backend, which does not gather every param whole: the "
+            "table above is not its communication. Name the step (--step FILE:LOSS_FN --batch ...) for it "
+            "(exact for shard_map), and add --compile for what XLA compiles for the whole mesh.[/]"
         )
 
 
@@ -300,7 +303,7 @@ def to_json(plan: Plan, res: Resolution | None, diagnostics, budget: int | None 
             for d in res.decisions
         ]
         out["summary"] = summary(res)
-        out["communication"] = dict(communication(plan, res), backend="shard_map", mode="lowering (specs only)")
+        out["communication"] = dict(communication(plan, res), backend="gather-whole lowering", mode="specs only")
         if budget is not None:
             out["summary"]["device_memory"] = budget
             out["summary"]["fits"] = out["summary"]["total_bytes_per_device"] <= budget

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from shardplan.core.leaves import records
 from shardplan.core.lowering import Collective, Lowering, lower
 from shardplan.errors import PlanApplyError, error
-from shardplan.core.leaves import records
 from shardplan.runtime import partition, specs
 from shardplan.runtime.placement import Placement, replicated
 
@@ -142,8 +142,9 @@ class ShardMapStep:
             bflat = jax.tree_util.tree_leaves(batch)
 
             def loss_of(fp, fb):
-                return loss_fn(nnx.merge(gm, jax.tree_util.tree_unflatten(ptree, fp)),
-                               jax.tree_util.tree_unflatten(btree, fb))
+                return loss_fn(
+                    nnx.merge(gm, jax.tree_util.tree_unflatten(ptree, fp)), jax.tree_util.tree_unflatten(btree, fb)
+                )
 
             abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
             babstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in bflat]
@@ -177,6 +178,32 @@ class ShardMapStep:
 
     def lower(self, sm, so, batch):
         return self._jitted(batch).lower(sm, so, batch)
+
+
+def gather_whole_step(placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any, batch: Any):
+    """The lowering before the step was partitioned, jitted: every sharded param gathered whole
+    at the start, the model run whole per device on its batch slice, gradients reduced per
+    ``shardplan.core.lowering`` (what ``shardplan lower`` emits). The benchmarks' baseline."""
+    params_only(model)
+    p = placement
+    low = lower(p.plan, p.params, specs.resolve_batch(p.plan, batch, mesh=p.mesh_shape))
+    batch_res = specs.resolve_batch(p.plan, batch, mesh=p.mesh_shape)
+    gm, go = nnx.graphdef(model), nnx.graphdef(optimizer)
+    grads_fn = jax.shard_map(
+        local_grads(low, loss_fn, gm),
+        mesh=p.mesh,
+        in_specs=(p.params.specs, batch_res.specs),
+        out_specs=(P(), p.params.specs),
+    )
+
+    def step(sm, so, batch):
+        loss, grads = grads_fn(sm, batch)
+        m, o = nnx.merge(gm, sm), nnx.merge(go, so)
+        o.update(m, grads)
+        return nnx.state(m), nnx.state(o), loss
+
+    out = (p.model_shardings(), p.opt_shardings(), replicated(p.mesh))
+    return jax.jit(step, out_shardings=out, donate_argnums=(0, 1))
 
 
 def build(placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any) -> ShardMapStep:
