@@ -102,8 +102,8 @@ def test_a_constraint_changes_the_compiled_step_as_predicted_and_keeps_the_numbe
     assert ("act rule p.splan:8" in c.what) == (text == BY_PATH)
     if text == BY_PATH:
         assert step.activations.applied == {"down": 1}
-    # The numbers: 5 steps equal one device, on both backends (shard_map: constraints have no
-    # global layout to act on inside its per-device code; the loss is unchanged).
+    # The numbers: 5 steps equal one device, on both backends (shard_map's partitioner reshards
+    # the constrained value to the same layout).
     want, _ = one_device(am.logical, am.loss, am.batch(), 5)
     for backend in ("auto", "shard_map"):
         got, _ = losses(plan, am.logical, am.loss, am.batch(), 5, backend=backend)
@@ -129,6 +129,15 @@ def test_sequence_parallel_plan_turns_tp_activation_all_reduces_into_reduce_scat
     tp, sp = model_ops("llama_tp.splan"), model_ops("llama_sp.splan")
     assert tp["all-reduce"] >= 8 and tp["all-gather"] == 0 and tp["reduce-scatter"] == 0
     assert sp["all-reduce"] == 0 and sp["reduce-scatter"] >= 4 and sp["all-gather"] >= 4
+    # The shard_map backend follows the same constraints: its compiled step reduce-scatters the
+    # row-parallel outputs onto the sequence split (psum_scatter) instead of all-reducing them.
+    ops, _ = compiled_ops(shardplan.load(PLANS / "llama_sp.splan"), am.llama_wide, am.lm_loss, batch,
+                          backend="shard_map")
+    sm = collections.Counter((o.kind, o.shapes[0]) for o in ops if o.axes == ("model",))
+    assert sm["reduce-scatter", "f32[2,16,256]"] >= 4 and sm["all-gather", act] >= 4
+    assert sm["all-reduce", act] == 0
+    # ... and gathers the activation, not the column-parallel weights, where the sequence split ends.
+    assert not any(kind == "all-gather" and shape != act for kind, shape in sm)
     # And the numbers: 5 AdamW steps equal one device.
     plan = shardplan.load(PLANS / "llama_sp.splan")
     got, _ = losses(plan, am.llama_wide, am.lm_loss, batch, 5, tx=optax.adamw(1e-2))
@@ -160,7 +169,7 @@ def test_sequence_parallel_saves_the_activation_memory_fast_mode_predicts():
 
 def test_a_model_that_names_mesh_axes_runs_under_the_plans_mesh_on_both_backends():
     """`with_sharding_constraint(x, P("data", "model"))` in model code: shardplan provides the mesh
-    context (no jax.set_mesh in user code); shard_map drops the constraint inside its per-device code."""
+    context (no jax.set_mesh in user code), on both backends."""
     plan = shardplan.loads(DP, "dp.splan")
     want, _ = one_device(am.mesh_named, am.loss, am.batch(), 3, axes=("data", "model"))
     for backend in ("auto", "shard_map"):

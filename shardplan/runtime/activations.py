@@ -13,9 +13,9 @@ backend differentiates (the model code is not edited and imports nothing from sh
 - ``act "REGEX" SPEC`` rules constrain the output of every module whose path (from the model's
   root, '/'-joined like param paths) the regex fully matches; the first matching rule wins.
 
-Under the shard_map backend the loss runs per device on local shards: there is no global
-layout to constrain, so logical constraints map to nothing there and ``act`` rules do not
-apply (``shardplan check`` says so); the mesh context is shard_map's own.
+Both backends trace the loss over global values under these contexts: the auto backend hands
+the constraints to XLA, the shard_map backend's partitioner reshards each constrained value to
+its layout (``shardplan.runtime.partition``).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ class Activations:
         self.plan = plan
         self.mesh = mesh
         self.backend = backend
-        self.rules = logical_rules(plan) if backend == "auto" else ()
+        self.rules = logical_rules(plan)
         self.applied: dict[str, int] = {}
         # Logical names model code constrained with that no axis rule maps (Flax then keeps
         # those dims whole): name -> where the model first constrains with it ('file:line').
@@ -253,15 +253,10 @@ class Activations:
                 "not constrained: they run inside an nnx transform (scan, vmap, remat), which calls copies of the "
                 "module; constrain inside such layers with logical names in the model instead"
             )
-        if self.backend != "auto" and self.plan.acts:
-            out.append(
-                "act rules do not apply under the shard_map backend: its loss runs per device on local blocks, "
-                "where there is no global layout to constrain"
-            )
         return out
 
     def targets(self, model: Any) -> dict[int, Target]:
-        if self.backend != "auto" or not self.plan.acts:
+        if not self.plan.acts:
             return {}
         ruleset = self.plan.rule_sets["act"]
         out: dict[int, Target] = {}

@@ -121,8 +121,16 @@ def _source(eqn: Any) -> str:
 class Partitioner:
     """Runs a jaxpr on local shards under ``jax.shard_map`` (or, ``dry``, only its layouts)."""
 
-    def __init__(self, mesh: dict[str, int], record: Record | None = None, dry: bool = False, predict: bool = False):
+    def __init__(
+        self,
+        mesh: dict[str, int],
+        record: Record | None = None,
+        dry: bool = False,
+        predict: bool = False,
+        batch_axes: frozenset[str] = frozenset(),
+    ):
         self.mesh = dict(mesh)
+        self.batch_axes = batch_axes  # the axes inputs are split over (data parallelism)
         self.record = record if record is not None else Record()
         self.dry = dry or predict
         self.predict = predict  # a dry run that records what it would issue (no devices needed)
@@ -367,7 +375,7 @@ class Partitioner:
 
         # Carry layouts: a fixed point of the body (a carry changing layout is made less split).
         dims = [c.dims for c in carry]
-        dry = Partitioner(self.mesh, Record(), dry=True)
+        dry = Partitioner(self.mesh, Record(), dry=True, batch_axes=self.batch_axes)
         for _ in range(8):
             vals = [V(None, c.shape, c.dtype, d, frozenset(), c.act) for c, d in zip(carry, dims, strict=True)]
             outs = dry.run(closed.jaxpr, list(closed.consts), [*consts, *vals, *[sliced(x) for x in xs]])
@@ -696,6 +704,12 @@ class Partitioner:
         rf = {a for j in rfree for a in rdims[j]}
         clash = lf & rf
         if clash:
+            # A batch axis stays on the activation; another axis (a sequence split meeting a
+            # column-parallel weight) stays where gathering the other side moves fewer bytes.
+            if not clash & self.batch_axes and lhs.act != rhs.act:
+                lgain = self.nbytes(lhs.shape, [[a for a in d if a not in clash] for d in ldims], lhs.dtype)
+                rgain = self.nbytes(rhs.shape, [[a for a in d if a not in clash] for d in rdims], rhs.dtype)
+                keep_left = lgain > rgain
             if keep_left:
                 for j in rfree:
                     rdims[j] = [a for a in rdims[j] if a not in clash]
@@ -972,7 +986,8 @@ def local_step(
     """The per-device function: (flat local params, flat local batch) -> (loss, flat local grads)."""
 
     def fn(params: list, batch: list):
-        part = Partitioner(mesh, record, predict=predict)
+        batch_axes = frozenset(a for d in batch_dims for dd in d for a in dd)
+        part = Partitioner(mesh, record, predict=predict, batch_axes=batch_axes)
         record.issued.clear()
         record.fallbacks.clear()
         args = []
