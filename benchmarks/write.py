@@ -68,7 +68,7 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
     fl = res["steps"]["fsdp_llama"]
     lines += [
         "",
-        f"The Llama rows use {_cfg(res['steps']['llama_config'])}; `llama_scan_2d` the same with its layers "
+        f"The Llama rows use {_cfg(res['steps']['llama_config'])}; 'llama scanned' the same with its layers "
         "stacked and scanned under `nnx.remat`. Peak is per device, from XLA's memory analysis (arguments + "
         "outputs - aliased + temporaries).",
         "auto and hand-written compile to the same optimized HLO (tests/test_apply.py asserts it), so their "
@@ -76,9 +76,12 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         "(`shardplan/runtime/partition.py`): matmuls run on local shards (Megatron column/row parallel "
         "under the TP plans, with the activation's all-reduce after a row-parallel matmul), FSDP weights "
         "are gathered at the op that uses them, and its collectives equal the prediction "
-        "(tests/test_shard_map.py). The Llama under FSDP: peak "
-        f"{fl['partitioned_peak'] / 1e6:.2f} MB per device, vs {fl['gather_whole_peak'] / 1e6:.2f} MB for "
-        f"the previous lowering that gathered every param whole ({fl['ratio']:.2f}x).",
+        "(tests/test_shard_map.py). The scanned Llama under FSDP (`fsdp_any_rank`): peak per device "
+        + "; ".join(f"batch {b}: {x['partitioned_peak'] / 1e6:.2f} MB vs {x['gather_whole_peak'] / 1e6:.2f} MB "
+                    f"for the previous lowering that gathered every param whole ({x['ratio']:.2f}x)"
+                    for b, x in fl.items())
+        + ". Unscanned, XLA:CPU merges a weight's forward and backward gathers (CSE), so gathered weights "
+        "stay alive from the forward to the backward pass, on both backends.",
         "",
         "Data parallel, 8 devices vs 1, by global batch size. " + _crossover(res["steps"]["scaling"]) +
         f" All on this machine's {os.cpu_count()} CPU cores: XLA runs each simulated device on its own thread, "
@@ -96,15 +99,23 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         "",
         "## 4. Cost model accuracy",
         "Predicted per-device bytes of params + optimizer state (from shapes and specs alone) against the "
-        "compiled shard_map step's `memory_analysis()` argument bytes less the batch slice; predicted "
-        "communication (the lowering's all-gather + reduce-scatter + all-reduce bytes) against the collectives "
-        "counted in the compiled HLO. Example GPT (`gpt_small`), Adam.",
+        "compiled shard_map step's `memory_analysis()` argument bytes less the batch slice; the specs-only "
+        "communication (the gather-whole lowering's all-gather + reduce-scatter + all-reduce bytes, what "
+        "`check` prints without --step and `shardplan lower` emits) against that lowering's compiled step; and "
+        "the partitioned shard_map step's recorded collectives against its compiled HLO (bytes per kind). "
+        "Example GPT (`gpt_small`), Adam.",
         "",
-        "| plan | state predicted | state measured | error | comm predicted | comm measured | error |",
-        "|---|---|---|---|---|---|---|",
+        "| plan | state predicted | state measured | error | gather-whole comm predicted | measured | error | "
+        "partitioned predicted | partitioned compiled |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def kinds(d: dict) -> str:
+        return ", ".join(f"{k} {v:,}" for k, v in sorted(d.items())) or "none"
+
     lines += [f"| {x['plan']} | {x['predicted_state']:,} | {x['measured_state']:,} | {x['state_error']:.2%} | "
-              f"{x['predicted_comm']:,} | {x['measured_comm']:,} | {x['comm_error']:.2%} |" for x in res["cost"]]
+              f"{x['predicted_comm']:,} | {x['measured_comm']:,} | {x['comm_error']:.2%} | "
+              f"{kinds(x['partitioned_predicted'])} | {kinds(x['partitioned_compiled'])} |" for x in res["cost"]]
     lines += [
         "",
         "## 5. Generation",

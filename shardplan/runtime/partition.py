@@ -140,6 +140,8 @@ class Partitioner:
         # Reductions and activation reshards done once per value; a stack, one level per nested
         # trace (a scan or remat body), so a value made inside never leaks out of it.
         self.caches: list[dict] = [{}]
+        self.hints: dict[Any, Dims] = {}  # jaxpr var -> the layout its consumers want
+        self.eqn_now: Any = None
 
     def _cached(self, key: tuple) -> V | None:
         for cache in reversed(self.caches):
@@ -180,6 +182,8 @@ class Partitioner:
         todo = v.partial - keep
         if not todo:
             return v
+        if target is not None and not any(a in todo for t in target for a in t):
+            target = None  # no scatter possible: the same all-reduce whatever the layout wanted
         key = ("resolve", id(v), target, keep)
         hit = self._cached(key)
         if hit is not None:
@@ -261,7 +265,20 @@ class Partitioner:
         return self.to(v, ((),) * len(v.shape))
 
     # -- running -------------------------------------------------------------------------
-    def run(self, jaxpr: Any, consts: list, args: list[V]) -> list[V]:
+    def run(self, jaxpr: Any, consts: list, args: list[V], out_hints: list | None = None) -> list[V]:
+        """Run ``jaxpr``; ``out_hints``: the layouts its outputs are wanted in (a gradient's
+        param layout), carried back to where they are made so a pending sum there is
+        reduce-scattered straight into that layout (a scanned layer's weight gradient)."""
+        if out_hints:
+            _hints(jaxpr, out_hints, self.hints)
+        uses: dict[Any, int] = {}
+        for e in jaxpr.eqns:
+            for x in e.invars:
+                if not isinstance(x, jcore.Literal):
+                    uses[x] = uses.get(x, 0) + 1
+        for x in jaxpr.outvars:
+            if not isinstance(x, jcore.Literal):
+                uses[x] = uses.get(x, 0) + 1
         env: dict[Any, V] = {}
         for var, c in zip(jaxpr.constvars, consts, strict=True):
             env[var] = self.const(c)
@@ -270,9 +287,14 @@ class Partitioner:
         for eqn in jaxpr.eqns:
             ins = [self.read(env, x) for x in eqn.invars]
             self.source, self.op = _source(eqn), eqn.primitive.name
+            self.eqn_now = eqn
             outs = self.eqn(eqn, ins)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(var, jcore.DropVar):
+                    if val.partial and uses.get(var, 0) > 1:
+                        # A pending sum read by several ops: reduced once, here, not per reader.
+                        hint = self.hints.get(var)
+                        val = self.resolve(val, hint if hint is not None and self.fits(val.shape, hint) else None)
                     env[var] = val
         return [self.read(env, x) for x in jaxpr.outvars]
 
@@ -339,7 +361,7 @@ class Partitioner:
         jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") else closed
         consts = list(getattr(closed, "consts", ()))
         n = len(jaxpr.invars)
-        return self.run(jaxpr, consts, ins[:n])
+        return self.run(jaxpr, consts, ins[:n], [self.hints.get(o) for o in eqn.outvars])
 
     def remat(self, eqn: Any, ins: list[V]) -> list[V]:
         jaxpr = eqn.params["jaxpr"]
@@ -390,6 +412,12 @@ class Partitioner:
         carry = [V(c.x, c.shape, c.dtype, c.dims, c.partial, a) for c, a in zip(carry, acts, strict=True)]
         ys_layout: list[V] = []
         outer_mult = self.mult
+        # A stacked output wanted split (a scanned layer's weight gradient in its param's layout):
+        # each iteration's slice is reduced straight into that split.
+        y_hints: list = []
+        for o in eqn.outvars[ncarry:]:
+            h = self.hints.get(o)
+            y_hints.append(h[1:] if h is not None and h and not h[0] else None)
         self.mult = outer_mult * length
 
         def body(c, x):
@@ -397,9 +425,10 @@ class Partitioner:
             xv = [sliced(v, a) for a, v in zip(x, xs, strict=True)]
             self.caches.append({})
             try:
-                outs = self.run(closed.jaxpr, list(closed.consts), [*consts, *cv, *xv])
+                outs = self.run(closed.jaxpr, list(closed.consts), [*consts, *cv, *xv], [None] * ncarry + y_hints)
                 new_c = [self.to(o, d) for o, d in zip(outs[:ncarry], dims, strict=True)]
-                ys = [self.resolve(o) for o in outs[ncarry:]]
+                ys = [self.resolve(o, h) if h is not None and self.fits(o.shape, h) else self.resolve(o)
+                      for o, h in zip(outs[ncarry:], y_hints, strict=True)]
             finally:
                 self.caches.pop()
             ys_layout[:] = ys
@@ -910,6 +939,26 @@ class Partitioner:
         return self.out(eqn, [op2.dims], [partial], act, xs)
 
 
+_HINT_THROUGH = {"add_any", "add", "convert_element_type", "copy", "copy_p", "mul", "neg", "sub", "div"}
+
+
+def _hints(jaxpr: Any, out_hints: list, hints: dict) -> None:
+    """Wanted layouts from ``jaxpr``'s outputs back through same-shape elementwise ops, calls
+    and scans' stacked outputs (first hint wins)."""
+    for var, h in zip(jaxpr.outvars, out_hints, strict=False):
+        if h is not None and not isinstance(var, jcore.Literal):
+            hints.setdefault(var, h)
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive.name in _HINT_THROUGH and len(eqn.outvars) == 1:
+            h = hints.get(eqn.outvars[0])
+            if h is None:
+                continue
+            shape = tuple(eqn.outvars[0].aval.shape)
+            for x in eqn.invars:
+                if not isinstance(x, jcore.Literal) and tuple(getattr(x.aval, "shape", ())) == shape:
+                    hints.setdefault(x, h)
+
+
 def _common(a: Dims, b: Dims) -> Dims:
     """The layout both ``a`` and ``b`` refine: per dim, their common leading axes."""
     out = []
@@ -995,7 +1044,7 @@ def local_step(
             args.append(V(x, tuple(var.aval.shape), var.aval.dtype, d))
         for x, d, var in zip(batch, batch_dims, closed.jaxpr.invars[len(params) :], strict=True):
             args.append(V(x, tuple(var.aval.shape), var.aval.dtype, d, act=True))
-        outs = part.run(closed.jaxpr, list(closed.consts), args)
+        outs = part.run(closed.jaxpr, list(closed.consts), args, [None, *param_dims])
         part.source, part.op = "", "gradient"
         loss = part.whole(outs[0])
         grads = [part.to(g, d) for g, d in zip(outs[1:], param_dims, strict=True)]
