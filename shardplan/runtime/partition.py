@@ -106,6 +106,7 @@ class V:
     dims: Dims
     partial: frozenset[str] = frozenset()
     act: bool = False  # derived from the batch (an activation), not only from params and constants
+    shared: bool = False  # read by several ops: its pending sum is reduced once, by the first reader
 
 
 def _t(dims) -> Dims:
@@ -179,6 +180,11 @@ class Partitioner:
     def resolve(self, v: V, target: Dims | None = None, keep: frozenset[str] = frozenset()) -> V:
         """``v`` with its pending sums done (except ``keep``): ``psum_scatter`` over a partial
         axis that ``target`` adds next to a dimension, ``psum`` over the rest."""
+        if v.shared:
+            keep = frozenset()
+            hit = self._cached(("resolve-shared", id(v)))
+            if hit is not None:
+                return hit
         todo = v.partial - keep
         if not todo:
             return v
@@ -189,7 +195,7 @@ class Partitioner:
         if hit is not None:
             return hit
         out = self._resolve(v, todo, target, keep)
-        self.caches[-1][key] = (v, out)
+        self.caches[-1][("resolve-shared", id(v)) if v.shared else key] = (v, out)
         return out
 
     def _resolve(self, v: V, todo: frozenset[str], target: Dims | None, keep: frozenset[str]) -> V:
@@ -292,9 +298,9 @@ class Partitioner:
             for var, val in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(var, jcore.DropVar):
                     if val.partial and uses.get(var, 0) > 1:
-                        # A pending sum read by several ops: reduced once, here, not per reader.
-                        hint = self.hints.get(var)
-                        val = self.resolve(val, hint if hint is not None and self.fits(val.shape, hint) else None)
+                        # A pending sum read by several ops: reduced once (into the layout its
+                        # first reader wants), not per reader.
+                        val = V(val.x, val.shape, val.dtype, val.dims, val.partial, val.act, shared=True)
                     env[var] = val
         return [self.read(env, x) for x in jaxpr.outvars]
 
@@ -338,6 +344,8 @@ class Partitioner:
             return self.scan(eqn, ins)
         if name in _ELEMENTWISE and all(len(v.shape) in (0, len(eqn.outvars[0].aval.shape)) for v in ins):
             return self.elementwise(eqn, ins)
+        if name != "sharding_constraint":  # rules that carry a pending sum on: not a shared one
+            ins = [self.resolve(v) if v.shared and v.partial else v for v in ins]
         rule = getattr(self, "op_" + name.replace("-", "_"), None)
         if rule is not None:
             got = rule(eqn, ins)
@@ -427,8 +435,10 @@ class Partitioner:
             try:
                 outs = self.run(closed.jaxpr, list(closed.consts), [*consts, *cv, *xv], [None] * ncarry + y_hints)
                 new_c = [self.to(o, d) for o, d in zip(outs[:ncarry], dims, strict=True)]
-                ys = [self.resolve(o, h) if h is not None and self.fits(o.shape, h) else self.resolve(o)
-                      for o, h in zip(outs[ncarry:], y_hints, strict=True)]
+                ys = [
+                    self.resolve(o, h) if h is not None and self.fits(o.shape, h) else self.resolve(o)
+                    for o, h in zip(outs[ncarry:], y_hints, strict=True)
+                ]
             finally:
                 self.caches.pop()
             ys_layout[:] = ys
@@ -463,15 +473,17 @@ class Partitioner:
         scal = [i for i in range(len(ins)) if i not in full]
         partials = {ins[i].partial for i in full}
         keep: frozenset[str] = frozenset()
+        if any(v.shared and v.partial for v in ins):
+            partials = {frozenset(), frozenset({"?"})}  # a shared operand is reduced, not carried
         if len(partials) == 1 and not any(ins[i].partial for i in scal):
             only = next(iter(partials))
             if only and name in _LINEAR_ALL:
                 keep = only
-        if name == "mul" and len(ins) == 2 and not keep:
+        if name == "mul" and len(ins) == 2 and not keep and not any(v.shared for v in ins):
             ps = [v.partial for v in ins]
             if bool(ps[0]) != bool(ps[1]):
                 keep = ps[0] or ps[1]
-        if name == "div" and ins[0].partial and not ins[1].partial:
+        if name == "div" and ins[0].partial and not ins[1].partial and not ins[0].shared:
             keep = ins[0].partial
         # The layout: the most split operand's, extended by other operands' splits where free.
         if full:
