@@ -156,6 +156,13 @@ def bench_steps(quick: bool) -> dict:
         whole_peak = _peak(whole.lower(nnx_state(model), nnx_state(optimizer), placed).compile())
         part = _peak(step.lower(model, optimizer, data).compile())
         fsdp_llama[str(batch)] = {"partitioned_peak": part, "gather_whole_peak": whole_peak, "ratio": part / whole_peak}
+    scaling = []
+    for batch in ((8, 32) if quick else (8, 32, 128, 512)):
+        big = batch >= 512
+        t8, t1 = _time_steps([_step_setup("dp.splan", "auto", cfg, batch),
+                              _step_setup("dp.splan", "auto", cfg, batch, devices=jax.devices()[:1])],
+                             3 if big else steps, 2 if big else repeat)
+        scaling.append({"batch": batch, "ms_8": 1e3 * t8, "ms_1": 1e3 * t1, "speedup_8_vs_1": t1 / t8})
     return {"plans": rows, "scaling": scaling, "config": cfg.__dict__, "llama_config": llama.__dict__,
             "fsdp_llama": fsdp_llama}
 

@@ -24,14 +24,20 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     # Placement moved every byte it says it did.
     assert res["apply"]["bytes"] == res["apply"]["leaves"] * 64 * 256 * 4 and res["apply"]["ratio"] > 0
     # Steps: every plan timed on every variant.
-    plans = {row["plan"] for row in res["steps"]["plans"]}
-    assert plans == {"dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan"}
+    plans = {(row["plan"], row["model"]) for row in res["steps"]["plans"]}
+    assert {p for p, m in plans if m == "gpt"} == {"dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan"}
+    assert {m for _, m in plans} == {"gpt", "llama", "llama scanned"}
     for row in res["steps"]["plans"]:
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("auto_ms", "hand_ms", "shard_map_ms"))
-    # The shard_map cost model is exact against the compiled HLO, on every plan.
+        assert row["auto_peak"] > 0 and row["shard_map_peak"] > 0
+    fl = res["steps"]["fsdp_llama"]
+    assert set(fl) == {"8", "32"} and all(0 < x["ratio"] for x in fl.values())
+    # Both lowerings' communication is exact against the compiled HLO, on every plan: the
+    # gather-whole module's (specs only) and the partitioned step's (its record).
     assert len(res["cost"]) == 5
     for row in res["cost"]:
         assert row["measured_comm"] == row["predicted_comm"], row
+        assert row["partitioned_predicted"] == row["partitioned_compiled"], row
         assert row["state_error"] < 0.05, row
     # Generation: one prefill compile (both quick prompt lengths fall in one bucket), one decode compile.
     g = res["generation"]
@@ -61,5 +67,7 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     assert res["shape_cache"]["cached_s"] > 0
     # The language server: every edit answered with its diagnostics (the benchmark asserts which).
     assert res["lsp"]["edits"] == 12 and 0 < res["lsp"]["edit_median_s"] <= res["lsp"]["edit_max_s"] < 60
-    assert len(checks) == 3 + 4 + 2 * 5 + 1 + 2 + step_checks + 1 + len(reshard["rows"]) + 1 + 1
+    # steps: auto/hand and shard_map/auto per row (9), peak for FSDP and 2-D rows (5), the Llama FSDP
+    # peak; cost model: 3 per plan.
+    assert len(checks) == 3 + 2 * 9 + 5 + 1 + 3 * 5 + 1 + 2 + step_checks + 1 + len(reshard["rows"]) + 1 + 1
     assert all(c["met"] in ("yes", "NO (missed)") for c in checks)
