@@ -297,9 +297,13 @@ def lower(
     return Lowered(p, params, opt, low, batch, factory)
 
 
-def compiled_collectives(lowered: Lowered, *, optimizer: str = "adamw", loss: str | None = None) -> dict:
+def compiled_collectives(
+    lowered: Lowered, *, optimizer: str = "adamw", loss: str | None = None, records: dict | None = None
+) -> dict:
     """Compile each backend's real step on this machine's devices and read its collectives:
-    {backend: {kind: {"count", "bytes"}}}."""
+    {backend: {kind: {"count", "bytes"}}}. ``records``, when given, gets the shard_map step's
+    record (``shardplan.runtime.partition.Record``: what its per-device code issues, and which
+    ops fell back to whole operands) under "shard_map"."""
     from shardplan.core import hlo
     from shardplan.core.backends import NAMES
     from shardplan.runtime import model as model_mod
@@ -316,6 +320,8 @@ def compiled_collectives(lowered: Lowered, *, optimizer: str = "adamw", loss: st
         )
         st = step_mod.train_step(placement, loss_fn, m, o, backend=backend)
         out[backend] = hlo.report(st.lower(m, o, lowered.batch).compile())
+        if records is not None and backend == "shard_map":
+            records[backend] = st.fn.record(st.place(lowered.batch))
     return out
 
 

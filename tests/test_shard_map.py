@@ -330,3 +330,5 @@ def test_cli_lower_writes_a_module_and_reports(tmp_path):
     assert "jax.lax.psum_scatter(g['blocks/0/mlp/up/kernel'], 'data', scatter_dimension=0, tiled=True)" in text
     assert "shard_map" in r.stdout and "reduce-scatter" in r.stdout and "all-gather" in r.stdout
     assert "predicted from the plan" in r.stdout
+    assert "shard_map (partitioned step), issued by its per-device code: all-reduce 6 / 644 B, all-gather 16" in r.stdout
+    assert "no op fell back to gathering its operands" in r.stdout

@@ -370,8 +370,25 @@ def cmd_lower(args, out: Console, err: Console) -> int:
     if args.report:
         from shardplan.core.lowering import predict
 
-        measured = api.compiled_collectives(lowered, optimizer=args.optimizer, loss=args.loss)
+        records: dict = {}
+        measured = api.compiled_collectives(lowered, optimizer=args.optimizer, loss=args.loss, records=records)
         report.print_compiled_collectives(out, lowered.plan.name or args.plan, lowered.params.mesh, measured)
+        rec = records.get("shard_map")
+        if rec is not None:
+            out.print(
+                "shard_map (partitioned step), issued by its per-device code: "
+                + (
+                    ", ".join(f"{k} {v['count']} / {v['bytes']:,} B" for k, v in rec.summary().items() if v["count"])
+                    or "nothing"
+                ),
+                markup=False,
+            )
+            if rec.fallbacks:
+                out.print("ops run on whole (gathered) operands, no local rule for their layout:", markup=False)
+                for f in rec.fallbacks:
+                    out.print(f"  {f.op} at {f.source or '?'}: {f.why}", markup=False)
+            else:
+                out.print("no op fell back to gathering its operands", markup=False)
         predicted = predict(lowered.lowering)
         out.print(
             "emitted module (gather-whole lowering), predicted from the plan: "
