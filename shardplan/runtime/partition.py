@@ -529,7 +529,10 @@ class Partitioner:
         return self.out(eqn, [dims], [v.partial], act=v.act, xs=xs)
 
     def op_transpose(self, eqn: Any, ins: list[V]) -> list[V]:
-        v = ins[0]
+        # A pending sum is reduced before a transpose: XLA would otherwise fold the transpose into
+        # the producing matmul (a weight gradient), in a form XLA:CPU runs without its fast dot path.
+        hint = self.hints.get(eqn.outvars[0])
+        v = self.resolve(ins[0], None if hint is None else _permuted(hint, eqn.params["permutation"]))
         perm = eqn.params["permutation"]
         xs = self.bind(eqn, [v.x])
         return self.out(eqn, [tuple(v.dims[p] for p in perm)], [v.partial], act=v.act, xs=xs)
@@ -969,6 +972,14 @@ def _hints(jaxpr: Any, out_hints: list, hints: dict) -> None:
             for x in eqn.invars:
                 if not isinstance(x, jcore.Literal) and tuple(getattr(x.aval, "shape", ())) == shape:
                     hints.setdefault(x, h)
+
+
+def _permuted(out: Dims, perm) -> Dims:
+    """The operand layout a transpose by ``perm`` turns into ``out``."""
+    inv: list[tuple[str, ...]] = [()] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = out[i]
+    return tuple(inv)
 
 
 def _common(a: Dims, b: Dims) -> Dims:
