@@ -374,14 +374,14 @@ class Partitioner:
     def remat(self, eqn: Any, ins: list[V]) -> list[V]:
         jaxpr = eqn.params["jaxpr"]
         if self.dry:
-            return self.run(jaxpr, [], ins)
+            return self.run(jaxpr, [], ins, [self.hints.get(o) for o in eqn.outvars])
         layouts: list[V] = []
 
         def body(*xs):
-            vals = [V(x, v.shape, v.dtype, v.dims, v.partial, v.act) for x, v in zip(xs, ins, strict=True)]
+            vals = [V(x, v.shape, v.dtype, v.dims, v.partial, v.act, v.shared) for x, v in zip(xs, ins, strict=True)]
             self.caches.append({})
             try:
-                outs = self.run(jaxpr, [], vals)
+                outs = self.run(jaxpr, [], vals, [self.hints.get(o) for o in eqn.outvars])
             finally:
                 self.caches.pop()
             layouts[:] = outs
