@@ -128,8 +128,10 @@ def bench_steps(quick: bool) -> dict:
     llama = models.LLAMA_TINY if quick else models.LLAMA_SMALL
     llama_scan = models.LlamaConfig(**{**llama.__dict__, "scan_layers": True})
     pairs = [("gpt", cfg, p) for p in ("dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan")]
-    pairs += [("llama", llama, p) for p in ("dp.splan", "fsdp.splan", "llama_tp.splan")]
-    pairs += [("llama scanned", llama_scan, p) for p in ("fsdp_any_rank.splan", "llama_scan_2d.splan")]
+    pairs += [("llama", llama, p) for p in (("llama_tp.splan",) if quick else ("dp.splan", "fsdp.splan",
+                                                                              "llama_tp.splan"))]
+    pairs += [("llama scanned", llama_scan, p) for p in ("fsdp_any_rank.splan",) + (() if quick else
+                                                                                     ("llama_scan_2d.splan",))]
     rows = []
     for family, c, plan in pairs:
         setups = [_step_setup(plan, "auto", c, 32), _step_setup(plan, "auto", c, 32, hand=True),
@@ -149,7 +151,7 @@ def bench_steps(quick: bool) -> dict:
     from shardplan.runtime.backends import shard_map as sm_backend
 
     fsdp_llama = {}
-    for batch in (8, 32):
+    for batch in (8,) if quick else (8, 32):
         _, step, model, optimizer, data = _step_setup("fsdp_any_rank.splan", "shard_map", llama_scan, batch)
         placed = step.place(data)
         whole = sm_backend.gather_whole_step(step.placement, example_loss(), model, optimizer, placed)

@@ -1,6 +1,7 @@
 """The shard_map backend: equivalence with auto and 1 device, emitted modules, and the
 collectives each plan's compiled step really issues."""
 
+import functools
 import importlib.util
 import subprocess
 import sys
@@ -81,8 +82,9 @@ def run_model(plan_name, model_name, backend, devices=None, loss=example.lm_loss
 @pytest.mark.parametrize("plan_name,model_name", PLAN_PAIRS)
 def test_shard_map_matches_auto_and_one_device(plan_name, model_name):
     sm = run_model(plan_name, model_name, "shard_map")
-    assert_same(sm, run_model(plan_name, model_name, "auto"))
     assert_same(sm, run_model(plan_name, model_name, "auto", devices=jax.devices()[:1]))
+    if model_name == "gpt_tiny":  # auto == 1 device for every plan is test_apply's; here once per GPT plan
+        assert_same(sm, run_model(plan_name, model_name, "auto"))
     assert sm[0][-1] < sm[0][0]
 
 
@@ -157,6 +159,7 @@ def test_emitted_auto_module_runs_and_matches(tmp_path):
     assert_same(run_emitted(module, "gpt_tp.splan"), run("gpt_tp.splan", "auto"))
 
 
+@functools.cache
 def compiled_vs_predicted(plan_name, model_name):
     plan = shardplan.load(PLANS / plan_name)
     model, optimizer, placement = shardplan.init_sharded(plan, getattr(models, model_name), optax.adamw(1e-3))
