@@ -551,23 +551,15 @@ class _Propagator:
         """An activation constrained to a layout (``with_sharding_constraint``: a plan's ``act``
         rule, a logical name, the model's own): pending sums resolved onto it (a reduce-scatter
         where it splits a dim the sum leaves whole), then resharded to it."""
-        spec = getattr(eqn.params.get("sharding"), "spec", None)
+        from shardplan.runtime.partition import constraint_target
+
         if self.ignore_constraints:
             return v
-        if spec is None:
+        target = constraint_target(eqn, v.dims)
+        if target is None:
             self.ctx.unmodeled["sharding_constraint"] = self.ctx.unmodeled.get("sharding_constraint", 0) + 1
             return v
-        unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
-        target = []
-        for i in range(len(v.shape)):
-            entry = spec[i] if i < len(spec) else None
-            if entry is unconstrained:
-                target.append(v.dims[i])
-            elif entry is None:
-                target.append(())
-            else:
-                target.append((entry,) if isinstance(entry, str) else tuple(entry))
-        dims = _tuple(target)
+        dims = _tuple(list(target))
         scope = str(getattr(eqn.source_info, "name_stack", ""))
         # An act rule's constraint runs in a named scope, which transforms wrap: jvp(act rule f:8 on m).
         named = re.search(r"act rule \S+ on [^()/]+", scope)

@@ -176,6 +176,12 @@ class Partitioner:
             idx = idx * self.mesh[a] + jax.lax.axis_index(a)
         return idx
 
+    def local_index(self, col: Any, axes, size: int) -> tuple[Any, Any]:
+        """A global index along a dim split over ``axes`` into blocks of ``size``: this device's
+        local index (clamped into its block) and whether the index falls in its block."""
+        local = col - self.index(axes) * size
+        return jnp.clip(local, 0, size - 1), (local >= 0) & (local < size)
+
     # -- collectives ---------------------------------------------------------------------
     def resolve(self, v: V, target: Dims | None = None, keep: frozenset[str] = frozenset()) -> V:
         """``v`` with its pending sums done (except ``keep``): ``psum_scatter`` over a partial
@@ -679,14 +685,8 @@ class Partitioner:
 
     op_argmin = op_argmax
 
-    def op_reduce_and(self, eqn: Any, ins: list[V]) -> list[V]:
-        v = ins[0]
-        axes = set(eqn.params["axes"])
-        v = self.to(self.resolve(v), tuple(() if i in axes else d for i, d in enumerate(v.dims)))
-        xs = self.bind(eqn, [v.x])
-        return self.out(eqn, [tuple(d for i, d in enumerate(v.dims) if i not in axes)], act=v.act, xs=xs)
-
-    op_reduce_or = op_reduce_prod = op_reduce_xor = op_reduce_and
+    # Reductions with no cheap cross-device form: the reduced dims gathered first.
+    op_reduce_and = op_reduce_or = op_reduce_prod = op_reduce_xor = op_argmax
 
     # -- matmul ----------------------------------------------------------------------------
     def op_dot_general(self, eqn: Any, ins: list[V]) -> list[V]:
@@ -781,19 +781,10 @@ class Partitioner:
     # -- constraints ------------------------------------------------------------------------
     def op_sharding_constraint(self, eqn: Any, ins: list[V]) -> list[V]:
         v = ins[0]
-        spec = getattr(eqn.params.get("sharding"), "spec", None)
-        if spec is None:
+        tgt = constraint_target(eqn, v.dims)
+        if tgt is None:
             return [v]
-        unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
-        target = []
-        for i in range(len(v.shape)):
-            entry = spec[i] if i < len(spec) else None
-            if entry is unconstrained:
-                target.append(v.dims[i])
-                continue
-            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            target.append(tuple(a for a in names if a in self.mesh))
-        tgt = _t(target)
+        tgt = tuple(tuple(a for a in d if a in self.mesh) for d in tgt)
         if not self.fits(v.shape, tgt):
             return [v]
         return [self.to(v, tgt)]
@@ -863,10 +854,8 @@ class Partitioner:
                     col = jnp.clip(col, 0, op.shape[od] - 1)
                 g_ok = (col >= 0) & (col < op.shape[od])
                 gvalid = g_ok if gvalid is None else gvalid & g_ok
-                local = col - self.index(odims[od]) * size
-                ok = (local >= 0) & (local < size)
+                col, ok = self.local_index(col, odims[od], size)
                 valid = ok if valid is None else valid & ok
-                col = jnp.clip(local, 0, size - 1)
             cols.append(col)
         new_idx = jnp.stack(cols, axis=-1).astype(indices.dtype)
         bound = self.bind(eqn, [op2.x, new_idx], slice_sizes=loc_sizes, mode=jax.lax.GatherScatterMode.CLIP)
@@ -941,11 +930,8 @@ class Partitioner:
             for k, od in enumerate(dn.scatter_dims_to_operand_dims):
                 col = indices[..., k]
                 if k in masked:
-                    size = op.shape[od] // self.n(odims[od])
-                    local = col - self.index(odims[od]) * size
-                    ok = (local >= 0) & (local < size)
+                    col, ok = self.local_index(col, odims[od], op.shape[od] // self.n(odims[od]))
                     valid = ok if valid is None else valid & ok
-                    col = jnp.clip(local, 0, size - 1)
                 cols.append(col)
             indices = jnp.stack(cols, axis=-1).astype(indices.dtype)
             mask = jax.lax.broadcast_in_dim(valid, updates.shape, tuple(uscat))
@@ -972,6 +958,23 @@ def _hints(jaxpr: Any, out_hints: list, hints: dict) -> None:
             for x in eqn.invars:
                 if not isinstance(x, jcore.Literal) and tuple(getattr(x.aval, "shape", ())) == shape:
                     hints.setdefault(x, h)
+
+
+def constraint_target(eqn: Any, dims: Dims) -> Dims | None:
+    """The layout a ``sharding_constraint`` equation sets, per dim the mesh axes (an unconstrained
+    dim keeps ``dims``); None when it carries no PartitionSpec."""
+    spec = getattr(eqn.params.get("sharding"), "spec", None)
+    if spec is None:
+        return None
+    unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
+    target = []
+    for i, current in enumerate(dims):
+        entry = spec[i] if i < len(spec) else None
+        if entry is unconstrained:
+            target.append(tuple(current))
+        else:
+            target.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
+    return tuple(target)
 
 
 def _permuted(out: Dims, perm) -> Dims:
