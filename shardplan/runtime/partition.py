@@ -17,7 +17,7 @@ only where the layout requires one:
   (an FSDP weight before its matmul, and again in the backward pass: nothing keeps it);
 - a lookup in a table split over its rows is a masked local lookup and a pending sum;
 - an op with no local rule gets its operands whole (gathered) and runs replicated:
-  correct, and listed in :attr:`Partitioned.fallbacks` with its source line.
+  correct, and listed in :attr:`Record.fallbacks` with its source line.
 
 Reductions over the batch become local reductions and a sum over the batch axes, so the
 loss is the global loss whatever it divides by (a padding-masked token count included).
@@ -85,14 +85,6 @@ class Record:
         for c in self.issued:
             out[c.kind]["count"] += c.count
             out[c.kind]["bytes"] += c.bytes
-        return out
-
-    def by_axes(self) -> dict[str, dict[str, int]]:
-        """{kind: {"axis,axis": bytes}} per device per step."""
-        out: dict[str, dict[str, int]] = {}
-        for c in self.issued:
-            key = ",".join(c.axes)
-            out.setdefault(c.kind, {})[key] = out.setdefault(c.kind, {}).get(key, 0) + c.bytes
         return out
 
 
@@ -1031,14 +1023,6 @@ def _groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int],
             j += 1
         groups.append((ii, jj))
     return groups
-
-
-@dataclass(frozen=True)
-class Partitioned:
-    """The per-device (loss, grads) function and what its trace issued."""
-
-    fn: Callable
-    record: Record
 
 
 def predict(closed: Any, mesh: dict[str, int], param_dims: list[Dims], batch_dims: list[Dims]) -> Record:

@@ -1,14 +1,14 @@
-"""The shard_map backend: the plan lowered to explicit collectives.
+"""The shard_map backend: the plan lowered to explicit per-device code.
 
-Forward and backward run under ``jax.shard_map``; each device sees its local param shards
-and batch slice. Params are gathered with ``all_gather(..., tiled=True, to="invarying")``, then cast to
-device-varying over the batch axes *before* differentiation: with ``check_vma=True``,
-``jax.grad`` of an invariant param used with varying data would otherwise sum the gradient
-over the batch axes by itself (the transpose of the implicit cast), so an explicit mean on
-top would be off by n_batch and cost an extra all-reduce. Each gradient is then reduced as
-``shardplan.core.lowering`` prescribes (psum_scatter / local slice / psum, scaled by 1/n_batch).
-The optimizer update runs outside shard_map, on global arrays, so transformations such as
-``optax.clip_by_global_norm`` see the global norm.
+The step's ``value_and_grad`` is traced over global abstract values and partitioned op by op
+by ``shardplan.runtime.partition`` inside ``jax.shard_map``: matmuls and lookups on local
+shards, collectives only where a layout needs one, every collective recorded
+(:meth:`ShardMapStep.record`). The optimizer update runs outside shard_map, on global arrays,
+so transformations such as ``optax.clip_by_global_norm`` see the global norm.
+
+``gather_whole_step`` keeps the earlier lowering (every sharded param gathered whole, the model
+run per device on its batch slice, gradients reduced per ``shardplan.core.lowering``): what
+``shardplan lower`` emits, and the benchmarks' baseline.
 """
 
 from __future__ import annotations
@@ -119,10 +119,6 @@ class ShardMapStep:
         self.go = nnx.graphdef(optimizer)
         self._cache: dict = {}
         self.records: dict = {}
-
-    def lowering(self, batch: Any) -> Lowering:
-        p = self.placement
-        return lower(p.plan, p.params, specs.resolve_batch(p.plan, batch, mesh=p.mesh_shape))
 
     def _jitted(self, batch: Any):
         leaves, btree = jax.tree_util.tree_flatten(batch)
