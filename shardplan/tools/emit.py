@@ -1,9 +1,11 @@
 """Source emission: a plan lowered to a standalone, readable Python module.
 
-The module imports only jax, flax and optax (and the standard library), spells every spec
-out, and has one collective per line with a comment saying why. It exposes
-``make_mesh()``, ``place(model, optimizer, mesh)``, ``shard_batch(batch, mesh)`` and
-``make_train_step(model, optimizer, loss_fn, mesh)`` -> ``step(model, optimizer, batch)``.
+The module imports only jax, flax, optax, numpy and the standard library, and spells every
+spec out. It exposes ``make_mesh()``, ``place(model, optimizer, mesh)``,
+``shard_batch(batch, mesh)`` and ``make_train_step(model, optimizer, loss_fn, mesh)`` ->
+``step(model, optimizer, batch)``. For the shard_map backend that step is the runtime's
+partitioned one (a copy of ``shardplan/runtime/partition.py`` is appended), and
+``make_gather_whole_step`` spells the plan's param collectives out, one per line with why.
 """
 
 from __future__ import annotations
@@ -112,4 +114,17 @@ def emit(plan: Plan, params: Resolution, opt: Resolution, lowering: Lowering, ba
             n_batch=lowering.batch_axis_size,
         )
     )
+    if backend == "shard_map":
+        parts.append("\n\n" + _partitioner_source())
     return "\n".join(parts).rstrip() + "\n"
+
+
+def _partitioner_source() -> str:
+    """shardplan's partitioner (``shardplan/runtime/partition.py``), copied in so the module stays
+    standalone; source lines of ops are not looked up there (reports only)."""
+    text = resources.files("shardplan.runtime").joinpath("partition.py").read_text()
+    text = text.replace("from __future__ import annotations\n", "")
+    start = text.index("def _source(")
+    end = text.index("\nclass ", start)
+    text = text[:start] + 'def _source(eqn: Any) -> str:\n    return ""\n\n' + text[end:]
+    return "# -- the partitioner: a copy of shardplan/runtime/partition.py " + "-" * 30 + "\n" + text
