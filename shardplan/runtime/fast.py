@@ -734,8 +734,10 @@ def analyze(
     batch: dict[str, tuple[tuple[int, ...], str]],
     optimizer: str,
     mesh: dict[str, int],
+    built: tuple[Any, Any] | None = None,
 ) -> StepCost:
-    """The auto backend's step cost on ``mesh`` from the traced step (no compile)."""
+    """The auto backend's step cost on ``mesh`` from the traced step (no compile); ``built``: the
+    abstract model and optimizer, when the caller has them."""
     import jax
     import numpy as np
     from flax import nnx
@@ -747,8 +749,7 @@ def analyze(
     from shardplan.runtime.step import check_loss
 
     t0 = time.perf_counter()
-    tx = model_mod.make_tx(optimizer)
-    abs_model, abs_opt = model_mod.abstract_model_and_optimizer(factory, tx)
+    abs_model, abs_opt = built or model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
     params, opt = specs.resolve_model(plan, abs_model, abs_opt, mesh=mesh)
     assert opt is not None
     batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
@@ -869,9 +870,9 @@ def analyze_shard_map(
     from shardplan.runtime.activations import Activations
 
     t0 = time.perf_counter()
-    base = analyze(plan, factory, loss_fn, batch, optimizer, mesh)
-    tx = model_mod.make_tx(optimizer)
-    abs_model, _ = model_mod.abstract_model_and_optimizer(factory, tx)
+    built = model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
+    base = analyze(plan, factory, loss_fn, batch, optimizer, mesh, built)
+    abs_model = built[0]
     params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
     batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
     inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
