@@ -7,8 +7,8 @@ shards, collectives only where a layout needs one, every collective recorded
 so transformations such as ``optax.clip_by_global_norm`` see the global norm.
 
 ``gather_whole_step`` keeps the earlier lowering (every sharded param gathered whole, the model
-run per device on its batch slice, gradients reduced per ``shardplan.core.lowering``): what
-``shardplan lower`` emits, and the benchmarks' baseline.
+run per device on its batch slice, gradients reduced per ``shardplan.core.lowering``): the
+emitted module's ``make_gather_whole_step``, and the benchmarks' baseline.
 """
 
 from __future__ import annotations
@@ -179,11 +179,12 @@ class ShardMapStep:
 def gather_whole_step(placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any, batch: Any):
     """The lowering before the step was partitioned, jitted: every sharded param gathered whole
     at the start, the model run whole per device on its batch slice, gradients reduced per
-    ``shardplan.core.lowering`` (what ``shardplan lower`` emits). The benchmarks' baseline."""
+    ``shardplan.core.lowering`` (the emitted module's ``make_gather_whole_step``). The benchmarks'
+    baseline."""
     params_only(model)
     p = placement
-    low = lower(p.plan, p.params, specs.resolve_batch(p.plan, batch, mesh=p.mesh_shape))
     batch_res = specs.resolve_batch(p.plan, batch, mesh=p.mesh_shape)
+    low = lower(p.plan, p.params, batch_res)
     gm, go = nnx.graphdef(model), nnx.graphdef(optimizer)
     grads_fn = jax.shard_map(
         local_grads(low, loss_fn, gm),
