@@ -58,6 +58,39 @@ def bench_apply(quick: bool) -> dict:
 
 
 # -- 3. training step -------------------------------------------------------------------------
+PINNED = ("gpt_2d.splan", "llama_scan_2d.splan")  # plans that pin the residual stream (act + axis rules)
+
+
+def pinned_residual(loss_fn, mesh):
+    """The plain-JAX way of what the 2-D plans' activation rules do: a sharding constraint on the
+    output of the model's ``embed`` module (the batch split over `data`), and Flax's logical-axis
+    rules under the mesh for models that constrain logical names."""
+    import jax
+    from flax import linen as nn
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    rules = [("activation_batch", "data"), ("activation_length", None), ("activation_embed", None)]
+
+    def loss(model, batch):
+        embed = model.embed
+        cls = type(embed)
+        orig = cls.__call__
+
+        def call(self, *a, **k):
+            out = orig(self, *a, **k)
+            return jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P("data"))) if self is embed else out
+
+        cls.__call__ = call
+        try:
+            with nn.logical_axis_rules(rules), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return loss_fn(model, batch)
+        finally:
+            cls.__call__ = orig
+
+    return loss
+
+
 def _step_setup(plan_name: str, backend: str, cfg, batch: int, devices=None, hand=False):
     import jax
     import numpy as np
@@ -84,7 +117,8 @@ def _step_setup(plan_name: str, backend: str, cfg, batch: int, devices=None, han
     from shardplan.runtime.backends.auto import pure_step
 
     sh_m, sh_o = placement.model_shardings(), placement.opt_shardings()
-    fn = jax.jit(pure_step(example.lm_loss, nnx.graphdef(model), nnx.graphdef(optimizer)),
+    loss = pinned_residual(example.lm_loss, mesh) if plan_name in PINNED else example.lm_loss
+    fn = jax.jit(pure_step(loss, nnx.graphdef(model), nnx.graphdef(optimizer)),
                  out_shardings=(sh_m, sh_o, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())),
                  donate_argnums=(0, 1))
     batch_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*plan.batch.dims[0][:1] or (None,)))
