@@ -51,6 +51,8 @@ _INSTR = re.compile(
 _COMP = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
 _ARRAY = re.compile(r"(\w+)\[([0-9,]*)\]")
 _OPERAND = re.compile(r"%([\w.\-]+)")
+_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
+_PARAM_INDEX = re.compile(r"parameter\((\d+)\)")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
@@ -301,25 +303,43 @@ def _same_data(ins: _Instr, operand: _Instr) -> bool:
     )
 
 
-def _is_slice_user(user: _Instr, elements: int, group: int) -> bool:
-    """A per-device slice of an all-reduce result: a dynamic-slice (or a fusion built around
-    one) whose result is 1/group of the reduced buffer."""
-    if user.op == "get-tuple-element":
+def _is_slice_user(
+    user: _Instr, value: str, elements: int, group: int, comps: dict[str, list[_Instr]]
+) -> bool:
+    """A per-device slice of an all-reduce result ``value``: a dynamic-slice (or a fusion built
+    around one) whose result is 1/group of the reduced buffer, or a fusion that only reads a
+    1/group slice of it (inside a scan, where the slice is written into the stacked gradient)."""
+    if user.op == "get-tuple-element" or group <= 1:
         return False
     by_device = any(o.startswith(("partition-id", "replica-id")) for o in user.operands)
     slicing = user.op == "dynamic-slice" or (user.op == "fusion" and ("dynamic-slice" in user.name or by_device))
     n = _shape_bytes(user.shape)[2]
-    return slicing and group > 1 and n > 0 and n * group == elements
+    if slicing and n > 0 and n * group == elements:
+        return True
+    called = _CALLS.search(user.line) if user.op == "fusion" else None
+    body = comps.get(called.group(1), []) if called else []
+    positions = {str(i) for i, o in enumerate(user.operands) if o == value}
+    params = {i.name for i in body if i.op == "parameter" and _param_index(i) in positions}
+    reads = [i for i in body if params & set(i.operands)]
+    return bool(reads) and all(
+        i.op in ("dynamic-slice", "slice") and _shape_bytes(i.shape)[2] * group == elements for i in reads
+    )
 
 
-def _element_users(users: dict[str, list[_Instr]], ins: _Instr, index: int | None) -> list[_Instr]:
-    """Users of a collective's result, or of element ``index`` of its tuple result."""
+def _param_index(ins: _Instr) -> str:
+    m = _PARAM_INDEX.search(ins.line)
+    return m.group(1) if m else ""
+
+
+def _element_users(users: dict[str, list[_Instr]], ins: _Instr, index: int | None) -> list[tuple[_Instr, str]]:
+    """Users of a collective's result, or of element ``index`` of its tuple result, each with
+    the name it reads the value by."""
     if index is None:
-        return users.get(ins.name, [])
+        return [(u, ins.name) for u in users.get(ins.name, [])]
     out = []
     for gte in users.get(ins.name, []):
         if gte.op == "get-tuple-element" and re.search(rf"\bindex={index}\b", gte.line):
-            out += users.get(gte.name, [])
+            out += [(u, gte.name) for u in users.get(gte.name, [])]
     return out
 
 
@@ -372,7 +392,7 @@ def parse(hlo_text: str, n_devices: int | None = None) -> list[CollectiveOp]:
                 for i, text in enumerate(arrays):
                     b, _, n = _shape_bytes(text)
                     us = _element_users(users, ins, i if tuple_result else None)
-                    rs = bool(us) and all(_is_slice_user(u, n, group) for u in us)
+                    rs = bool(us) and all(_is_slice_user(u, name, n, group, comps) for u, name in us)
                     ops.append(
                         replace(
                             base, shapes=(text,), bytes=b, as_reduce_scatter=rs, moves="" if tuple_result else moves
@@ -410,7 +430,6 @@ _ELEMENTWISE_FLOP = {
     "atan2",
     "is-finite",
 }
-_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 
 
