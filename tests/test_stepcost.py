@@ -276,10 +276,17 @@ def test_exact_mode_compiles_for_a_mesh_larger_than_the_machine():
     assert axes == {"data", "model"} and cost.flops > 0
 
 
-def test_fast_mode_says_where_it_is_unreliable():
-    cost = analyze("gpt_2d.splan", mode="fast")
-    assert any("2-D splits" in n and "--compile" in n for n in cost.notes)
-    assert not any("2-D splits" in n for n in analyze("fsdp.splan", mode="fast").notes)
+def test_fast_mode_says_where_it_is_unreliable(tmp_path):
+    # gpt_2d without its activation rules: the table's and the batch's `data` splits meet unpinned.
+    text = (PLANS / "gpt_2d.splan").read_text()
+    free = tmp_path / "free.splan"
+    free.write_text("\n".join(line for line in text.splitlines() if not line.startswith(("act ", "axis "))))
+    cost = shardplan.api.analyze(free, model=f"{MODELS}:gpt_tiny", step=STEP, batch=BATCH, mode="fast", devices=8)
+    assert any("constrains no activation" in n and "--compile" in n for n in cost.notes)
+    pinned = analyze("gpt_2d.splan", mode="fast").notes
+    assert not any("constrains no activation" in n for n in pinned)
+    assert any("lookups in a table split over an axis that also splits their indices" in n for n in pinned)
+    assert not any("constrains no activation" in n or "lookups" in n for n in analyze("fsdp.splan", mode="fast").notes)
 
 
 def test_fast_mode_costs_meshes_too_large_to_simulate():

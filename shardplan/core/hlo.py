@@ -303,9 +303,7 @@ def _same_data(ins: _Instr, operand: _Instr) -> bool:
     )
 
 
-def _is_slice_user(
-    user: _Instr, value: str, elements: int, group: int, comps: dict[str, list[_Instr]]
-) -> bool:
+def _is_slice_user(user: _Instr, value: str, elements: int, group: int, comps: dict[str, list[_Instr]]) -> bool:
     """A per-device slice of an all-reduce result ``value``: a dynamic-slice (or a fusion built
     around one) whose result is 1/group of the reduced buffer, or a fusion that only reads a
     1/group slice of it (inside a scan, where the slice is written into the stacked gradient)."""

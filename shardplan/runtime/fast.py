@@ -144,6 +144,7 @@ class _Ctx:
     cache: dict[tuple, Val] = field(default_factory=dict)
     gathered_now: int = 0
     gathered_peak: int = 0
+    lookups: list[str] = field(default_factory=list)  # sources of lookups whose table and indices share an axis
     source: str = ""  # 'file:line' in the user's code of the equation being propagated
 
     def split(self, axes: tuple[str, ...]) -> int:
@@ -177,6 +178,15 @@ class _Propagator:
         self.virtual_outs: set[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
         self.constrained: list[Constrained] = []  # activations with a set layout, in program order
+        # A call's inner variables stand for the outer ones they are bound to (and its outer
+        # results for the inner ones): XLA inlines calls and does each reshard of a value once.
+        self.origin: dict[Any, Any] = {}
+        self.call_source = ""  # the source line of the call being run (for library code inside it)
+
+    def root(self, var: Any) -> Any:
+        while var in self.origin:
+            var = self.origin[var]
+        return var
 
     # -- resharding ------------------------------------------------------------------------
     def resolve(self, var: Any, v: Val, target: Dims | None, mult: int, why: str) -> Val:
@@ -185,7 +195,7 @@ class _Propagator:
         if not v.partial:
             return v
         target = target if target is not None else self.hints.get(var, v.dims)
-        key = ("resolve", id(var), target)
+        key = ("resolve", id(self.root(var)), target)
         hit = self.ctx.cache.get(key)
         if hit is not None:
             return hit
@@ -210,7 +220,7 @@ class _Propagator:
         target = _norm(target, len(v.shape))
         if v.dims == target:
             return v
-        key = ("reshard", id(var), target)
+        key = ("reshard", id(self.root(var)), target)
         hit = self.ctx.cache.get(key)
         if hit is not None:
             return hit
@@ -310,10 +320,21 @@ class _Propagator:
     def eqn(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         name = eqn.primitive.name
         outs_avals = [o.aval for o in eqn.outvars]
-        self.ctx.source = _source(eqn)
+        self.ctx.source = _source(eqn) or self.call_source
         sub = _subjaxpr(eqn)
         if sub is not None and name not in ("scan", "while", "cond"):
+            for inner_var, outer_var in zip(sub.invars, eqn.invars, strict=False):
+                if not hasattr(outer_var, "val"):
+                    self.origin[inner_var] = self.root(outer_var)
+            for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
+                if outer_var in self.hints and not hasattr(inner_var, "val"):
+                    self.hints.setdefault(inner_var, self.hints[outer_var])
+            outer_call, self.call_source = self.call_source, self.ctx.source
             inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult)
+            self.call_source = outer_call
+            for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
+                if not hasattr(inner_var, "val") and self.root(inner_var) is not outer_var:
+                    self.origin[outer_var] = self.root(inner_var)
             return inner
         if name == "scan":
             return self.scan(eqn, ins, mult)
@@ -359,6 +380,13 @@ class _Propagator:
             return [_replicated(a) for a in outs_avals]
         if name == "sharding_constraint":
             return [self.constraint(eqn, ins[0], mult)]
+        if name == "reshard":  # jax.sharding.reshard in library code (e.g. an optimizer's scalar)
+            from shardplan.runtime.partition import constraint_target
+
+            target = constraint_target(eqn, ins[0].dims)
+            if target is not None:
+                x = eqn.invars[0]
+                return [self.reshard(x, self.resolve(x, ins[0], target, mult, name), target, mult, name)]
         if name == "gather":
             return [self.gather(eqn, ins, mult)]
         if name in ("scatter-add", "scatter_add", "scatter"):
@@ -583,8 +611,24 @@ class _Propagator:
         for k, b in zip(batch_out, range(len(idx.shape)), strict=False):
             dims[k] = idx.dims[b] if b < len(idx.dims) else ()
         kept = [i for i in range(len(table.shape)) if i not in collapsed]
+        whole = [k for k, i in zip(offset, kept, strict=False) if table.shape[i] == shape[k]]
+        # An axis that splits both a kept dim of the table (an embedding's width) and the
+        # indices (the batch): GSPMD keeps the table in place, gathers the indices over that
+        # axis and looks up the table's slice for every index (measured, with the lookup's
+        # output then resharded to where it is used: an all-to-all when the batch split is
+        # wanted back).
+        clash = {a for k, i in zip(offset, kept, strict=False) if k in whole for a in table.dims[i]} & {
+            a for k in batch_out for a in dims[k]
+        }
+        if clash:
+            self.ctx.lookups.append(self.ctx.source)
+            self.reshard(
+                eqn.invars[1], idx, _tuple([[a for a in d if a not in clash] for d in idx.dims]), mult, "gather"
+            )
+            for k in batch_out:
+                dims[k] = tuple(a for a in dims[k] if a not in clash)
         for k, i in zip(offset, kept, strict=False):
-            if table.shape[i] == shape[k]:
+            if k in whole:
                 dims[k] = tuple(a for a in table.dims[i] if all(a not in d for d in dims))
         rows = tuple(a for i in collapsed for a in table.dims[i])
         out = Val(shape, _itemsize(out_aval), tuple(dims))
@@ -604,11 +648,44 @@ class _Propagator:
     def scatter(self, eqn: Any, ins: list[Val], mult: int) -> Val:
         operand, updates = ins[0], ins[2] if len(ins) > 2 else ins[-1]
         out_aval = eqn.outvars[0].aval
+        shape = tuple(out_aval.shape)
+        self._flops(self.ctx.local(updates) / updates.itemsize, mult, "scatter-add")
+        hint = self.hints.get(eqn.outvars[0])
+        dn = eqn.params["dimension_numbers"]
+        window = tuple(dn.update_window_dims)
+        kept = [i for i in range(len(shape)) if i not in tuple(dn.inserted_window_dims)]
+        if hint is not None and len(ins) > 2 and len(window) == len(kept):
+            # The transpose of a lookup whose result is wanted split like the table (an embedding's
+            # gradient under a 2-D plan): where an axis splits both the table's kept dim and the
+            # updates' batch, GSPMD moves the updates onto the table's split (all-to-all), scatters
+            # every index into the rows it holds whole and reduce-scatters over the axes that split
+            # the rows (measured).
+            target = _norm(hint, len(shape))
+            rows = {a for i in range(len(shape)) if i not in kept for a in target[i]}
+            scatter_dims = [k for k in range(len(updates.shape)) if k not in window]
+            clash = {a for w, i in zip(window, kept, strict=True) for a in target[i]} & {
+                a for k in scatter_dims for a in updates.dims[k]
+            }
+            if clash and _fits(shape, target, self.ctx):
+                moved = [[a for a in d if a not in clash] for d in updates.dims]
+                for w, i in zip(window, kept, strict=True):
+                    if updates.shape[w] == shape[i]:
+                        moved[w] = [a for a in target[i] if a in clash or a in moved[w]]
+                self.reshard(eqn.invars[2], replace(updates, partial=frozenset()), _tuple(moved), mult, "scatter-add")
+                idx = ins[1]
+                self.reshard(
+                    eqn.invars[1],
+                    idx,
+                    _tuple([[a for a in d if a not in clash] for d in idx.dims]),
+                    mult,
+                    "scatter-add",
+                )
+                dims = [tuple(a for a in target[i] if a in clash) if i in kept else () for i in range(len(shape))]
+                return Val(shape, _itemsize(out_aval), tuple(dims), frozenset(rows) | updates.partial)
         # The result (e.g. an embedding's gradient) takes the operand's layout; updates split
         # over axes the result is not split on are summed across them.
-        out = Val(tuple(out_aval.shape), _itemsize(out_aval), operand.dims)
+        out = Val(shape, _itemsize(out_aval), operand.dims)
         pending = frozenset(a for d in updates.dims for a in d if a not in out.axes) | updates.partial
-        self._flops(self.ctx.local(updates) / updates.itemsize, mult, "scatter-add")
         return replace(out, partial=pending)
 
     def layout_preserving(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
@@ -645,7 +722,12 @@ class _Propagator:
             env[var] = v
         outs = self.run(body, env, mult * length)
         result = list(outs[:ncarry])
-        for o, v in zip(eqn.outvars[ncarry:], outs[ncarry:], strict=True):  # stacked outputs
+        for o, inner, v in zip(eqn.outvars[ncarry:], body.outvars[ncarry:], outs[ncarry:], strict=True):
+            # Stacked outputs; a pending sum wanted split (a layer's weight gradient under FSDP)
+            # is reduce-scattered in each iteration, so the stack is held split.
+            hint = self.hints.get(o)
+            if v.partial and hint is not None and len(hint) == len(v.shape) + 1:
+                v = self.resolve(inner, v, hint[1:], mult * length, "scan")
             result.append(Val(tuple(o.aval.shape), v.itemsize, ((),) + v.dims, v.partial))
         return result
 
@@ -808,11 +890,19 @@ def analyze(
         for d in params.decisions
         if any(a in plan.batch_axes for a in d.spec.axes) and any(a not in plan.batch_axes for a in d.spec.axes)
     ]
-    if two_d:
+    if two_d and not prop.constrained:
         notes.append(
-            f"{len(two_d)} param(s) are split over a batch axis and another axis (e.g. {two_d[0]}): for "
-            "such 2-D splits XLA also moves activations (all-gathers, all-to-alls) in ways fast mode does "
-            "not predict (see docs/benchmarks.md); use --compile for this plan's communication"
+            f"{len(two_d)} param(s) are split over a batch axis and another axis (e.g. {two_d[0]}) and the step "
+            "constrains no activation: where such a split meets the batch's, XLA may carry it into the "
+            "activations and move them (all-gathers, all-to-alls) in ways fast mode does not predict; pin the "
+            "residual stream (an act rule, or axis rules for the model's logical names, as plans/gpt_2d.splan "
+            "does) or use --compile for this plan's communication"
+        )
+    if ctx.lookups:
+        notes.append(
+            f"lookups in a table split over an axis that also splits their indices ({sorted(set(ctx.lookups))[0]}): "
+            "fast mode counts one all-gather of the indices; XLA's way depends on the mesh shape (measured: "
+            "a permute and two staged gathers on data=4,model=2, the table gathered instead on data=2,model=4)"
         )
     notes += acts.notes()
     if ctx.unmodeled:

@@ -953,9 +953,9 @@ def _hints(jaxpr: Any, out_hints: list, hints: dict) -> None:
 
 
 def constraint_target(eqn: Any, dims: Dims) -> Dims | None:
-    """The layout a ``sharding_constraint`` equation sets, per dim the mesh axes (an unconstrained
-    dim keeps ``dims``); None when it carries no PartitionSpec."""
-    spec = getattr(eqn.params.get("sharding"), "spec", None)
+    """The layout a ``sharding_constraint`` (or ``reshard``) equation sets, per dim the mesh axes (an
+    unconstrained dim keeps ``dims``); None when it carries no PartitionSpec."""
+    spec = getattr(eqn.params.get("sharding", eqn.params.get("dst_sharding")), "spec", None)
     if spec is None:
         return None
     unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
