@@ -503,10 +503,10 @@ class _Propagator:
         for j in rfree:
             clash = [x for x in rdims[j] if x in used]
             if clash:
-                # The same axis splits a free dim of each side: gather the cheaper one.
-                lbytes = self.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims)))
-                rbytes = self.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims)))
-                if rbytes <= lbytes:
+                # The same axis splits a free dim of each side: XLA's propagation keeps the split of
+                # the larger operand (its whole size) and gathers the other (measured: under sequence
+                # parallelism a layer's weights are gathered, the sequence stays split).
+                if math.prod(rhs.shape) * rhs.itemsize <= math.prod(lhs.shape) * lhs.itemsize:
                     rdims[j] = [x for x in rdims[j] if x not in used]
                 else:
                     for i in lfree:
