@@ -117,6 +117,20 @@ _FUSES_PRODUCER = (
     _ELEMENTWISE | _LAYOUT | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "broadcast_in_dim"}
 )
 _FREE = {"iota", "stop_gradient"}
+# Ops whose output dims of unchanged size keep their operands' layout (a wanted layout flows back).
+_LAYOUT_PRESERVING = {
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "slice",
+    "pad",
+    "concatenate",
+    "split",
+    "rev",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "cumsum",
+}
 
 
 @dataclass(frozen=True)
@@ -173,6 +187,7 @@ class _Propagator:
         self.ignore_constraints = ignore_constraints  # propagate as if the step constrained nothing
         self.names = names  # top-level invar -> leaf path (for 'moves')
         self.hints: dict[Any, Dims] = {}
+        self.wants: dict[Any, Dims] = {}  # splits readers want (see _wants)
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] = set()  # outputs of the last run jaxpr that are broadcasts
@@ -194,7 +209,7 @@ class _Propagator:
         splits a dim on (when ``v`` leaves that dim whole), all-reduce over the rest."""
         if not v.partial:
             return v
-        target = target if target is not None else self.hints.get(var, v.dims)
+        target = target if target is not None else self.hints.get(var, self.wants.get(var, v.dims))
         key = ("resolve", id(self.root(var)), target)
         hit = self.ctx.cache.get(key)
         if hit is not None:
@@ -262,6 +277,7 @@ class _Propagator:
         """Propagate through ``jaxpr``; also track the bytes its intermediates hold at once
         (``self.peak``: the most live at any point, on top of its inputs)."""
         self._hints(jaxpr)
+        self._wants(jaxpr)
         top = self.depth == 0
         self.depth += 1
         last: dict[Any, int] = {}
@@ -317,6 +333,64 @@ class _Propagator:
                 if not hasattr(x, "val") and tuple(x.aval.shape) == tuple(eqn.outvars[0].aval.shape):
                     self.hints.setdefault(x, out)
 
+    def _wants(self, jaxpr: Any) -> None:
+        """Backward pass: the splits a value's readers want, from constrained activations back
+        through elementwise and layout ops and matmuls (XLA's propagation runs both ways), so a
+        pending sum is reduce-scattered onto a split its readers keep (the gradient of keys and
+        values gathered over a split sequence). Only where a pending sum is resolved."""
+        from shardplan.runtime.partition import constraint_target
+
+        def want(x: Any, dims: Dims) -> None:
+            if not hasattr(x, "val") and any(dims) and len(dims) == len(getattr(x.aval, "shape", ())):
+                self.wants.setdefault(x, dims)
+
+        for eqn in reversed(jaxpr.eqns):
+            name = eqn.primitive.name
+            if name == "sharding_constraint" and not self.ignore_constraints:
+                x = eqn.invars[0]
+                target = constraint_target(eqn, ((),) * len(getattr(x.aval, "shape", ())))
+                if target is not None:
+                    want(x, target)
+                continue
+            out = self.wants.get(eqn.outvars[0]) if eqn.outvars else None
+            if out is None:
+                continue
+            shape = tuple(eqn.outvars[0].aval.shape)
+            if name in _ELEMENTWISE or name in _LAYOUT_PRESERVING:
+                for x in eqn.invars:
+                    xs = tuple(getattr(x.aval, "shape", ()))
+                    if len(xs) == len(shape):
+                        want(x, tuple(d if xs[i] == shape[i] else () for i, d in enumerate(out)))
+            elif name == "transpose":
+                want(eqn.invars[0], _unpermute(out, eqn.params["permutation"]))
+            elif name in ("reshape", "squeeze", "expand_dims"):
+                xs = tuple(eqn.invars[0].aval.shape)
+                dims: list[tuple[str, ...]] = [()] * len(xs)
+                for i in range(min(len(xs), len(shape))):  # the leading dims both shapes share
+                    if xs[i] != shape[i]:
+                        break
+                    dims[i] = out[i]
+                want(eqn.invars[0], tuple(dims))
+            elif name == "dot_general":
+                (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+                lx, rx = eqn.invars
+                lfree = [i for i in range(len(lx.aval.shape)) if i not in lc and i not in lb]
+                rfree = [i for i in range(len(rx.aval.shape)) if i not in rc and i not in rb]
+                ld: list[tuple[str, ...]] = [()] * len(lx.aval.shape)
+                rd: list[tuple[str, ...]] = [()] * len(rx.aval.shape)
+                k = 0
+                for i, j in zip(lb, rb, strict=True):
+                    ld[i] = rd[j] = out[k]
+                    k += 1
+                for i in lfree:
+                    ld[i] = out[k]
+                    k += 1
+                for j in rfree:
+                    rd[j] = out[k]
+                    k += 1
+                want(lx, tuple(ld))
+                want(rx, tuple(rd))
+
     def eqn(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         name = eqn.primitive.name
         outs_avals = [o.aval for o in eqn.outvars]
@@ -329,6 +403,8 @@ class _Propagator:
             for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
                 if outer_var in self.hints and not hasattr(inner_var, "val"):
                     self.hints.setdefault(inner_var, self.hints[outer_var])
+                if outer_var in self.wants and not hasattr(inner_var, "val"):
+                    self.wants.setdefault(inner_var, self.wants[outer_var])
             outer_call, self.call_source = self.call_source, self.ctx.source
             inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult)
             self.call_source = outer_call
@@ -520,6 +596,10 @@ class _Propagator:
         k = math.prod(lhs.shape[i] for i in lc)
         kshards = self.ctx.split(tuple(x for i in lc for x in lt[i]))
         self._flops(2 * (self.ctx.local(out) / out.itemsize) * (k / kshards), mult, "dot_general")
+        want = self.wants.get(eqn.outvars[0])
+        if out.partial and want is not None and any(a in out.partial for d in want for a in d):
+            # Its readers keep a split over a pending axis: reduce-scattered onto it here.
+            return self.resolve(eqn.outvars[0], out, want, mult, "dot_general")
         return out
 
     def reduce(self, eqn: Any, v: Val, mult: int) -> Val:
@@ -639,7 +719,8 @@ class _Propagator:
             # fewer bytes (measured); an axis that also splits the activations (the output, or
             # the batch) makes it gather the table instead.
             whole = [tuple(a for a in d if a not in rows) for d in table.dims]
-            if any(a in out.axes or a in self.ctx.batch_axes for a in rows):
+            wanted = {a for d in self.wants.get(eqn.outvars[0], ()) for a in d}
+            if any(a in out.axes or a in self.ctx.batch_axes or a in wanted for a in rows):
                 self.reshard(eqn.invars[0], table, _tuple(whole), mult, "gather")
                 return out
             return replace(out, partial=frozenset(rows))
@@ -749,6 +830,14 @@ def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
                 if uses.get(v, 0) == 1 and consumer.get(v) in _FUSES_PRODUCER:
                     out.add(v)
     return out
+
+
+def _unpermute(out: Dims, perm: Any) -> Dims:
+    """The operand layout a transpose by ``perm`` turns into ``out``."""
+    dims: list[tuple[str, ...]] = [()] * len(perm)
+    for i, p in enumerate(perm):
+        dims[p] = out[i]
+    return tuple(dims)
 
 
 def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:
