@@ -182,12 +182,19 @@ def _norm(dims: Dims, rank: int) -> Dims:
 class _Propagator:
     """Shardings through one jaxpr (recursing into nested jaxprs)."""
 
-    def __init__(self, ctx: _Ctx, names: dict[Any, str], ignore_constraints: bool = False):
+    def __init__(
+        self, ctx: _Ctx, names: dict[Any, str], ignore_constraints: bool = False, free: dict[Any, Dims] | None = None
+    ):
         self.ctx = ctx
         self.ignore_constraints = ignore_constraints  # propagate as if the step constrained nothing
         self.names = names  # top-level invar -> leaf path (for 'moves')
         self.hints: dict[Any, Dims] = {}
         self.wants: dict[Any, Dims] = {}  # splits readers want (see _wants)
+        # Whole values an elementwise op met with split ones (XLA's propagation would have computed
+        # them split: slicing a whole value is free); a second propagation takes them as ``free``.
+        self.slices: dict[Any, Dims] = {}
+        self.free: dict[Any, Dims] = dict(free or {})
+        self.constant: set[Any] = set()  # values computed from literals alone (XLA keeps them whole)
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] = set()  # outputs of the last run jaxpr that are broadcasts
@@ -293,6 +300,8 @@ class _Propagator:
         held: dict[Any, int] = {}
         for k, eqn in enumerate(jaxpr.eqns):
             ins = [self._read(env, x) for x in eqn.invars]
+            if all(hasattr(x, "val") or x in self.constant for x in eqn.invars) and eqn.primitive.name != "scan":
+                self.constant.update(eqn.outvars)
             outer_peak, self.peak = self.peak, 0
             self.virtual_outs = set()
             outs = self.eqn(eqn, ins, mult)
@@ -338,58 +347,9 @@ class _Propagator:
         through elementwise and layout ops and matmuls (XLA's propagation runs both ways), so a
         pending sum is reduce-scattered onto a split its readers keep (the gradient of keys and
         values gathered over a split sequence). Only where a pending sum is resolved."""
-        from shardplan.runtime.partition import constraint_target
-
-        def want(x: Any, dims: Dims) -> None:
-            if not hasattr(x, "val") and any(dims) and len(dims) == len(getattr(x.aval, "shape", ())):
-                self.wants.setdefault(x, dims)
-
-        for eqn in reversed(jaxpr.eqns):
-            name = eqn.primitive.name
-            if name == "sharding_constraint" and not self.ignore_constraints:
-                x = eqn.invars[0]
-                target = constraint_target(eqn, ((),) * len(getattr(x.aval, "shape", ())))
-                if target is not None:
-                    want(x, target)
-                continue
-            out = self.wants.get(eqn.outvars[0]) if eqn.outvars else None
-            if out is None:
-                continue
-            shape = tuple(eqn.outvars[0].aval.shape)
-            if name in _ELEMENTWISE or name in _LAYOUT_PRESERVING:
-                for x in eqn.invars:
-                    xs = tuple(getattr(x.aval, "shape", ()))
-                    if len(xs) == len(shape):
-                        want(x, tuple(d if xs[i] == shape[i] else () for i, d in enumerate(out)))
-            elif name == "transpose":
-                want(eqn.invars[0], _unpermute(out, eqn.params["permutation"]))
-            elif name in ("reshape", "squeeze", "expand_dims"):
-                xs = tuple(eqn.invars[0].aval.shape)
-                dims: list[tuple[str, ...]] = [()] * len(xs)
-                for i in range(min(len(xs), len(shape))):  # the leading dims both shapes share
-                    if xs[i] != shape[i]:
-                        break
-                    dims[i] = out[i]
-                want(eqn.invars[0], tuple(dims))
-            elif name == "dot_general":
-                (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-                lx, rx = eqn.invars
-                lfree = [i for i in range(len(lx.aval.shape)) if i not in lc and i not in lb]
-                rfree = [i for i in range(len(rx.aval.shape)) if i not in rc and i not in rb]
-                ld: list[tuple[str, ...]] = [()] * len(lx.aval.shape)
-                rd: list[tuple[str, ...]] = [()] * len(rx.aval.shape)
-                k = 0
-                for i, j in zip(lb, rb, strict=True):
-                    ld[i] = rd[j] = out[k]
-                    k += 1
-                for i in lfree:
-                    ld[i] = out[k]
-                    k += 1
-                for j in rfree:
-                    rd[j] = out[k]
-                    k += 1
-                want(lx, tuple(ld))
-                want(rx, tuple(rd))
+        _spread(jaxpr, self.wants, None if self.ignore_constraints else "seed")
+        if self.free:
+            _spread(jaxpr, self.free, "stop")
 
     def eqn(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         name = eqn.primitive.name
@@ -400,6 +360,8 @@ class _Propagator:
             for inner_var, outer_var in zip(sub.invars, eqn.invars, strict=False):
                 if not hasattr(outer_var, "val"):
                     self.origin[inner_var] = self.root(outer_var)
+                if hasattr(outer_var, "val") or outer_var in self.constant:
+                    self.constant.add(inner_var)
             for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
                 if outer_var in self.hints and not hasattr(inner_var, "val"):
                     self.hints.setdefault(inner_var, self.hints[outer_var])
@@ -517,7 +479,20 @@ class _Propagator:
             if hint is not None and _fits(shape, hint, self.ctx)
             else max((v for _, v in done), key=lambda v: math.prod(self.ctx.split(d) for d in v.dims)).dims
         )
+        free = self.free.get(eqn.outvars[0])
+        if free is not None and hint is None:
+            used = {a for d in target for a in d}
+            merged = tuple(
+                t if t or not f or any(a in used for a in f) else f
+                for t, f in zip(_norm(target, len(shape)), free, strict=True)
+            )
+            if _fits(shape, merged, self.ctx):
+                target = merged
         for x, v in done:
+            if v.shape == shape and not hasattr(x, "val") and x not in self.constant:
+                whole = tuple(t if not d and t else () for d, t in zip(v.dims, _norm(target, len(shape)), strict=True))
+                if any(whole):
+                    self.slices.setdefault(x, whole)
             self.reshard(x, v, target, mult, name)
         out = Val(shape, _itemsize(out_aval), _norm(target, len(shape)))
         self._flops(self.ctx.local(out) / out.itemsize, mult, name)
@@ -767,6 +742,10 @@ class _Propagator:
         # over axes the result is not split on are summed across them.
         out = Val(shape, _itemsize(out_aval), operand.dims)
         pending = frozenset(a for d in updates.dims for a in d if a not in out.axes) | updates.partial
+        if len(ins) > 2 and not tuple(getattr(dn, "scatter_indices_batching_dims", ())):
+            # Indices split over an axis (a lookup's tokens) split the updates with them (a free
+            # slice where they are whole): each device adds its share, summed across the axis.
+            pending |= frozenset(a for d in ins[1].dims[:-1] for a in d if a not in out.axes)
         return replace(out, partial=pending)
 
     def layout_preserving(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
@@ -811,6 +790,79 @@ class _Propagator:
                 v = self.resolve(inner, v, hint[1:], mult * length, "scan")
             result.append(Val(tuple(o.aval.shape), v.itemsize, ((),) + v.dims, v.partial))
         return result
+
+
+def _spread(jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None:
+    """Wanted splits (``table``: var -> per-dim axes) carried from values back to the values they
+    are computed from, through elementwise, layout and reduction ops and matmuls. ``constraints``:
+    "seed" starts a want at each constrained activation (its layout), "stop" ends one there, None
+    passes through."""
+    from shardplan.runtime.partition import constraint_target
+
+    def want(x: Any, dims: Dims) -> None:
+        if not hasattr(x, "val") and any(dims) and len(dims) == len(getattr(x.aval, "shape", ())):
+            table.setdefault(x, dims)
+
+    for eqn in reversed(jaxpr.eqns):
+        name = eqn.primitive.name
+        if name == "sharding_constraint" and constraints is not None:
+            x = eqn.invars[0]
+            target = constraint_target(eqn, ((),) * len(getattr(x.aval, "shape", ())))
+            if target is not None and constraints == "seed":
+                want(x, target)
+            continue
+        out = table.get(eqn.outvars[0]) if eqn.outvars else None
+        if out is None:
+            continue
+        shape = tuple(eqn.outvars[0].aval.shape)
+        if name in _ELEMENTWISE or name in _LAYOUT_PRESERVING:
+            for x in eqn.invars:
+                xs = tuple(getattr(x.aval, "shape", ()))
+                if len(xs) == len(shape):
+                    want(x, tuple(d if xs[i] == shape[i] else () for i, d in enumerate(out)))
+        elif name == "transpose":
+            want(eqn.invars[0], _unpermute(out, eqn.params["permutation"]))
+        elif name in ("reshape", "squeeze", "expand_dims"):
+            xs = tuple(eqn.invars[0].aval.shape)
+            dims: list[tuple[str, ...]] = [()] * len(xs)
+            for i in range(min(len(xs), len(shape))):  # the leading dims both shapes share
+                if xs[i] != shape[i]:
+                    break
+                dims[i] = out[i]
+            want(eqn.invars[0], tuple(dims))
+        elif name in ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"):
+            axes = tuple(eqn.params.get("axes", ()))
+            xs = tuple(eqn.invars[0].aval.shape)
+            kept = [i for i in range(len(xs)) if i not in axes]
+            red: list[tuple[str, ...]] = [()] * len(xs)
+            for k, i in enumerate(kept):
+                red[i] = out[k]
+            want(eqn.invars[0], tuple(red))
+        elif name == "broadcast_in_dim":
+            xs = tuple(eqn.invars[0].aval.shape)
+            want(
+                eqn.invars[0],
+                tuple(out[j] if xs[i] == shape[j] else () for i, j in enumerate(eqn.params["broadcast_dimensions"])),
+            )
+        elif name == "dot_general":
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            lx, rx = eqn.invars
+            lfree = [i for i in range(len(lx.aval.shape)) if i not in lc and i not in lb]
+            rfree = [i for i in range(len(rx.aval.shape)) if i not in rc and i not in rb]
+            ld: list[tuple[str, ...]] = [()] * len(lx.aval.shape)
+            rd: list[tuple[str, ...]] = [()] * len(rx.aval.shape)
+            k = 0
+            for i, j in zip(lb, rb, strict=True):
+                ld[i] = rd[j] = out[k]
+                k += 1
+            for i in lfree:
+                ld[i] = out[k]
+                k += 1
+            for j in rfree:
+                rd[j] = out[k]
+                k += 1
+            want(lx, tuple(ld))
+            want(rx, tuple(rd))
 
 
 def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
@@ -938,7 +990,7 @@ def analyze(
         raise RuntimeError(f"traced {len(jaxpr.invars)} inputs for {len(decisions)} leaves")
     out_specs = list(params.decisions) + list(opt.decisions)
 
-    def propagate(ignore_constraints: bool) -> tuple[_Ctx, _Propagator]:
+    def propagate(ignore_constraints: bool, free: dict[Any, Dims] | None = None) -> tuple[_Ctx, _Propagator]:
         ctx = _Ctx(dict(mesh), plan.batch_axes)
         names: dict[Any, str] = {}
         env: dict[Any, Val] = {}
@@ -948,7 +1000,7 @@ def analyze(
                 names[var] = d.path
         for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
             env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
-        prop = _Propagator(ctx, names, ignore_constraints)
+        prop = _Propagator(ctx, names, ignore_constraints, free)
         # The step's outputs keep the plan's layout (the backend's out_shardings).
         for var, d in zip(jaxpr.outvars, out_specs, strict=False):
             if not hasattr(var, "val"):
@@ -965,6 +1017,8 @@ def analyze(
         return ctx, prop
 
     ctx, prop = propagate(False)
+    if prop.slices:  # whole values met split ones: propagate again with them computed split
+        ctx, prop = propagate(False, prop.slices)
     delta: tuple[tuple[str, str, int], ...] = ()
     if prop.constrained:  # what the constraints change: the same step propagated without them
         bare, _ = propagate(True)
