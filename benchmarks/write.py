@@ -72,7 +72,11 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         "stacked and scanned under `nnx.remat`. Peak is per device, from XLA's memory analysis (arguments + "
         "outputs - aliased + temporaries).",
         "auto and hand-written compile to the same optimized HLO (tests/test_apply.py asserts it), so their "
-        "ratio is timing noise. The shard_map backend partitions the step's computation itself "
+        "ratio is timing noise. The 2-D plans pin the residual stream to the batch split (an `act` rule on the "
+        "embedding's output, `axis` rules for the Llama's logical names); their hand-written counterpart adds the "
+        "same sharding constraint by hand (`pinned_residual` in benchmarks/run.py). Left free, XLA carried the "
+        "embedding's width split (`data`) through every layer and moved activations: the auto step ran 2.2x "
+        "(gpt_2d) and 2.7x (llama_scan_2d) slower (measured on 2026-11-30 before the plans pinned it). The shard_map backend partitions the step's computation itself "
         "(`shardplan/runtime/partition.py`): matmuls run on local shards (Megatron column/row parallel "
         "under the TP plans, with the activation's all-reduce after a row-parallel matmul), FSDP weights "
         "are gathered at the op that uses them, and its collectives equal the prediction "
@@ -187,6 +191,13 @@ def _step_cost(res: dict) -> list[str]:
         "in plans/ x both model families; a family's model is the GPT (`gpt_small`, annotated for the logical "
         "plan) or the Llama (`llama_small`, scanned under remat for the scan plan). Communication is bytes per "
         "device per step by kind (CPU all-reduces that every device only slices counted as reduce-scatters).",
+        "Where fast mode and XLA still differ (the rows missed above): a lookup whose table and indices share an "
+        "axis (the 2-D plans' embedding) has XLA permute the indices and gather them in stages (a few KB; fast "
+        "mode counts one all-gather of them and says so in its notes); the learned position table is looked up "
+        "at constant positions, which XLA turns into a slice moved by collective-permutes; under a residual "
+        "constrained whole (gpt_logical on the Llama, whose activation names the plan does not map) XLA gathers "
+        "the lookup's fill mask apart from its values; under llama_sp XLA all-reduces the embedding's gradient "
+        "whole where fast mode reduce-scatters it.",
         "",
         "| plan | model | FLOPs fast / exact | peak fast / exact | communication fast / exact (per kind) |",
         "|---|---|---|---|---|",
