@@ -1016,12 +1016,16 @@ def analyze(
             prop.resolve(jaxpr.outvars[-1], loss, (), 1, "loss")
         return ctx, prop
 
-    ctx, prop = propagate(False)
-    if prop.slices:  # whole values met split ones: propagate again with them computed split
-        ctx, prop = propagate(False, prop.slices)
+    def settled(ignore_constraints: bool) -> tuple[_Ctx, _Propagator]:
+        ctx, prop = propagate(ignore_constraints)
+        if prop.slices:  # whole values met split ones: propagate again with them computed split
+            ctx, prop = propagate(ignore_constraints, prop.slices)
+        return ctx, prop
+
+    ctx, prop = settled(False)
     delta: tuple[tuple[str, str, int], ...] = ()
     if prop.constrained:  # what the constraints change: the same step propagated without them
-        bare, _ = propagate(True)
+        bare, _ = settled(True)
         delta = _delta(ctx.comm, bare.comm)
     comm = _merge(ctx.comm, params, opt)
     notes = [
