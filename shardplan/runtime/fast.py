@@ -117,7 +117,8 @@ _FUSES_PRODUCER = (
     _ELEMENTWISE | _LAYOUT | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "broadcast_in_dim"}
 )
 _FREE = {"iota", "stop_gradient"}
-# Ops whose output dims of unchanged size keep their operands' layout (a wanted layout flows back).
+# Ops whose output dims of unchanged size keep their operands' layout (a wanted layout flows back;
+# not scans along a dim, cumsum or rev, where a split would change what each device computes).
 _LAYOUT_PRESERVING = {
     "convert_element_type",
     "copy",
@@ -126,10 +127,8 @@ _LAYOUT_PRESERVING = {
     "pad",
     "concatenate",
     "split",
-    "rev",
     "dynamic_slice",
     "dynamic_update_slice",
-    "cumsum",
 }
 
 
