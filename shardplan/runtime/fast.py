@@ -1047,8 +1047,10 @@ def analyze(
     if ctx.lookups:
         notes.append(
             f"lookups in a table split over an axis that also splits their indices ({sorted(set(ctx.lookups))[0]}): "
-            "fast mode counts one all-gather of the indices; XLA's way depends on the mesh shape (measured: "
-            "a permute and two staged gathers on data=4,model=2, the table gathered instead on data=2,model=4)"
+            "fast mode counts XLA's way for small tables (the indices all-gathered, the lookup where the table's "
+            "width is split, an all-to-all onto the batch split), but XLA picks its way by mesh shape and sizes "
+            "(measured on one lookup: a 32000x8192 table on data=32,model=8 regathered and the output all-gathered, "
+            "1 GiB per device; on data=2,model=4 the table gathered): use --compile for this lookup's cost"
         )
     notes += acts.notes()
     if ctx.unmodeled:
