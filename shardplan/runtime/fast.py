@@ -203,11 +203,19 @@ class _Propagator:
         # results for the inner ones): XLA inlines calls and does each reshard of a value once.
         self.origin: dict[Any, Any] = {}
         self.call_source = ""  # the source line of the call being run (for library code inside it)
+        self.runs = 0  # jaxpr runs so far
+        self.defined: dict[Any, int] = {}  # variable -> the run that last defined it
 
     def root(self, var: Any) -> Any:
         while var in self.origin:
             var = self.origin[var]
         return var
+
+    def key(self, var: Any) -> tuple[int, int | None]:
+        """A value's identity for the reshard cache: its root variable and the run that defined it
+        (a jaxpr called from several places, e.g. one ``jnp.where`` per layer, reuses its variables)."""
+        root = self.root(var)
+        return id(root), self.defined.get(root)
 
     # -- resharding ------------------------------------------------------------------------
     def resolve(self, var: Any, v: Val, target: Dims | None, mult: int, why: str) -> Val:
@@ -216,7 +224,7 @@ class _Propagator:
         if not v.partial:
             return v
         target = target if target is not None else self.hints.get(var, self.wants.get(var, v.dims))
-        key = ("resolve", id(self.root(var)), target)
+        key = ("resolve", self.key(var), target)
         hit = self.ctx.cache.get(key)
         if hit is not None:
             return hit
@@ -241,7 +249,7 @@ class _Propagator:
         target = _norm(target, len(v.shape))
         if v.dims == target:
             return v
-        key = ("reshard", id(self.root(var)), target)
+        key = ("reshard", self.key(var), target)
         hit = self.ctx.cache.get(key)
         if hit is not None:
             return hit
@@ -297,10 +305,17 @@ class _Propagator:
         fused = _fused_outputs(jaxpr, uses)
         live = peak = 0
         held: dict[Any, int] = {}
+        self.runs += 1
+        this_run = self.runs
         for k, eqn in enumerate(jaxpr.eqns):
             ins = [self._read(env, x) for x in eqn.invars]
+            for var in eqn.outvars:
+                self.defined[var] = this_run
+                self.origin.pop(var, None)
             if all(hasattr(x, "val") or x in self.constant for x in eqn.invars) and eqn.primitive.name != "scan":
                 self.constant.update(eqn.outvars)
+            else:
+                self.constant.difference_update(eqn.outvars)
             outer_peak, self.peak = self.peak, 0
             self.virtual_outs = set()
             outs = self.eqn(eqn, ins, mult)
@@ -361,6 +376,8 @@ class _Propagator:
                     self.origin[inner_var] = self.root(outer_var)
                 if hasattr(outer_var, "val") or outer_var in self.constant:
                     self.constant.add(inner_var)
+                else:
+                    self.constant.discard(inner_var)
             for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
                 if outer_var in self.hints and not hasattr(inner_var, "val"):
                     self.hints.setdefault(inner_var, self.hints[outer_var])
