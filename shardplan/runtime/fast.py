@@ -255,7 +255,7 @@ class _Propagator:
             return hit
         want = {a: i for i, d in enumerate(target) for a in d}
         dims = [list(d) for d in v.dims]
-        moves = self.names.get(var, "")
+        moves = self.names.get(self.root(var), "")
         # An axis that moves to another dim: all-to-all of the local buffer.
         for i, d in enumerate(v.dims):
             for a in d:
