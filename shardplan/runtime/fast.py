@@ -813,7 +813,7 @@ def _spread(jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None
     are computed from, through elementwise, layout and reduction ops and matmuls. ``constraints``:
     "seed" starts a want at each constrained activation (its layout), "stop" ends one there, None
     passes through."""
-    from shardplan.runtime.partition import constraint_target
+    from shardplan.runtime.partition import constraint_target, permuted
 
     def want(x: Any, dims: Dims) -> None:
         if not hasattr(x, "val") and any(dims) and len(dims) == len(getattr(x.aval, "shape", ())):
@@ -837,7 +837,7 @@ def _spread(jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None
                 if len(xs) == len(shape):
                     want(x, tuple(d if xs[i] == shape[i] else () for i, d in enumerate(out)))
         elif name == "transpose":
-            want(eqn.invars[0], _unpermute(out, eqn.params["permutation"]))
+            want(eqn.invars[0], permuted(out, eqn.params["permutation"]))
         elif name in ("reshape", "squeeze", "expand_dims"):
             xs = tuple(eqn.invars[0].aval.shape)
             dims: list[tuple[str, ...]] = [()] * len(xs)
@@ -898,14 +898,6 @@ def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
                 if uses.get(v, 0) == 1 and consumer.get(v) in _FUSES_PRODUCER:
                     out.add(v)
     return out
-
-
-def _unpermute(out: Dims, perm: Any) -> Dims:
-    """The operand layout a transpose by ``perm`` turns into ``out``."""
-    dims: list[tuple[str, ...]] = [()] * len(perm)
-    for i, p in enumerate(perm):
-        dims[p] = out[i]
-    return tuple(dims)
 
 
 def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:

@@ -530,7 +530,7 @@ class Partitioner:
         # A pending sum is reduced before a transpose: XLA would otherwise fold the transpose into
         # the producing matmul (a weight gradient), in a form XLA:CPU runs without its fast dot path.
         hint = self.hints.get(eqn.outvars[0])
-        v = self.resolve(ins[0], None if hint is None else _permuted(hint, eqn.params["permutation"]))
+        v = self.resolve(ins[0], None if hint is None else permuted(hint, eqn.params["permutation"]))
         perm = eqn.params["permutation"]
         xs = self.bind(eqn, [v.x])
         return self.out(eqn, [tuple(v.dims[p] for p in perm)], [v.partial], act=v.act, xs=xs)
@@ -969,7 +969,7 @@ def constraint_target(eqn: Any, dims: Dims) -> Dims | None:
     return tuple(target)
 
 
-def _permuted(out: Dims, perm) -> Dims:
+def permuted(out: Dims, perm) -> Dims:
     """The operand layout a transpose by ``perm`` turns into ``out``."""
     inv: list[tuple[str, ...]] = [()] * len(perm)
     for i, p in enumerate(perm):
