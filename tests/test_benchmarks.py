@@ -25,11 +25,12 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     assert res["apply"]["bytes"] == res["apply"]["leaves"] * 64 * 256 * 4 and res["apply"]["ratio"] > 0
     # Steps: every plan timed on every variant.
     plans = {(row["plan"], row["model"]) for row in res["steps"]["plans"]}
-    assert {p for p, m in plans if m == "gpt"} == {"dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan"}
+    assert {p for p, m in plans if m == "gpt"} == {"dp.splan", "gpt_2d.splan"}
     assert {m for _, m in plans} == {"gpt", "llama", "llama scanned"}
     for row in res["steps"]["plans"]:
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("auto_ms", "hand_ms", "shard_map_ms"))
-        assert row["auto_peak"] > 0 and row["shard_map_peak"] > 0
+        if "fsdp" in row["plan"] or "2d" in row["plan"]:  # the rows whose peaks are checked
+            assert row["auto_peak"] > 0 and row["shard_map_peak"] > 0
     fl = res["steps"]["fsdp_llama"]
     assert set(fl) == {"8"} and all(0 < x["ratio"] for x in fl.values())
     # Both lowerings' communication is exact against the compiled HLO, on every plan: the
@@ -71,6 +72,6 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     # cost model: 3 per plan.
     rows_ = res["steps"]["plans"]
     peaks = sum("fsdp" in r["plan"] or "2d" in r["plan"] for r in rows_)
-    assert len(rows_) == 6 and peaks == 3
+    assert len(rows_) == 4 and peaks == 2
     assert len(checks) == 3 + 2 * len(rows_) + peaks + 1 + 3 * 5 + 1 + 2 + step_checks + 1 + len(reshard["rows"]) + 1 + 1
     assert all(c["met"] in ("yes", "NO (missed)") for c in checks)
