@@ -286,6 +286,10 @@ class _Propagator:
         self.ctx.cache[key] = out
         return out
 
+    def to_layout(self, var: Any, v: Val, target: Dims, mult: int, why: str) -> Val:
+        """``v`` set to a layout (a constraint, a reshard): its pending sums done onto it, then moved."""
+        return self.reshard(var, self.resolve(var, v, target, mult, why), target, mult, why)
+
     # -- equations -------------------------------------------------------------------------
     def run(self, jaxpr: Any, env: dict[Any, Val], mult: int) -> list[Val]:
         """Propagate through ``jaxpr``; also track the bytes its intermediates hold at once
@@ -439,8 +443,7 @@ class _Propagator:
 
             target = constraint_target(eqn, ins[0].dims)
             if target is not None:
-                x = eqn.invars[0]
-                return [self.reshard(x, self.resolve(x, ins[0], target, mult, name), target, mult, name)]
+                return [self.to_layout(eqn.invars[0], ins[0], target, mult, name)]
         if name == "gather":
             return [self.gather(eqn, ins, mult)]
         if name in ("scatter-add", "scatter_add", "scatter"):
@@ -664,7 +667,7 @@ class _Propagator:
         named = re.search(r"act rule \S+ on [^()/]+", scope)
         what = named.group(0) if named else "sharding constraint"
         why = f"{what} (activation constraint)"
-        out = self.reshard(eqn.invars[0], self.resolve(eqn.invars[0], v, dims, mult, why), dims, mult, why)
+        out = self.to_layout(eqn.invars[0], v, dims, mult, why)
         written = ", ".join("_" if not d else d[0] if len(d) == 1 else f"({', '.join(d)})" for d in dims)
         self.constrained.append(Constrained(what, self.ctx.source, v.shape, f"({written})", self.ctx.local(out), mult))
         return out
@@ -693,9 +696,7 @@ class _Propagator:
         }
         if clash:
             self.ctx.lookups.append(self.ctx.source)
-            self.reshard(
-                eqn.invars[1], idx, _tuple([[a for a in d if a not in clash] for d in idx.dims]), mult, "gather"
-            )
+            self.reshard(eqn.invars[1], idx, _without(idx.dims, clash), mult, "gather")
             for k in batch_out:
                 dims[k] = tuple(a for a in dims[k] if a not in clash)
         for k, i in zip(offset, kept, strict=False):
@@ -744,14 +745,7 @@ class _Propagator:
                     if updates.shape[w] == shape[i]:
                         moved[w] = [a for a in target[i] if a in clash or a in moved[w]]
                 self.reshard(eqn.invars[2], replace(updates, partial=frozenset()), _tuple(moved), mult, "scatter-add")
-                idx = ins[1]
-                self.reshard(
-                    eqn.invars[1],
-                    idx,
-                    _tuple([[a for a in d if a not in clash] for d in idx.dims]),
-                    mult,
-                    "scatter-add",
-                )
+                self.reshard(eqn.invars[1], ins[1], _without(ins[1].dims, clash), mult, "scatter-add")
                 dims = [tuple(a for a in target[i] if a in clash) if i in kept else () for i in range(len(shape))]
                 return Val(shape, _itemsize(out_aval), tuple(dims), frozenset(rows) | updates.partial)
         # The result (e.g. an embedding's gradient) takes the operand's layout; updates split
@@ -928,6 +922,11 @@ def _subjaxpr(eqn: Any) -> Any:
         if j is not None:
             return j.jaxpr if hasattr(j, "jaxpr") else j
     return None
+
+
+def _without(dims: Dims, axes: set[str]) -> Dims:
+    """``dims`` with ``axes`` taken off every dim (those dims gathered over them)."""
+    return tuple(tuple(a for a in d if a not in axes) for d in dims)
 
 
 def _tuple(dims: list) -> Dims:
