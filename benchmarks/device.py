@@ -1,0 +1,256 @@
+"""Predicted step time against the measured one, on the accelerator this runs on.
+
+    python -m benchmarks.device [--chip h200] [--quick] [--json FILE] [--hlo DIR]
+
+For each model configuration (bf16, sized to keep one accelerator busy): the example LM step
+under plans/dp.splan on every local device (shardplan's auto backend, the same step as
+`python examples/train.py`), timed after warm-up; beside it, in the same run,
+- fast mode's prediction (`shardplan check --step`, no compile) and the step time the chip
+  preset gives for it (`--chip`),
+- what XLA compiled for this accelerator: its cost analysis (FLOPs, bytes accessed) and memory
+  analysis, and the peak the device's allocator saw,
+- the chip's measured ceilings: a bf16 8192^3 matmul and an on-device copy.
+Each configuration runs in its own process (fresh allocator peak). `--quick` (CI, CPU) runs one
+tiny configuration only to prove the script runs; its times say nothing about a chip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name: (family, config, global batch)
+CONFIGS = {
+    "gpt_350m": ("GPT", dict(vocab=32000, d_model=1024, n_heads=16, d_ff=4096, n_layers=24, max_len=1024), 16),
+    "llama_1b_scan": ("Llama", dict(vocab=32000, d_model=2048, n_heads=16, n_kv_heads=8, d_ff=5632, n_layers=16,
+                                    max_len=2048, scan_layers=True, remat="full"), 8),
+    "llama_1b": ("Llama", dict(vocab=32000, d_model=2048, n_heads=16, n_kv_heads=8, d_ff=5632, n_layers=16,
+                               max_len=2048), 4),
+}
+QUICK = {"gpt_tiny": ("GPT", dict(vocab=256, d_model=64, n_heads=4, d_ff=128, n_layers=2, max_len=32), 8)}
+KIND_TO_CHIP = {"H200": "h200", "H100": "h100", "A100": "a100-80gb", "B200": "b200", "TPU v4": "tpu-v4",
+                "TPU v5 lite": "tpu-v5e", "TPU v5e": "tpu-v5e", "TPU v5p": "tpu-v5p", "TPU v6": "tpu-v6e"}
+
+
+def _config(name: str):
+    from examples import models
+
+    family, kw, batch = {**CONFIGS, **QUICK}[name]
+    if family == "GPT":
+        return models.GPT, models.GPTConfig(**kw, dtype="bfloat16"), batch
+    return models.Llama, models.LlamaConfig(**kw, dtype="bfloat16"), batch
+
+
+def _factory(name: str):
+    from flax import nnx
+
+    family, cfg, _ = _config(name)
+    return family(cfg, nnx.Rngs(0))
+
+
+# Module-level factories for fast mode's FILE:FACTORY (one per configuration).
+def gpt_350m():
+    return _factory("gpt_350m")
+
+
+def llama_1b_scan():
+    return _factory("llama_1b_scan")
+
+
+def llama_1b():
+    return _factory("llama_1b")
+
+
+def gpt_tiny():
+    return _factory("gpt_tiny")
+
+
+def ceilings(quick: bool) -> dict:
+    """A bf16 matmul's FLOP/s and an on-device copy's bytes/s (read + written), best of 10."""
+    import jax
+    import jax.numpy as jnp
+
+    n = 512 if quick else 8192
+    key = jax.random.key(0)
+    a = jax.random.normal(key, (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    mm = jax.jit(lambda a, b: a @ b)
+    words = (1 << 20) if quick else (1 << 30)  # 4 GiB of f32 on an accelerator
+    x = jax.random.normal(key, (words,), jnp.float32)
+    cp = jax.jit(lambda x: x * 1.0001)
+
+    def best(f, *args):
+        f(*args).block_until_ready()
+        out = float("inf")
+        for _ in range(10):
+            t = time.perf_counter()
+            f(*args).block_until_ready()
+            out = min(out, time.perf_counter() - t)
+        return out
+
+    return {"matmul_flops": 2 * n**3 / best(mm, a, b), "copy_bytes_s": 2 * words * 4 / best(cp, x)}
+
+
+def one(name: str, chip_name: str, hlo_dir: str | None) -> dict:
+    """One configuration: measured step, XLA's view of it, fast mode's prediction."""
+    import jax
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import shardplan
+    from examples import train as example
+    from shardplan.core import chips, timing
+
+    _, cfg, batch = _config(name)
+    n = len(jax.devices())
+    plan = shardplan.load(ROOT / "plans" / "dp.splan")
+    plan = shardplan.with_mesh(plan, {"data": n})
+    row: dict = {"config": name, "devices": n, "device_kind": jax.devices()[0].device_kind, "batch": batch,
+                 "seq": cfg.max_len, "tokens": batch * cfg.max_len}
+
+    t = time.perf_counter()
+    cost = shardplan.api.analyze(plan, model=f"{Path(__file__).resolve()}:{name}",
+                                 step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", mode="fast",
+                                 batch=[f"tokens=int32[{batch},{cfg.max_len}]", f"labels=int32[{batch},{cfg.max_len}]"])
+    row["fast_s"] = time.perf_counter() - t
+    row["fast"] = {"flops": cost.flops, "peak": cost.memory.peak, "comm_bytes": sum(cost.bytes_by_kind().values())}
+    st = timing.step_time(cost, plan, chips.lookup(chip_name))
+    row["predicted"] = st.to_json()
+
+    mesh = shardplan.make_mesh(plan)
+    model, optimizer, placement = shardplan.init_sharded(plan, lambda: _factory(name), optax.adamw(1e-3), mesh=mesh)
+    row["params"] = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    data = example.synthetic_batch(np.random.default_rng(0), cfg.vocab, batch, cfg.max_len)
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer)
+    placed = step.place(data)
+    t = time.perf_counter()
+    compiled = step.fn.lower(nnx.state(model), nnx.state(optimizer), placed).compile()
+    row["compile_s"] = time.perf_counter() - t
+    ca = compiled.cost_analysis()
+    ca = ca[0] if isinstance(ca, list) else ca
+    row["xla"] = {"flops": float(ca.get("flops", 0.0)), "bytes_accessed": float(ca.get("bytes accessed", 0.0)),
+                  "transcendentals": float(ca.get("transcendentals", 0.0))}
+    m = compiled.memory_analysis()
+    if m is not None:
+        row["xla"]["peak"] = int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                                 + m.temp_size_in_bytes)
+        row["xla"]["temp"] = int(m.temp_size_in_bytes)
+    if hlo_dir:
+        import gzip
+
+        with gzip.open(Path(hlo_dir) / f"{name}.hlo.txt.gz", "wt") as f:
+            f.write(compiled.as_text())
+
+    def run(k: int):
+        loss = None
+        for _ in range(k):
+            sm, so, loss = step.fn(nnx.state(model), nnx.state(optimizer), placed)
+            nnx.update(model, sm)
+            nnx.update(optimizer, so)
+        return float(loss)
+
+    row["loss_first"] = run(2)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        run(5)
+        times.append((time.perf_counter() - t) / 5)
+    row["measured_s"] = min(times)
+    row["measured_all_s"] = times
+    stats = jax.devices()[0].memory_stats() or {}
+    row["device_peak"] = int(stats.get("peak_bytes_in_use", 0))
+    return row
+
+
+def _print(row: dict, ceil: dict | None, on_chip: bool) -> None:
+    p = row["predicted"]
+    meas = row["measured_s"]
+    line = (f"{row['config']}: {row['params'] / 1e6:,.0f}M params, batch {row['batch']}x{row['seq']} on "
+            f"{row['devices']} x {row['device_kind']}: measured {meas * 1e3:.1f} ms/step; predicted "
+            f"{p['chip']} {p['overlapped_s'] * 1e3:.1f}..{p['serial_s'] * 1e3:.1f} ms "
+            f"(measured / predicted {meas / p['serial_s']:.2f}..{meas / p['overlapped_s']:.2f})")
+    print(line)
+    x = row["xla"]
+    print(f"  FLOPs per device: fast {row['fast']['flops']:.4g}, XLA {x['flops']:.4g} "
+          f"(fast / XLA {row['fast']['flops'] / x['flops']:.3f}); XLA bytes accessed {x['bytes_accessed']:.4g}; "
+          f"measured MFU (fast FLOPs) {row['fast']['flops'] / meas / _peak(p['chip']):.1%}")
+    if on_chip and ceil:
+        floor_s = x["flops"] / ceil["matmul_flops"] + 0.0
+        print(f"  at the measured matmul ceiling ({ceil['matmul_flops'] / 1e12:.0f} TFLOP/s) the FLOPs take "
+              f"{floor_s * 1e3:.1f} ms; XLA's bytes at the measured copy rate ({ceil['copy_bytes_s'] / 1e12:.2f} TB/s) "
+              f"take {x['bytes_accessed'] / ceil['copy_bytes_s'] * 1e3:.1f} ms")
+    print(f"  peak memory per device: fast {row['fast']['peak'] / 2**30:.2f} GiB, XLA {x.get('peak', 0) / 2**30:.2f} "
+          f"GiB, allocator {row['device_peak'] / 2**30:.2f} GiB; compile {row['compile_s']:.1f} s, fast mode "
+          f"{row['fast_s']:.1f} s")
+
+
+def _peak(chip: str) -> float:
+    from shardplan.core import chips
+
+    return chips.lookup(chip).peak_flops
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.device")
+    ap.add_argument("--chip", default=None, help="chip preset to predict for (default: from the device kind)")
+    ap.add_argument("--quick", action="store_true", help="one tiny configuration (CI: proves the script runs)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--hlo", default=None, help="write each compiled program here (gzip)")
+    ap.add_argument("--only", default=None, help="comma-separated configurations")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.one:
+        print("ROW " + json.dumps(one(args.one, args.chip, args.hlo)), flush=True)
+        return 0
+    import jax
+
+    kind = jax.devices()[0].device_kind
+    chip = args.chip or next((c for k, c in KIND_TO_CHIP.items() if k in kind), None)
+    on_chip = chip is not None and jax.devices()[0].platform != "cpu"
+    chip = chip or "h200"
+    print(f"jax {jax.__version__} on {len(jax.devices())} x {kind}; predicting for chip '{chip}'"
+          + ("" if on_chip else " (not this device: the comparison says nothing)"), flush=True)
+    ceil = ceilings(args.quick)
+    print(f"measured ceilings: bf16 matmul {ceil['matmul_flops'] / 1e12:.1f} TFLOP/s, copy "
+          f"{ceil['copy_bytes_s'] / 1e12:.2f} TB/s (read + written)", flush=True)
+    names = list(QUICK) if args.quick else (args.only.split(",") if args.only else list(CONFIGS))
+    rows = []
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    for name in names:
+        cmd = [sys.executable, "-m", "benchmarks.device", "--one", name, "--chip", chip]
+        if args.hlo:
+            Path(args.hlo).mkdir(parents=True, exist_ok=True)
+            cmd += ["--hlo", args.hlo]
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: timed out after {args.timeout:.0f} s", flush=True)
+            continue
+        got = [ln[4:] for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+        if proc.returncode or not got:
+            print(f"{name}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        row = json.loads(got[-1])
+        rows.append(row)
+        _print(row, ceil, on_chip)
+        if args.json:
+            import flax
+
+            Path(args.json).write_text(json.dumps({"chip": chip, "on_chip": on_chip, "ceilings": ceil,
+                                                   "jax": jax.__version__, "flax": flax.__version__,
+                                                   "rows": rows}, indent=1))
+    return 0 if len(rows) == len(names) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
