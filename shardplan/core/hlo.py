@@ -483,6 +483,114 @@ def loop_flops(hlo_text: str, entry_only: bool = False) -> float:
     return extra
 
 
+# Instructions that move no data in memory themselves (their callees are counted where they run).
+_NO_TRAFFIC = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "while",
+    "call",
+    "conditional",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "iota",
+}
+_PARAM_INDEX = re.compile(r"\bparameter\((\d+)\)")
+_SLICING = ("dynamic-slice", "slice", "gather")
+
+
+def memory_bytes(hlo_text: str) -> float:
+    """Bytes a program reads and writes in device memory per run: each instruction outside fused
+    computations (a fusion is one kernel) reads its operands and writes its result, times the runs
+    of its computation (a ``while`` body once per iteration; XLA's cost analysis counts it once
+    and leaves out library calls such as cuBLAS matmuls). As XLA's cost analysis does, a fusion
+    operand read only through slices counts the slices, and a fusion that updates a slice of an
+    operand in place (``dynamic-update-slice``) writes the update, not the buffer."""
+    comps, entry = _computations(hlo_text)
+    runs = _runs(comps, entry)
+    total = 0.0
+    for name in _control_flow(comps, entry):
+        defs = {i.name: i for i in comps[name]}
+        for ins in comps[name]:
+            if ins.op in _NO_TRAFFIC or ins.op.endswith("-done"):  # an async op counts at its start
+                continue
+            total += runs.get(name, 1) * _instr_traffic(ins, defs, comps)
+    return total
+
+
+def _control_flow(comps: dict[str, list[_Instr]], entry: str) -> list[str]:
+    """The computations that run as instructions of their own: the entry, loop bodies and
+    conditions, conditional branches and called computations (not fusions or reducers)."""
+    out, stack = [], [entry] if entry in comps else []
+    while stack:
+        name = stack.pop()
+        if name in out:
+            continue
+        out.append(name)
+        for ins in comps[name]:
+            callees: list[str] = []
+            if ins.op == "while":
+                callees = re.findall(r"\b(?:body|condition)=%([\w.\-]+)", ins.line)
+            elif ins.op == "conditional":
+                callees = re.findall(r"\b(?:true_computation|false_computation)=%([\w.\-]+)", ins.line)
+                for b in _BRANCHES.findall(ins.line):
+                    callees += _OPERAND.findall(b)
+            elif ins.op == "call":
+                callees = re.findall(r"\bto_apply=%([\w.\-]+)", ins.line)
+            stack += [c for c in callees if c in comps]
+    return out
+
+
+def _instr_traffic(ins: _Instr, defs: dict[str, _Instr], comps: dict[str, list[_Instr]]) -> float:
+    size = {o: float(_shape_bytes(defs[o].shape)[0]) for o in ins.operands if o in defs}
+    reads = [size.get(o, 0.0) for o in ins.operands]
+    write = float(_shape_bytes(ins.shape)[0])
+    if ins.op == "dynamic-update-slice" and len(reads) > 1:  # in place: the update is read and written
+        return 2 * reads[1] + sum(reads[2:])
+    if ins.op in ("dynamic-slice", "slice") and reads:
+        return 2 * write + sum(reads[1:])
+    body = next(iter(_CALLS.findall(ins.line)), None) if ins.op in ("fusion", "fusion-start") else None
+    if body is None or body not in comps:
+        return sum(reads) + write
+    if ins.op == "fusion-start":  # its result is (operands, output, context): the fused computation's root says
+        write = 0.0
+    fused = comps[body]
+    params = {int(m.group(1)): i.name for i in fused if (m := _PARAM_INDEX.search(i.line)) and i.op == "parameter"}
+    users: dict[str, list[_Instr]] = {}
+    for i in fused:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    root = next((i for i in fused if i.line.lstrip().startswith("ROOT")), fused[-1] if fused else None)
+    roots = (
+        [next((i for i in fused if i.name == o), None) for o in root.operands]
+        if root and root.op == "tuple"
+        else [root]
+    )
+    in_place: set[str] = set()
+    outs = 0.0
+    for r in roots:
+        if r is not None and r.op == "dynamic-update-slice" and r.operands and r.operands[0] in params.values():
+            in_place.add(r.operands[0])
+            upd = next((i for i in fused if i.name == r.operands[1]), None) if len(r.operands) > 1 else None
+            outs += float(_shape_bytes(upd.shape)[0]) if upd else 0.0
+        elif r is not None:
+            outs += float(_shape_bytes(r.shape)[0])
+    total = outs
+    for k, o in enumerate(ins.operands):
+        p = params.get(k)
+        if p is None or p in in_place:
+            continue
+        us = users.get(p, [])
+        if us and all(u.op in _SLICING and u.operands and u.operands[0] == p for u in us):
+            total += sum(float(_shape_bytes(u.shape)[0]) for u in us)
+        else:
+            total += size.get(o, 0.0)
+    return total
+
+
 def with_axes(ops: list[CollectiveOp], mesh: dict[str, int]) -> list[CollectiveOp]:
     """Name each collective's mesh axes: the axes along which the devices of its first group
     differ (logical device id = position in the mesh's row-major device order)."""

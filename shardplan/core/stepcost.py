@@ -77,6 +77,10 @@ class StepCost:
     # Fast mode, when activations are constrained: per (collective, mesh axes), the bytes per
     # device the constraints add (> 0) or remove (< 0), against the same step without them.
     constraint_delta: tuple[tuple[str, str, int], ...] = field(default=())
+    # Bytes read and written in device memory (HBM) per device per step: exact mode, XLA's cost
+    # analysis of the compiled program; fast mode, each op's operands and results with XLA's
+    # fusion of elementwise chains assumed.
+    hbm_bytes: float = 0.0
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -100,6 +104,7 @@ class StepCost:
             "mesh": dict(self.mesh),
             "flops_per_device": self.flops,
             "transcendentals_per_device": self.transcendentals,
+            "hbm_bytes_per_device": self.hbm_bytes,
             "memory_per_device": self.memory.__dict__,
             "communication_per_device": {
                 "by_kind": self.bytes_by_kind(),
@@ -131,4 +136,5 @@ class StepCost:
             tuple(Constrained(**dict(c, shape=tuple(c["shape"]))) for c in doc.get("constrained_activations", ())),
             tuple(doc.get("logical_names", ())),
             tuple((k, a, int(n)) for k, a, n in doc.get("constraint_delta", ())),
+            doc.get("hbm_bytes_per_device", 0.0),
         )

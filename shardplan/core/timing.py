@@ -1,9 +1,11 @@
-"""A step-time estimate for a named chip from a step's cost: compute at the chip's peak, each
-collective over the links of its mesh axes (ring algorithms), with and without overlap.
+"""A step-time estimate for a named chip from a step's cost: compute at the chip's peak FLOP/s,
+memory traffic at its HBM bandwidth, each collective over the links of its mesh axes (ring
+algorithms), with and without communication overlapping the chip's own work.
 
-It is a roofline: the time a step cannot beat on that chip, not a simulation. Real runs reach
-a fraction of peak (kernel efficiency, memory-bound ops, pipeline bubbles); docs/stepcost.md
-compares it with published runs.
+The chip's own work is compute plus memory traffic (a kernel is bound by one or the other; the
+sum does not let a matmul's reads hide behind its arithmetic). It is a roofline at datasheet
+rates, not a simulation: real kernels reach a fraction of them. docs/stepcost.md compares it
+with steps measured on a GPU and with published runs.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from shardplan.core.stepcost import StepCost
 class StepTime:
     chip: str
     compute_s: float  # FLOPs at peak
+    memory_s: float  # bytes read and written in HBM, at its bandwidth
     comm_s: float  # every collective, one after another
     comm_by_link: dict[str, float]
-    serial_s: float  # compute then communication, no overlap
-    overlapped_s: float  # perfect overlap: the larger of the two
+    serial_s: float  # compute, memory traffic, then communication: no overlap
+    overlapped_s: float  # communication hidden behind compute + memory traffic: the larger of the two
     mfu_serial: float  # model FLOPs utilisation if the step took serial_s
     mfu_overlapped: float
 
@@ -50,11 +53,13 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
         bw = chip.dcn_bandwidth if link == "dcn" else chip.ici_bandwidth
         by_link[link] = by_link.get(link, 0.0) + collective_seconds(c.kind, c.bytes, group, bw)
     compute = cost.flops / chip.peak_flops
+    memory = cost.hbm_bytes / chip.hbm_bandwidth
     comm = sum(by_link.values())
-    serial, overlapped = compute + comm, max(compute, comm)
+    serial, overlapped = compute + memory + comm, max(compute + memory, comm)
     return StepTime(
         chip.name,
         compute,
+        memory,
         comm,
         by_link,
         serial,

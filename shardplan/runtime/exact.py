@@ -123,6 +123,7 @@ def compile_step(
         time.perf_counter() - t0,
         tuple(notes),
         logical_names=tuple(sorted(acts.used)),
+        hbm_bytes=hlo.memory_bytes(text),
     )
 
 

@@ -117,6 +117,9 @@ _FUSES_PRODUCER = (
     _ELEMENTWISE | _LAYOUT | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "broadcast_in_dim"}
 )
 _FREE = {"iota", "stop_gradient"}
+# Ops XLA does as a bitcast of the same buffer (no memory traffic) or folds into the consumer's
+# operand layout.
+_VIEWS = {"reshape", "squeeze", "expand_dims", "transpose"}
 # Ops whose output dims of unchanged size keep their operands' layout (a wanted layout flows back;
 # not scans along a dim, cumsum or rev, where a split would change what each device computes).
 _LAYOUT_PRESERVING = {
@@ -153,6 +156,7 @@ class _Ctx:
     comm: list[Communication] = field(default_factory=list)
     flops: float = 0.0
     transcendentals: float = 0.0
+    hbm: float = 0.0  # bytes read and written in memory (XLA's fusion assumed: see _Propagator.traffic)
     unmodeled: dict[str, int] = field(default_factory=dict)
     cache: dict[tuple, Val] = field(default_factory=dict)
     gathered_now: int = 0
@@ -170,7 +174,8 @@ class _Ctx:
         return n
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: int, mult: int, why: str, moves: str = "") -> None:
-        if axes and nbytes:
+        if axes and nbytes and self.split(tuple(axes)) > 1:  # over axes of size 1 nothing moves
+            self.hbm += 2 * nbytes * mult  # a collective reads its buffer and writes its result
             self.comm.append(Communication(kind, tuple(axes), nbytes * mult, mult, why, self.source, moves))
 
 
@@ -198,6 +203,12 @@ class _Propagator:
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
+        # Memory traffic across a call (XLA inlines calls): the callee's inputs in memory and the
+        # results its caller's readers fuse; the stored values of the jaxpr being run.
+        self._boundary: tuple[set, set] | None = None
+        self._stored: set = set()
+        self._soft: set = set()
+        self._last_stored: set = set()
         self.constrained: list[Constrained] = []  # activations with a set layout, in program order
         # A call's inner variables stand for the outer ones they are bound to (and its outer
         # results for the inner ones): XLA inlines calls and does each reshard of a value once.
@@ -309,6 +320,13 @@ class _Propagator:
         fused = _fused_outputs(jaxpr, uses)
         live = peak = 0
         held: dict[Any, int] = {}
+        boundary, self._boundary = self._boundary, None
+        # Values in memory (not fused away): a jaxpr's inputs, unless a call's caller fused them.
+        stored = (set(jaxpr.invars) if boundary is None else set(boundary[0])) | set(jaxpr.constvars)
+        fused_v, soft = _kernels(jaxpr, set() if boundary is None else boundary[1])
+        closures: dict[Any, frozenset] = {}
+        outer_stored, outer_soft = self._stored, self._soft
+        self._stored, self._soft = stored, soft
         self.runs += 1
         this_run = self.runs
         for k, eqn in enumerate(jaxpr.eqns):
@@ -325,6 +343,7 @@ class _Propagator:
             outs = self.eqn(eqn, ins, mult)
             inner, self.peak = self.peak, outer_peak
             virtual = {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)}
+            self.traffic(jaxpr, eqn, env, outs, stored, fused_v, closures, virtual, mult)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
                 if var not in fused and var not in self.aliased and var not in virtual:
@@ -335,11 +354,64 @@ class _Propagator:
             for x in eqn.invars:
                 if not hasattr(x, "val") and last.get(x) == k and x in held and x not in keep:
                     live -= held.pop(x)
+        self._last_stored = stored
+        self._stored, self._soft = outer_stored, outer_soft
         self.peak = max(self.peak, peak)
         # Outputs that are broadcasts (a call's jvp residuals, masks): recomputed where used.
         self.virtual_outs = {i for i, x in enumerate(jaxpr.outvars) if x in fused}
         self.depth -= 1
         return [self._read(env, x) for x in jaxpr.outvars]
+
+    def traffic(
+        self,
+        jaxpr: Any,
+        eqn: Any,
+        env: dict[Any, Val],
+        outs: list[Val],
+        stored: set,
+        fused: dict[Any, int],
+        closures: dict[Any, frozenset],
+        virtual: set,
+        mult: int,
+    ) -> None:
+        """Memory traffic of one equation, as XLA's fusion leaves it (see ``_kernels``): a result
+        fused into its readers costs nothing where it is computed; an equation whose results are
+        stored is a kernel that reads the values in memory its fused producers read (each once)
+        and writes its results. Reshapes of stored values are views; a call's body counts for itself."""
+        name = eqn.primitive.name
+        if _subjaxpr(eqn) is not None:
+            if name in ("scan", "while", "cond"):  # a loop's results are in memory
+                stored.update(v for v in eqn.outvars if v not in virtual)
+            else:  # a call (inlined): its results are where its body left them
+                stored.update(self._call_stored)
+            return
+        if all(v in fused or v in virtual for v in eqn.outvars):
+            return
+        if name in _VIEWS and eqn.invars[0] in stored:
+            stored.update(eqn.outvars)
+            return
+
+        def closure(x: Any) -> frozenset:
+            if hasattr(x, "val"):
+                return frozenset()
+            if x in stored:
+                return frozenset((x,))
+            if x not in fused:
+                return frozenset()
+            hit = closures.get(x)
+            if hit is None:
+                producer = jaxpr.eqns[fused[x]]
+                hit = frozenset().union(*(closure(y) for y in producer.invars))
+                closures[x] = hit
+            return hit
+
+        reads = frozenset().union(*(closure(x) for x in eqn.invars))
+        nbytes = sum(self.ctx.local(env[x]) for x in reads if x in env)
+        for var, val in zip(eqn.outvars, outs, strict=True):
+            if var not in fused and var not in virtual:
+                stored.add(var)
+                nbytes += self.ctx.local(val)
+        self.ctx.hbm += nbytes * mult
 
     def _read(self, env: dict[Any, Val], x: Any) -> Val:
         if hasattr(x, "val"):  # a literal
@@ -388,7 +460,16 @@ class _Propagator:
                 if outer_var in self.wants and not hasattr(inner_var, "val"):
                     self.wants.setdefault(inner_var, self.wants[outer_var])
             outer_call, self.call_source = self.call_source, self.ctx.source
+            self._boundary = (
+                {
+                    i
+                    for i, o in zip(sub.invars, eqn.invars, strict=False)
+                    if not hasattr(o, "val") and o in self._stored
+                },
+                {i for i, o in zip(sub.outvars, eqn.outvars, strict=False) if o in self._soft},
+            )
             inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult)
+            self._call_stored = {o for i, o in zip(sub.outvars, eqn.outvars, strict=False) if i in self._last_stored}
             self.call_source = outer_call
             for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
                 if not hasattr(inner_var, "val") and self.root(inner_var) is not outer_var:
@@ -894,6 +975,53 @@ def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
     return out
 
 
+def _kernels(jaxpr: Any, fusable_outs: set) -> tuple[dict[Any, int], set]:
+    """XLA's fusion, roughly: the results of elementwise, layout and broadcast ops whose every
+    reader fuses its producers (elementwise ops, reductions; not matmuls, gathers or calls) are
+    computed inside their readers (a result read twice is computed twice), and not stored. Returns
+    those results (each with its producer's index) and the results of calls whose readers all
+    fuse (a call's body is inlined: see ``traffic``).
+    ``fusable_outs``: the jaxpr's outputs its caller's readers fuse."""
+    readers: dict[Any, list[tuple[int, int]]] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for pos, x in enumerate(eqn.invars):
+            if not hasattr(x, "val"):
+                readers.setdefault(x, []).append((k, pos))
+    outs = {x for x in jaxpr.outvars if not hasattr(x, "val") and x not in fusable_outs}
+    fused: dict[Any, int] = {}
+    soft: set = set()
+    fusible = _ELEMENTWISE | _LAYOUT | {"broadcast_in_dim", "iota"}
+    for k, eqn in enumerate(jaxpr.eqns):
+        call = eqn.primitive.name not in ("scan", "while", "cond") and _subjaxpr(eqn) is not None
+        if eqn.primitive.name not in fusible and not call:
+            continue
+        for v in eqn.outvars:
+            ks = readers.get(v, [])
+            every = all(_fuses(jaxpr.eqns[j], pos) for j, pos in ks)
+            # A broadcast or iota is recomputed inside each reader (an output's reader is the caller's).
+            cheap = eqn.primitive.name in ("broadcast_in_dim", "iota")
+            if every and (v not in outs or cheap) and (ks or v in fusable_outs or cheap):
+                if call:
+                    soft.add(v)
+                    continue
+                fused[v] = k
+    return fused, soft
+
+
+def _fuses(eqn: Any, pos: int) -> bool:
+    """Whether ``eqn`` computes its operand ``pos`` inside its own kernel when the operand's producer
+    is elementwise: elementwise ops and reductions do; a call does where its body's readers do."""
+    if eqn.primitive.name in _FUSES_PRODUCER:
+        return True
+    sub = _subjaxpr(eqn)
+    if sub is None or eqn.primitive.name in ("scan", "while", "cond") or pos >= len(sub.invars):
+        return False
+    inner = sub.invars[pos]
+    return (
+        all(_fuses(e, p) for e in sub.eqns for p, x in enumerate(e.invars) if x is inner) and inner not in sub.outvars
+    )
+
+
 def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:
     """``v`` seen at the output's shape: its size-1 dims (broadcast) are whole."""
     dims = tuple(d if v.shape[i] == shape[i] else () for i, d in enumerate(v.dims))
@@ -1092,6 +1220,7 @@ def analyze(
         _merge_constrained(prop.constrained),
         tuple(sorted(acts.used)),
         delta,
+        hbm_bytes=ctx.hbm,
     )
 
 
@@ -1144,9 +1273,9 @@ def analyze_shard_map(
     comm = [Communication(c.kind, c.axes, c.bytes, c.count, c.why, c.source) for c in record.issued]
     notes = [
         "fast mode, shard_map backend: the collectives are the partitioned per-device code's own (a dry run "
-        "of shardplan's partitioner; the compiled step issues exactly these, tests/test_shard_map.py); FLOPs "
-        "and memory are the auto backend's propagation; the optimizer update runs on global arrays outside "
-        "shard_map, and collectives XLA adds there (a global-norm clip's all-reduce) are not listed"
+        "of shardplan's partitioner; the compiled step issues exactly these, tests/test_shard_map.py); FLOPs, "
+        "memory and memory traffic are the auto backend's propagation; the optimizer update runs on global arrays "
+        "outside shard_map, and collectives XLA adds there (a global-norm clip's all-reduce) are not listed"
     ]
     notes += [f"fell back to whole operands: {f.op} at {f.source or '?'} ({f.why})" for f in record.fallbacks]
     return replace(

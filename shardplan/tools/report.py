@@ -111,7 +111,11 @@ def print_step_cost(
         mem.add_column(col, justify="right")
     mem.add_row(*(fmt_bytes(x) for x in (m.params, m.opt_state, m.batch, m.temporaries, m.outputs - m.aliased, m.peak)))
     console.print(mem)
-    console.print(f"compute: {cost.flops / 1e9:,.3f} GFLOP per device per step")
+    console.print(
+        f"compute: {cost.flops / 1e9:,.3f} GFLOP per device per step; memory traffic: "
+        f"{fmt_bytes(int(cost.hbm_bytes))} read and written per device per step"
+        + (" (XLA's fusion of elementwise chains assumed)" if cost.mode == "fast" else "")
+    )
     by = Table(title="communication per step, per device, by kind and mesh axes", header_style="bold")
     for col in ("collective", "mesh axes", "count", "bytes"):
         by.add_column(col, justify="right" if col in ("count", "bytes") else "left")
@@ -154,8 +158,10 @@ def print_step_cost(
     if time is not None:
         links = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(time.comm_by_link.items())) or "none"
         console.print(
-            f"[bold]step time on {time.chip}[/] (roofline: compute at peak, collectives over their links): "
-            f"compute {fmt_seconds(time.compute_s)}, communication {fmt_seconds(time.comm_s)} ({links}); "
+            f"[bold]step time on {time.chip}[/] (roofline at datasheet rates: compute at peak, memory traffic at "
+            f"HBM bandwidth, collectives over their links): compute {fmt_seconds(time.compute_s)}, memory "
+            f"{fmt_seconds(time.memory_s)} ({fmt_bytes(int(cost.hbm_bytes))}), communication "
+            f"{fmt_seconds(time.comm_s)} ({links}); "
             f"step {fmt_seconds(time.overlapped_s)} overlapped to {fmt_seconds(time.serial_s)} serial, "
             f"MFU at most {time.mfu_overlapped:.0%} to {time.mfu_serial:.0%}"
         )
@@ -189,6 +195,7 @@ def print_comparison(
         label = f"{c0.backend}, {c0.mode}" if all(c.backend == c0.backend for c in costs) else "each plan's backend"
         table.add_row(f"step peak memory ({label})", *[fmt_bytes(c.memory.peak) for c in costs])
         table.add_row(f"step GFLOP ({label})", *[f"{c.flops / 1e9:,.3f}" for c in costs])
+        table.add_row(f"memory traffic / step ({label})", *[fmt_bytes(int(c.hbm_bytes)) for c in costs])
         if times is not None:
             table.add_row(
                 f"step time on {times[0].chip} (overlapped .. serial)",
