@@ -141,6 +141,9 @@ def one(name: str, chip_name: str, hlo_dir: str | None) -> dict:
         row["xla"]["peak"] = int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
                                  + m.temp_size_in_bytes)
         row["xla"]["temp"] = int(m.temp_size_in_bytes)
+    from shardplan.core import hlo
+
+    row["xla"]["memory_bytes"] = hlo.memory_bytes(compiled.as_text())  # every kernel, library calls too
     if hlo_dir:
         import gzip
 
@@ -180,7 +183,8 @@ def one(name: str, chip_name: str, hlo_dir: str | None) -> dict:
                                      step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", mode="fast",
                                      batch=[f"{k}=int32[{batch},{cfg.max_len}]" for k in ("tokens", "labels")])
         row["fast_s"] = time.perf_counter() - t
-        row["fast"] = {"flops": cost.flops, "peak": cost.memory.peak, "comm_bytes": sum(cost.bytes_by_kind().values())}
+        row["fast"] = {"flops": cost.flops, "peak": cost.memory.peak, "hbm_bytes": cost.hbm_bytes,
+                       "comm_bytes": sum(cost.bytes_by_kind().values())}
         st = timing.step_time(cost, plan, chips.lookup(chip_name))
         row["predicted"] = st.to_json()
     except Exception as e:  # recorded, not fatal: the measurement stands on its own
@@ -209,14 +213,19 @@ def _print(row: dict, ceil: dict | None, on_chip: bool) -> None:
             f"(measured / predicted {meas / p['serial_s']:.2f}..{meas / p['overlapped_s']:.2f})")
     print(line)
     x = row["xla"]
-    print(f"  FLOPs per device: fast {row['fast']['flops']:.4g}, XLA {x['flops']:.4g} "
-          f"(fast / XLA {row['fast']['flops'] / x['flops']:.3f}); XLA bytes accessed {x['bytes_accessed']:.4g}; "
-          f"measured MFU (fast FLOPs) {row['fast']['flops'] / meas / _peak(p['chip']):.1%}")
+    f = row["fast"]
+    print(f"  predicted: compute {p['compute_s'] * 1e3:.1f} ms + memory {p.get('memory_s', 0.0) * 1e3:.1f} ms + "
+          f"communication {p['comm_s'] * 1e3:.1f} ms; measured MFU (fast FLOPs) "
+          f"{f['flops'] / meas / _peak(p['chip']):.1%}")
+    mem = x.get("memory_bytes", 0.0)
+    print(f"  memory traffic per device: fast {f.get('hbm_bytes', 0.0):.4g} B, this device's compiled program "
+          f"{mem:.4g} B (fast / compiled {f.get('hbm_bytes', 0.0) / mem if mem else float('nan'):.2f}); XLA's cost "
+          f"analysis {x['bytes_accessed']:.4g} B (library matmuls and loop iterations left out)")
     if on_chip and ceil:
-        floor_s = x["flops"] / ceil["matmul_flops"] + 0.0
-        print(f"  at the measured matmul ceiling ({ceil['matmul_flops'] / 1e12:.0f} TFLOP/s) the FLOPs take "
-              f"{floor_s * 1e3:.1f} ms; XLA's bytes at the measured copy rate ({ceil['copy_bytes_s'] / 1e12:.2f} TB/s) "
-              f"take {x['bytes_accessed'] / ceil['copy_bytes_s'] * 1e3:.1f} ms")
+        at_ceilings = f["flops"] / ceil["matmul_flops"] + mem / ceil["copy_bytes_s"]
+        print(f"  at this device's measured ceilings ({ceil['matmul_flops'] / 1e12:.0f} TFLOP/s, "
+              f"{ceil['copy_bytes_s'] / 1e12:.2f} TB/s) the FLOPs and the compiled program's bytes take "
+              f"{at_ceilings * 1e3:.1f} ms (measured / that {meas / at_ceilings:.2f})")
     print(f"  peak memory per device: fast {row['fast']['peak'] / 2**30:.2f} GiB, XLA {x.get('peak', 0) / 2**30:.2f} "
           f"GiB, allocator {row['device_peak'] / 2**30:.2f} GiB; compile {row['compile_s']:.1f} s, fast mode "
           f"{row['fast_s']:.1f} s")

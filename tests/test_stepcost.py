@@ -239,9 +239,9 @@ def test_fast_mode_matches_exact_mode(model, plan):
     for kind, nbytes in exact.bytes_by_kind().items():
         assert fast.bytes_by_kind()[kind] == pytest.approx(nbytes, rel=0.10, abs=64), kind
     assert fast.memory.peak == pytest.approx(exact.memory.peak, rel=0.5)
-    # Memory traffic: fast mode assumes XLA's fusion of elementwise chains (0.75x..1.34x of the
-    # CPU program's at these tiny sizes; docs/stepcost.md has the benchmark sizes and a GPU's).
-    assert fast.hbm_bytes == pytest.approx(exact.hbm_bytes, rel=0.4)
+    # Memory traffic: fast mode assumes an accelerator's fusion of elementwise chains; XLA:CPU
+    # stores more (0.77x..0.97x of its program's here; docs/stepcost.md has a GPU's programs).
+    assert fast.hbm_bytes == pytest.approx(exact.hbm_bytes, rel=0.3)
 
 
 def test_fast_mode_follows_xla_through_a_2d_plan_on_a_scanned_model():

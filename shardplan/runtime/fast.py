@@ -117,6 +117,31 @@ _FUSES_PRODUCER = (
     _ELEMENTWISE | _LAYOUT | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "broadcast_in_dim"}
 )
 _FREE = {"iota", "stop_gradient"}
+# Elementwise ops XLA's fusion will not duplicate into several consumers (instruction_fusion's
+# IsExpensive): transcendental functions and divisions.
+_EXPENSIVE = {
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    "logistic",
+    "tanh",
+    "div",
+    "rem",
+    "pow",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "sin",
+    "cos",
+    "tan",
+    "atan2",
+    "erf",
+    "erf_inv",
+    "lgamma",
+    "digamma",
+}
 # Ops XLA does as a bitcast of the same buffer (no memory traffic) or folds into the consumer's
 # operand layout.
 _VIEWS = {"reshape", "squeeze", "expand_dims", "transpose"}
@@ -323,7 +348,7 @@ class _Propagator:
         boundary, self._boundary = self._boundary, None
         # Values in memory (not fused away): a jaxpr's inputs, unless a call's caller fused them.
         stored = (set(jaxpr.invars) if boundary is None else set(boundary[0])) | set(jaxpr.constvars)
-        fused_v, soft = _kernels(jaxpr, set() if boundary is None else boundary[1])
+        fused_v, soft, shared = _kernels(jaxpr, set() if boundary is None else boundary[1])
         closures: dict[Any, frozenset] = {}
         outer_stored, outer_soft = self._stored, self._soft
         self._stored, self._soft = stored, soft
@@ -343,7 +368,7 @@ class _Propagator:
             outs = self.eqn(eqn, ins, mult)
             inner, self.peak = self.peak, outer_peak
             virtual = {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)}
-            self.traffic(jaxpr, eqn, env, outs, stored, fused_v, closures, virtual, mult)
+            self.traffic(jaxpr, eqn, env, outs, stored, (fused_v, shared), closures, virtual, mult)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
                 if var not in fused and var not in self.aliased and var not in virtual:
@@ -369,7 +394,7 @@ class _Propagator:
         env: dict[Any, Val],
         outs: list[Val],
         stored: set,
-        fused: dict[Any, int],
+        kernels: tuple[dict[Any, int], set],
         closures: dict[Any, frozenset],
         virtual: set,
         mult: int,
@@ -377,15 +402,16 @@ class _Propagator:
         """Memory traffic of one equation, as XLA's fusion leaves it (see ``_kernels``): a result
         fused into its readers costs nothing where it is computed; an equation whose results are
         stored is a kernel that reads the values in memory its fused producers read (each once)
-        and writes its results. Reshapes of stored values are views; a call's body counts for itself."""
+        and writes its results. A result several kernels read is stored when computing it in each
+        would read more than it holds (XLA's fusion weighs the same). Reshapes of stored values
+        are views; a call's body counts for itself."""
+        fused, shared = kernels
         name = eqn.primitive.name
         if _subjaxpr(eqn) is not None:
             if name in ("scan", "while", "cond"):  # a loop's results are in memory
                 stored.update(v for v in eqn.outvars if v not in virtual)
             else:  # a call (inlined): its results are where its body left them
                 stored.update(self._call_stored)
-            return
-        if all(v in fused or v in virtual for v in eqn.outvars):
             return
         if name in _VIEWS and eqn.invars[0] in stored:
             stored.update(eqn.outvars)
@@ -405,6 +431,15 @@ class _Propagator:
                 closures[x] = hit
             return hit
 
+        if all(v in fused or v in virtual for v in eqn.outvars):
+            for v, val in zip(eqn.outvars, outs, strict=True):
+                if v in shared and v not in virtual:
+                    reads = frozenset().union(*(closure(x) for x in eqn.invars))
+                    nbytes = sum(self.ctx.local(env[x]) for x in reads if x in env)
+                    if nbytes > self.ctx.local(val):
+                        stored.add(v)
+                        self.ctx.hbm += (nbytes + self.ctx.local(val)) * mult
+            return
         reads = frozenset().union(*(closure(x) for x in eqn.invars))
         nbytes = sum(self.ctx.local(env[x]) for x in reads if x in env)
         for var, val in zip(eqn.outvars, outs, strict=True):
@@ -975,12 +1010,12 @@ def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
     return out
 
 
-def _kernels(jaxpr: Any, fusable_outs: set) -> tuple[dict[Any, int], set]:
+def _kernels(jaxpr: Any, fusable_outs: set) -> tuple[dict[Any, int], set, set]:
     """XLA's fusion, roughly: the results of elementwise, layout and broadcast ops whose every
     reader fuses its producers (elementwise ops, reductions; not matmuls, gathers or calls) are
     computed inside their readers (a result read twice is computed twice), and not stored. Returns
-    those results (each with its producer's index) and the results of calls whose readers all
-    fuse (a call's body is inlined: see ``traffic``).
+    those results (each with its producer's index), the results of calls whose readers all fuse
+    (a call's body is inlined: see ``traffic``), and the fused results several equations read.
     ``fusable_outs``: the jaxpr's outputs its caller's readers fuse."""
     readers: dict[Any, list[tuple[int, int]]] = {}
     for k, eqn in enumerate(jaxpr.eqns):
@@ -990,6 +1025,7 @@ def _kernels(jaxpr: Any, fusable_outs: set) -> tuple[dict[Any, int], set]:
     outs = {x for x in jaxpr.outvars if not hasattr(x, "val") and x not in fusable_outs}
     fused: dict[Any, int] = {}
     soft: set = set()
+    shared: set = set()
     fusible = _ELEMENTWISE | _LAYOUT | {"broadcast_in_dim", "iota"}
     for k, eqn in enumerate(jaxpr.eqns):
         call = eqn.primitive.name not in ("scan", "while", "cond") and _subjaxpr(eqn) is not None
@@ -998,6 +1034,9 @@ def _kernels(jaxpr: Any, fusable_outs: set) -> tuple[dict[Any, int], set]:
         for v in eqn.outvars:
             ks = readers.get(v, [])
             every = all(_fuses(jaxpr.eqns[j], pos) for j, pos in ks)
+            # XLA does not compute an expensive op twice: read by several kernels, it is stored.
+            if eqn.primitive.name in _EXPENSIVE and len({j for j, _ in ks}) > 1:
+                every = False
             # A broadcast or iota is recomputed inside each reader (an output's reader is the caller's).
             cheap = eqn.primitive.name in ("broadcast_in_dim", "iota")
             if every and (v not in outs or cheap) and (ks or v in fusable_outs or cheap):
@@ -1005,7 +1044,9 @@ def _kernels(jaxpr: Any, fusable_outs: set) -> tuple[dict[Any, int], set]:
                     soft.add(v)
                     continue
                 fused[v] = k
-    return fused, soft
+                if len({j for j, _ in ks}) > 1:
+                    shared.add(v)
+    return fused, soft, shared
 
 
 def _fuses(eqn: Any, pos: int) -> bool:
