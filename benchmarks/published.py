@@ -65,7 +65,8 @@ def run() -> list[dict]:
                      "published_step_s": step_s, "predicted_step_s": (t.overlapped_s, t.serial_s),
                      "predicted_tokens_s": (tokens / t.serial_s, tokens / t.overlapped_s),
                      "ratio_tokens_s": (tokens / t.serial_s / tokens_s, tokens / t.overlapped_s / tokens_s),
-                     "compute_s": t.compute_s, "comm_s": t.comm_s, "flops": cost.flops})
+                     "compute_s": t.compute_s, "memory_s": t.memory_s, "comm_s": t.comm_s, "flops": cost.flops,
+                     "hbm_bytes": cost.hbm_bytes})
     return rows
 
 
@@ -74,7 +75,8 @@ def main() -> int:
     for r in run():
         lo, hi = r["ratio_tokens_s"]
         print(f"{r['run']}: predicted {r['predicted_tokens_s'][0]:,.0f}..{r['predicted_tokens_s'][1]:,.0f} tokens/s/device "
-              f"(compute {r['compute_s']:.2f} s, communication {r['comm_s']:.2f} s per step), published "
+              f"(compute {r['compute_s']:.2f} s, memory {r['memory_s']:.2f} s, communication {r['comm_s']:.2f} s "
+              f"per step), published "
               f"{r['published_tokens_s']:,.0f}: predicted / published {lo:.2f}..{hi:.2f} "
               f"({'within' if max(abs(lo - 1), abs(hi - 1)) <= 0.25 else 'NOT within'} 25%)")
     return 0

@@ -390,6 +390,7 @@ def bench_step_cost(quick: bool) -> dict:
                          "peak_error": abs(fast.memory.peak - exact.memory.peak) / exact.memory.peak,
                          "flops_fast": fast.flops, "flops_exact": exact.flops,
                          "flops_error": abs(fast.flops - exact.flops) / exact.flops,
+                         "hbm_fast": fast.hbm_bytes, "hbm_exact": exact.hbm_bytes,
                          "fast_s": fast.seconds, "exact_s": exact.seconds})
     return {"rows": rows}
 

@@ -199,13 +199,20 @@ def _step_cost(res: dict) -> list[str]:
         "the lookup's fill mask apart from its values; under llama_sp XLA all-reduces the embedding's gradient "
         "whole where fast mode reduce-scatters it.",
         "",
-        "| plan | model | FLOPs fast / exact | peak fast / exact | communication fast / exact (per kind) |",
-        "|---|---|---|---|---|",
+        "Memory traffic (bytes read and written in device memory per step; no target: fast mode assumes an "
+        "accelerator's fusion, and XLA:CPU stores more intermediates; docs/stepcost.md compares it with a GPU's "
+        "compiled programs) is shown as fast / exact.",
+        "",
+        "| plan | model | FLOPs fast / exact | peak fast / exact | memory traffic fast / exact | communication fast / "
+        "exact (per kind) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         comm = "; ".join(f"{k} {c['fast']:,} / {c['exact']:,}" for k, c in r["comm"].items())
+        hbm = f"{r['hbm_fast'] / r['hbm_exact']:.2f}" if r.get("hbm_exact") else "-"
         out.append(f"| {r['plan']} | {r['model']} | {r['flops_fast'] / r['flops_exact']:.3f} | "
-                   f"{r['peak_fast']:,} / {r['peak_exact']:,} ({r['peak_fast'] / r['peak_exact']:.2f}) | {comm} |")
+                   f"{r['peak_fast']:,} / {r['peak_exact']:,} ({r['peak_fast'] / r['peak_exact']:.2f}) | {hbm} | "
+                   f"{comm} |")
     out += [
         "",
         f"Fast mode on `{sc['model']}` (mesh {sc['mesh']}, the full train step): {sc['fast_s']:.1f} s, against "
