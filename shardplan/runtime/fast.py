@@ -435,18 +435,24 @@ class _Propagator:
             for v, val in zip(eqn.outvars, outs, strict=True):
                 if v in shared and v not in virtual:
                     reads = frozenset().union(*(closure(x) for x in eqn.invars))
-                    nbytes = sum(self.ctx.local(env[x]) for x in reads if x in env)
+                    nbytes = sum(self._read_bytes(env[x], outs) for x in reads if x in env)
                     if nbytes > self.ctx.local(val):
                         stored.add(v)
                         self.ctx.hbm += (nbytes + self.ctx.local(val)) * mult
             return
         reads = frozenset().union(*(closure(x) for x in eqn.invars))
-        nbytes = sum(self.ctx.local(env[x]) for x in reads if x in env)
+        nbytes = sum(self._read_bytes(env[x], outs) for x in reads if x in env)
         for var, val in zip(eqn.outvars, outs, strict=True):
             if var not in fused and var not in virtual:
                 stored.add(var)
                 nbytes += self.ctx.local(val)
         self.ctx.hbm += nbytes * mult
+
+    def _read_bytes(self, v: Val, outs: list[Val]) -> int:
+        """Bytes a kernel reads of ``v``: an operand of an output's shape is read where that output
+        is computed (a value held whole, say zeros from a literal, is read in its split part)."""
+        n = self.ctx.local(v)
+        return min([n] + [self.ctx.local(o) * v.itemsize // o.itemsize for o in outs if o.shape == v.shape])
 
     def _read(self, env: dict[Any, Val], x: Any) -> Val:
         if hasattr(x, "val"):  # a literal
