@@ -12,6 +12,7 @@ under plans/dp.splan on every local device (shardplan's auto backend, the same s
 - the chip's measured ceilings: a bf16 8192^3 matmul and an on-device copy.
 Each configuration runs in its own process (fresh allocator peak). `--quick` (CI, CPU) runs one
 tiny configuration only to prove the script runs; its times say nothing about a chip.
+Results on one H200 are in docs/stepcost.md ("Measured on a GPU").
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # name: (family, config, global batch)
 CONFIGS = {
-    "gpt_350m": ("GPT", dict(vocab=32000, d_model=1024, n_heads=16, d_ff=4096, n_layers=24, max_len=1024), 16),
     "gpt_124m": ("GPT", dict(vocab=32000, d_model=768, n_heads=12, d_ff=3072, n_layers=12, max_len=1024), 16),
     "llama_1b_scan": ("Llama", dict(vocab=32000, d_model=2048, n_heads=16, n_kv_heads=8, d_ff=5632, n_layers=16,
                                     max_len=2048, scan_layers=True, remat="full"), 8),
@@ -57,10 +57,6 @@ def _factory(name: str):
 
 
 # Module-level factories for fast mode's FILE:FACTORY (one per configuration).
-def gpt_350m():
-    return _factory("gpt_350m")
-
-
 def gpt_124m():
     return _factory("gpt_124m")
 

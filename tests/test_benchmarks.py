@@ -3,6 +3,7 @@ full run relies on (the timings themselves come from full runs, never from tests
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -75,3 +76,21 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     assert len(rows_) == 4 and peaks == 2
     assert len(checks) == 3 + 2 * len(rows_) + peaks + 1 + 3 * 5 + 1 + 2 + step_checks + 1 + len(reshard["rows"]) + 1 + 1
     assert all(c["met"] in ("yes", "NO (missed)") for c in checks)
+
+
+def test_device_benchmark_quick_mode_measures_and_predicts_side_by_side(tmp_path):
+    """`python -m benchmarks.device` (the step measured on the local accelerator beside fast mode's
+    prediction for its chip) runs here on one CPU device; its times say nothing about a chip."""
+    out = tmp_path / "device.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.device", "--quick", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["on_chip"] is False and "says nothing" in r.stdout
+    (row,) = doc["rows"]
+    assert row["measured_s"] > 0 and row["loss_first"] > 0
+    # Fast mode's FLOPs and memory traffic against the compiled program of the same step.
+    assert abs(row["fast"]["flops"] / row["xla"]["flops"] - 1) < 0.1
+    assert row["fast"]["hbm_bytes"] > 0 and row["xla"]["memory_bytes"] > 0
+    assert row["predicted"]["serial_s"] == row["predicted"]["compute_s"] + row["predicted"]["memory_s"]

@@ -234,6 +234,7 @@ class _Propagator:
         self._stored: set = set()
         self._soft: set = set()
         self._last_stored: set = set()
+        self._call_stored: set = set()  # the stored results of the call just run (outer variables)
         self.constrained: list[Constrained] = []  # activations with a set layout, in program order
         # A call's inner variables stand for the outer ones they are bound to (and its outer
         # results for the inner ones): XLA inlines calls and does each reshard of a value once.
