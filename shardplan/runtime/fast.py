@@ -119,29 +119,7 @@ _FUSES_PRODUCER = (
 _FREE = {"iota", "stop_gradient"}
 # Elementwise ops XLA's fusion will not duplicate into several consumers (instruction_fusion's
 # IsExpensive): transcendental functions and divisions.
-_EXPENSIVE = {
-    "exp",
-    "exp2",
-    "expm1",
-    "log",
-    "log1p",
-    "logistic",
-    "tanh",
-    "div",
-    "rem",
-    "pow",
-    "sqrt",
-    "rsqrt",
-    "cbrt",
-    "sin",
-    "cos",
-    "tan",
-    "atan2",
-    "erf",
-    "erf_inv",
-    "lgamma",
-    "digamma",
-}
+_EXPENSIVE = _TRANSCENDENTAL | {"div", "rem", "lgamma", "digamma"}
 # Ops XLA does as a bitcast of the same buffer (no memory traffic) or folds into the consumer's
 # operand layout.
 _VIEWS = {"reshape", "squeeze", "expand_dims", "transpose"}
