@@ -142,6 +142,44 @@ ENTRY %main (g0: f32[8,16], g1: f32[8,16], acc: f32[3,8,4], acc2: f32[3,8,16], o
 """
 
 
+SUMMED_TWICE = """HloModule m, entry_computation_layout={()->f32[]}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%rows (g: f32[8,16], pid: u32[]) -> f32[4,16] {
+  %g = f32[8,16]{1,0} parameter(0)
+  %pid = u32[] parameter(1)
+  %zero = u32[] constant(0)
+  ROOT %ds = f32[4,16]{1,0} dynamic-slice(%g, %pid, %zero), dynamic_slice_sizes={4,16}
+}
+
+ENTRY %main (g0: f32[8,16], w: f32[4,16]) -> f32[] {
+  %g0 = f32[8,16]{1,0} parameter(0)
+  %w = f32[4,16]{1,0} parameter(1)
+  %pid = u32[] partition-id()
+  %over_model = (f32[8,16]{1,0}, f32[4,16]{1,0}) all-reduce(%g0, %w), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
+  %e0 = f32[8,16]{1,0} get-tuple-element(%over_model), index=0
+  %over_data = f32[8,16]{1,0} all-reduce(%e0), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%add
+  %mine = f32[4,16]{1,0} fusion(%over_data, %pid), kind=kLoop, calls=%rows
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_hlo_reader_sees_a_reduce_scatter_through_a_second_all_reduce():
+    """A gradient summed over one axis, then over another, then sliced per device by the first
+    axis's group: the first sum is that axis's reduce-scatter (sums commute); the second, whose
+    group the slice does not match, stays an all-reduce."""
+    table, other, second = hlo.parse(SUMMED_TWICE, 8)
+    assert (table.group_size, second.group_size) == (2, 4)
+    assert table.as_reduce_scatter and not second.as_reduce_scatter
+    assert not other.as_reduce_scatter  # no user at all
+
+
 def test_hlo_reader_sees_a_reduce_scatter_in_a_fusion_that_slices_per_device():
     first, second = hlo.parse(SCANNED_GRAD, 8)
     assert first.as_reduce_scatter  # only a 1/4 slice of it is read (written into the stack)

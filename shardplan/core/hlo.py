@@ -324,6 +324,22 @@ def _is_slice_user(user: _Instr, value: str, elements: int, group: int, comps: d
     )
 
 
+def _sliced(
+    user: _Instr, value: str, elements: int, group: int, comps: dict[str, list[_Instr]], users: dict[str, list[_Instr]]
+) -> bool:
+    """``_is_slice_user``, also through another all-reduce (over other mesh axes) in between:
+    sums commute, so a sum whose result is summed again and then only sliced per device (by the
+    first sum's group) is that sum's reduce-scatter (an embedding's gradient summed over the
+    tokens' two axes, its rows split over one)."""
+    if _is_slice_user(user, value, elements, group, comps):
+        return True
+    if user.op != "all-reduce" or value not in user.operands:
+        return False
+    tuple_result = user.shape.startswith("(")
+    nxt = _element_users(users, user, user.operands.index(value) if tuple_result else None)
+    return bool(nxt) and all(_is_slice_user(u, name, elements, group, comps) for u, name in nxt)
+
+
 def _param_index(ins: _Instr) -> str:
     m = _PARAM_INDEX.search(ins.line)
     return m.group(1) if m else ""
@@ -390,7 +406,7 @@ def parse(hlo_text: str, n_devices: int | None = None) -> list[CollectiveOp]:
                 for i, text in enumerate(arrays):
                     b, _, n = _shape_bytes(text)
                     us = _element_users(users, ins, i if tuple_result else None)
-                    rs = bool(us) and all(_is_slice_user(u, name, n, group, comps) for u, name in us)
+                    rs = bool(us) and all(_sliced(u, name, n, group, comps, users) for u, name in us)
                     ops.append(
                         replace(
                             base, shapes=(text,), bytes=b, as_reduce_scatter=rs, moves="" if tuple_result else moves
