@@ -90,7 +90,8 @@ def test_device_benchmark_quick_mode_measures_and_predicts_side_by_side(tmp_path
     assert doc["on_chip"] is False and "says nothing" in r.stdout
     (row,) = doc["rows"]
     assert row["measured_s"] > 0 and row["loss_first"] > 0
-    # Fast mode's FLOPs and memory traffic against the compiled program of the same step.
+    # Fast mode's FLOPs and memory traffic against the compiled program of the same step (XLA:CPU
+    # computes this bf16 model in f32, storing more: measured 0.46x; a GPU's program, 0.88..1.02x).
     assert abs(row["fast"]["flops"] / row["xla"]["flops"] - 1) < 0.1
-    assert row["fast"]["hbm_bytes"] > 0 and row["xla"]["memory_bytes"] > 0
+    assert 0.25 < row["fast"]["hbm_bytes"] / row["xla"]["memory_bytes"] < 1.5
     assert row["predicted"]["serial_s"] == row["predicted"]["compute_s"] + row["predicted"]["memory_s"]

@@ -513,6 +513,11 @@ _NO_TRAFFIC = {
     "partition-id",
     "replica-id",
     "iota",
+    "copy-start",
+    "async-update",
+    "domain",
+    "add-dependency",
+    "opt-barrier",
 }
 _PARAM_INDEX = re.compile(r"\bparameter\((\d+)\)")
 _SLICING = ("dynamic-slice", "slice", "gather")
@@ -566,8 +571,11 @@ def _instr_traffic(ins: _Instr, defs: dict[str, _Instr], comps: dict[str, list[_
     write = float(_shape_bytes(ins.shape)[0])
     if ins.op == "dynamic-update-slice" and len(reads) > 1:  # in place: the update is read and written
         return 2 * reads[1] + sum(reads[2:])
-    if ins.op in ("dynamic-slice", "slice") and reads:
+    if ins.op in ("dynamic-slice", "slice", "gather") and reads:  # reads of the operand what it returns
         return 2 * write + sum(reads[1:])
+    if ins.op.endswith("-start") and ins.op != "fusion-start" and ins.shape.startswith("("):
+        # An async op's result tuple holds its operands (and a context) beside its result.
+        write = max((float(_shape_bytes(f"{d}[{dims}]")[0]) for d, dims in _ARRAY.findall(ins.shape)), default=0.0)
     body = next(iter(_CALLS.findall(ins.line)), None) if ins.op in ("fusion", "fusion-start") else None
     if body is None or body not in comps:
         return sum(reads) + write

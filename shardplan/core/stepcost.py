@@ -77,9 +77,9 @@ class StepCost:
     # Fast mode, when activations are constrained: per (collective, mesh axes), the bytes per
     # device the constraints add (> 0) or remove (< 0), against the same step without them.
     constraint_delta: tuple[tuple[str, str, int], ...] = field(default=())
-    # Bytes read and written in device memory (HBM) per device per step: exact mode, XLA's cost
-    # analysis of the compiled program; fast mode, each op's operands and results with XLA's
-    # fusion of elementwise chains assumed.
+    # Bytes read and written in device memory (HBM) per device per step: exact mode, every kernel
+    # of the compiled program (hlo.memory_bytes: each loop iteration, library calls included);
+    # fast mode, each op's operands and results with XLA's fusion of elementwise chains assumed.
     hbm_bytes: float = 0.0
 
     def bytes_by_kind(self) -> dict[str, int]:

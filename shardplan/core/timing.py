@@ -3,8 +3,9 @@ memory traffic at its HBM bandwidth, each collective over the links of its mesh 
 algorithms), with and without communication overlapping the chip's own work.
 
 The chip's own work is compute plus memory traffic (a kernel is bound by one or the other; the
-sum does not let a matmul's reads hide behind its arithmetic). It is a roofline at datasheet
-rates, not a simulation: real kernels reach a fraction of them. docs/stepcost.md compares it
+sum does not let a matmul's reads hide behind its arithmetic, so it is an estimate, not a
+bound a step cannot beat). Rates are the datasheet's, not a simulation: real kernels reach a
+fraction of them. docs/stepcost.md compares it
 with steps measured on a GPU and with published runs.
 """
 

@@ -178,8 +178,35 @@ class _Ctx:
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: int, mult: int, why: str, moves: str = "") -> None:
         if axes and nbytes and self.split(tuple(axes)) > 1:  # over axes of size 1 nothing moves
-            self.hbm += 2 * nbytes * mult  # a collective reads its buffer and writes its result
+            # A collective reads its buffer and writes its result (``nbytes``: an all-gather's
+            # result, a reduce-scatter's input; the other side is 1/n of it).
+            n = self.split(tuple(axes))
+            self.hbm += (nbytes + nbytes // n if kind in ("all-gather", "reduce-scatter") else 2 * nbytes) * mult
             self.comm.append(Communication(kind, tuple(axes), nbytes * mult, mult, why, self.source, moves))
+
+
+@dataclass(frozen=True)
+class _Boundary:
+    """What a call's caller holds of the call's inputs and outputs (memory traffic; XLA inlines
+    calls): the inputs in memory, the outputs the caller's readers fuse, and for the other inputs
+    the values in memory their fused producers read."""
+
+    stored: frozenset
+    fusable_outs: dict[Any, int]  # -> how many of the caller's equations read it
+    reads: dict[Any, frozenset]
+
+
+@dataclass
+class _Frame:
+    """Memory-traffic state of one jaxpr being run (mutable working state of ``_Propagator.run``)."""
+
+    jaxpr: Any
+    env: dict[Any, Val]
+    stored: set  # values in memory
+    fused: dict[Any, int]  # results computed inside their readers -> their producer's index
+    shared: set  # fused results several equations read
+    soft: dict[Any, int]  # call results the readers fuse -> how many read it
+    closures: dict[Any, frozenset]  # value -> the (value in memory, layout) pairs reading it reads
 
 
 def _norm(dims: Dims, rank: int) -> Dims:
@@ -206,13 +233,10 @@ class _Propagator:
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
-        # Memory traffic across a call (XLA inlines calls): the callee's inputs in memory and the
-        # results its caller's readers fuse; the stored values of the jaxpr being run.
-        self._boundary: tuple[set, set] | None = None
-        self._stored: set = set()
-        self._soft: set = set()
-        self._last_stored: set = set()
-        self._call_stored: set = set()  # the stored results of the call just run (outer variables)
+        # Memory traffic: the jaxpr being run, and the last one run (a call's body, read back by
+        # its caller: XLA inlines calls, so fused chains cross them).
+        self._frame: _Frame | None = None
+        self._last_frame: _Frame | None = None
         self.constrained: list[Constrained] = []  # activations with a set layout, in program order
         # A call's inner variables stand for the outer ones they are bound to (and its outer
         # results for the inner ones): XLA inlines calls and does each reshard of a value once.
@@ -306,9 +330,10 @@ class _Propagator:
         return self.reshard(var, self.resolve(var, v, target, mult, why), target, mult, why)
 
     # -- equations -------------------------------------------------------------------------
-    def run(self, jaxpr: Any, env: dict[Any, Val], mult: int) -> list[Val]:
+    def run(self, jaxpr: Any, env: dict[Any, Val], mult: int, boundary: _Boundary | None = None) -> list[Val]:
         """Propagate through ``jaxpr``; also track the bytes its intermediates hold at once
-        (``self.peak``: the most live at any point, on top of its inputs)."""
+        (``self.peak``: the most live at any point, on top of its inputs) and the memory traffic
+        of its kernels (``boundary``: where ``jaxpr`` is a call's body, what its caller holds)."""
         self._hints(jaxpr)
         self._wants(jaxpr)
         top = self.depth == 0
@@ -324,13 +349,11 @@ class _Propagator:
         fused = _fused_outputs(jaxpr, uses)
         live = peak = 0
         held: dict[Any, int] = {}
-        boundary, self._boundary = self._boundary, None
         # Values in memory (not fused away): a jaxpr's inputs, unless a call's caller fused them.
-        stored = (set(jaxpr.invars) if boundary is None else set(boundary[0])) | set(jaxpr.constvars)
-        fused_v, soft, shared = _kernels(jaxpr, set() if boundary is None else boundary[1])
-        closures: dict[Any, frozenset] = {}
-        outer_stored, outer_soft = self._stored, self._soft
-        self._stored, self._soft = stored, soft
+        stored = (set(jaxpr.invars) if boundary is None else set(boundary.stored)) | set(jaxpr.constvars)
+        fused_v, soft, shared = _kernels(jaxpr, {} if boundary is None else boundary.fusable_outs)
+        frame = _Frame(jaxpr, env, stored, fused_v, shared, soft, {} if boundary is None else dict(boundary.reads))
+        outer_frame, self._frame = self._frame, frame
         self.runs += 1
         this_run = self.runs
         for k, eqn in enumerate(jaxpr.eqns):
@@ -347,7 +370,7 @@ class _Propagator:
             outs = self.eqn(eqn, ins, mult)
             inner, self.peak = self.peak, outer_peak
             virtual = {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)}
-            self.traffic(jaxpr, eqn, env, outs, stored, (fused_v, shared), closures, virtual, mult)
+            self.traffic(frame, eqn, outs, virtual, mult)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
                 if var not in fused and var not in self.aliased and var not in virtual:
@@ -358,74 +381,58 @@ class _Propagator:
             for x in eqn.invars:
                 if not hasattr(x, "val") and last.get(x) == k and x in held and x not in keep:
                     live -= held.pop(x)
-        self._last_stored = stored
-        self._stored, self._soft = outer_stored, outer_soft
+        self._last_frame, self._frame = frame, outer_frame
         self.peak = max(self.peak, peak)
         # Outputs that are broadcasts (a call's jvp residuals, masks): recomputed where used.
         self.virtual_outs = {i for i, x in enumerate(jaxpr.outvars) if x in fused}
         self.depth -= 1
         return [self._read(env, x) for x in jaxpr.outvars]
 
-    def traffic(
-        self,
-        jaxpr: Any,
-        eqn: Any,
-        env: dict[Any, Val],
-        outs: list[Val],
-        stored: set,
-        kernels: tuple[dict[Any, int], set],
-        closures: dict[Any, frozenset],
-        virtual: set,
-        mult: int,
-    ) -> None:
+    def traffic(self, frame: _Frame, eqn: Any, outs: list[Val], virtual: set, mult: int) -> None:
         """Memory traffic of one equation, as XLA's fusion leaves it (see ``_kernels``): a result
         fused into its readers costs nothing where it is computed; an equation whose results are
         stored is a kernel that reads the values in memory its fused producers read (each once)
-        and writes its results. A result several kernels read is stored when computing it in each
-        would read more than it holds (XLA's fusion weighs the same). Reshapes of stored values
-        are views; a call's body counts for itself."""
-        fused, shared = kernels
+        and writes its results. A result several kernels read is stored when computing it reads
+        more bytes than it holds (XLA's fusion weighs the same). Reshapes of stored values are
+        views; a call's body counts for itself (see ``eqn``)."""
         name = eqn.primitive.name
+        if name == "scan":  # a loop's results are in memory
+            frame.stored.update(v for v in eqn.outvars if v not in virtual)
+            return
         if _subjaxpr(eqn) is not None:
-            if name in ("scan", "while", "cond"):  # a loop's results are in memory
-                stored.update(v for v in eqn.outvars if v not in virtual)
-            else:  # a call (inlined): its results are where its body left them
-                stored.update(self._call_stored)
             return
-        if name in _VIEWS and eqn.invars[0] in stored:
-            stored.update(eqn.outvars)
+        if name in _VIEWS and eqn.invars[0] in frame.stored:
+            frame.stored.update(eqn.outvars)
             return
-
-        def closure(x: Any) -> frozenset:
-            if hasattr(x, "val"):
-                return frozenset()
-            if x in stored:
-                return frozenset((x,))
-            if x not in fused:
-                return frozenset()
-            hit = closures.get(x)
-            if hit is None:
-                producer = jaxpr.eqns[fused[x]]
-                hit = frozenset().union(*(closure(y) for y in producer.invars))
-                closures[x] = hit
-            return hit
-
-        if all(v in fused or v in virtual for v in eqn.outvars):
+        reads = frozenset().union(*(self._closure(frame, x) for x in eqn.invars))
+        nbytes = sum(self._read_bytes(v, outs) for _, v in reads)
+        if all(v in frame.fused or v in virtual for v in eqn.outvars):
             for v, val in zip(eqn.outvars, outs, strict=True):
-                if v in shared and v not in virtual:
-                    reads = frozenset().union(*(closure(x) for x in eqn.invars))
-                    nbytes = sum(self._read_bytes(env[x], outs) for x in reads if x in env)
-                    if nbytes > self.ctx.local(val):
-                        stored.add(v)
-                        self.ctx.hbm += (nbytes + self.ctx.local(val)) * mult
+                if v in frame.shared and v not in virtual and nbytes > self.ctx.local(val):
+                    frame.stored.add(v)
+                    self.ctx.hbm += (nbytes + self.ctx.local(val)) * mult
             return
-        reads = frozenset().union(*(closure(x) for x in eqn.invars))
-        nbytes = sum(self._read_bytes(env[x], outs) for x in reads if x in env)
         for var, val in zip(eqn.outvars, outs, strict=True):
-            if var not in fused and var not in virtual:
-                stored.add(var)
+            if var not in frame.fused and var not in virtual:
+                frame.stored.add(var)
                 nbytes += self.ctx.local(val)
         self.ctx.hbm += nbytes * mult
+
+    def _closure(self, frame: _Frame, x: Any) -> frozenset:
+        """The values in memory (each with its layout) a kernel reading ``x`` reads: ``x`` if it is
+        stored, else what its fused producers read (across calls: a call's body is inlined)."""
+        if hasattr(x, "val"):
+            return frozenset()
+        if x in frame.stored:
+            return frozenset(((x, frame.env[x]),))
+        hit = frame.closures.get(x)
+        if hit is None:
+            if x not in frame.fused:
+                return frozenset()
+            producer = frame.jaxpr.eqns[frame.fused[x]]
+            hit = frozenset().union(*(self._closure(frame, y) for y in producer.invars))
+            frame.closures[x] = hit
+        return hit
 
     def _read_bytes(self, v: Val, outs: list[Val]) -> int:
         """Bytes a kernel reads of ``v``: an operand of an output's shape is read where that output
@@ -480,16 +487,24 @@ class _Propagator:
                 if outer_var in self.wants and not hasattr(inner_var, "val"):
                     self.wants.setdefault(inner_var, self.wants[outer_var])
             outer_call, self.call_source = self.call_source, self.ctx.source
-            self._boundary = (
-                {
-                    i
-                    for i, o in zip(sub.invars, eqn.invars, strict=False)
-                    if not hasattr(o, "val") and o in self._stored
-                },
-                {i for i, o in zip(sub.outvars, eqn.outvars, strict=False) if o in self._soft},
+            outer = self._frame
+            assert outer is not None  # equations run inside a jaxpr
+            bound = [(i, o) for i, o in zip(sub.invars, eqn.invars, strict=False) if not hasattr(o, "val")]
+            boundary = _Boundary(
+                frozenset(i for i, o in bound if o in outer.stored),
+                {i: outer.soft[o] for i, o in zip(sub.outvars, eqn.outvars, strict=False) if o in outer.soft},
+                {i: self._closure(outer, o) for i, o in bound if o not in outer.stored},
             )
-            inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult)
-            self._call_stored = {o for i, o in zip(sub.outvars, eqn.outvars, strict=False) if i in self._last_stored}
+            inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult, boundary)
+            body = self._last_frame
+            assert body is not None
+            for i, o in zip(sub.outvars, eqn.outvars, strict=False):
+                if hasattr(i, "val"):
+                    continue
+                if i in body.stored:
+                    outer.stored.add(o)
+                elif o in outer.soft:  # fused in the body and in the caller's readers: one chain
+                    outer.closures[o] = self._closure(body, i)
             self.call_source = outer_call
             for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
                 if not hasattr(inner_var, "val") and self.root(inner_var) is not outer_var:
@@ -995,13 +1010,15 @@ def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
     return out
 
 
-def _kernels(jaxpr: Any, fusable_outs: set) -> tuple[dict[Any, int], set, set]:
+def _kernels(jaxpr: Any, fusable_outs: dict[Any, int]) -> tuple[dict[Any, int], dict[Any, int], set]:
     """XLA's fusion, roughly: the results of elementwise, layout and broadcast ops whose every
     reader fuses its producers (elementwise ops, reductions; not matmuls, gathers or calls) are
     computed inside their readers (a result read twice is computed twice), and not stored. Returns
     those results (each with its producer's index), the results of calls whose readers all fuse
-    (a call's body is inlined: see ``traffic``), and the fused results several equations read.
-    ``fusable_outs``: the jaxpr's outputs its caller's readers fuse."""
+    (each with its readers' count; a call's body is inlined: see ``traffic``), and the fused
+    results several equations read. ``fusable_outs``: the jaxpr's outputs its caller's readers
+    fuse, with their count. (Peak memory keeps its own,
+    simpler rule, ``_fused_outputs``: single-reader results, as measured against XLA:CPU's peaks.)"""
     readers: dict[Any, list[tuple[int, int]]] = {}
     for k, eqn in enumerate(jaxpr.eqns):
         for pos, x in enumerate(eqn.invars):
@@ -1009,29 +1026,39 @@ def _kernels(jaxpr: Any, fusable_outs: set) -> tuple[dict[Any, int], set, set]:
                 readers.setdefault(x, []).append((k, pos))
     outs = {x for x in jaxpr.outvars if not hasattr(x, "val") and x not in fusable_outs}
     fused: dict[Any, int] = {}
-    soft: set = set()
+    soft: dict[Any, int] = {}
     shared: set = set()
     fusible = _ELEMENTWISE | _LAYOUT | {"broadcast_in_dim", "iota"}
     for k, eqn in enumerate(jaxpr.eqns):
-        call = eqn.primitive.name not in ("scan", "while", "cond") and _subjaxpr(eqn) is not None
+        call = eqn.primitive.name != "scan" and _subjaxpr(eqn) is not None
         if eqn.primitive.name not in fusible and not call:
             continue
         for v in eqn.outvars:
             ks = readers.get(v, [])
+            n = len({j for j, _ in ks}) + fusable_outs.get(v, 0)  # readers here and in the caller
             every = all(_fuses(jaxpr.eqns[j], pos) for j, pos in ks)
             # XLA does not compute an expensive op twice: read by several kernels, it is stored.
-            if eqn.primitive.name in _EXPENSIVE and len({j for j, _ in ks}) > 1:
+            if _expensive(eqn) and n > 1:
                 every = False
             # A broadcast or iota is recomputed inside each reader (an output's reader is the caller's).
             cheap = eqn.primitive.name in ("broadcast_in_dim", "iota")
             if every and (v not in outs or cheap) and (ks or v in fusable_outs or cheap):
                 if call:
-                    soft.add(v)
+                    soft[v] = n
                     continue
                 fused[v] = k
-                if len({j for j, _ in ks}) > 1:
+                if n > 1:
                     shared.add(v)
     return fused, soft, shared
+
+
+def _expensive(eqn: Any) -> bool:
+    """An op XLA's fusion will not compute twice; a division by a scalar is not one (XLA turns
+    it into a multiplication by the reciprocal)."""
+    if eqn.primitive.name == "div":
+        d = eqn.invars[1]
+        return not (hasattr(d, "val") or not getattr(d.aval, "shape", ()))
+    return eqn.primitive.name in _EXPENSIVE
 
 
 def _fuses(eqn: Any, pos: int) -> bool:
@@ -1040,7 +1067,7 @@ def _fuses(eqn: Any, pos: int) -> bool:
     if eqn.primitive.name in _FUSES_PRODUCER:
         return True
     sub = _subjaxpr(eqn)
-    if sub is None or eqn.primitive.name in ("scan", "while", "cond") or pos >= len(sub.invars):
+    if sub is None or eqn.primitive.name == "scan" or pos >= len(sub.invars):
         return False
     inner = sub.invars[pos]
     return (

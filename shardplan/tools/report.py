@@ -158,12 +158,12 @@ def print_step_cost(
     if time is not None:
         links = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(time.comm_by_link.items())) or "none"
         console.print(
-            f"[bold]step time on {time.chip}[/] (roofline at datasheet rates: compute at peak, memory traffic at "
+            f"[bold]step time on {time.chip}[/] (estimate at datasheet rates: compute at peak, memory traffic at "
             f"HBM bandwidth, collectives over their links): compute {fmt_seconds(time.compute_s)}, memory "
             f"{fmt_seconds(time.memory_s)} ({fmt_bytes(int(cost.hbm_bytes))}), communication "
             f"{fmt_seconds(time.comm_s)} ({links}); "
             f"step {fmt_seconds(time.overlapped_s)} overlapped to {fmt_seconds(time.serial_s)} serial, "
-            f"MFU at most {time.mfu_overlapped:.0%} to {time.mfu_serial:.0%}"
+            f"MFU {time.mfu_overlapped:.0%} to {time.mfu_serial:.0%}"
         )
     for n in cost.notes:
         console.print(f"[dim]note: {escape(n)}[/]")
