@@ -196,8 +196,9 @@ def _step_cost(res: dict) -> list[str]:
         "mode counts one all-gather of them and says so in its notes); the learned position table is looked up "
         "at constant positions, which XLA turns into a slice moved by collective-permutes; under a residual "
         "constrained whole (gpt_logical on the Llama, whose activation names the plan does not map) XLA gathers "
-        "the lookup's fill mask apart from its values; under llama_sp XLA all-reduces the embedding's gradient "
-        "whole where fast mode reduce-scatters it.",
+        "the lookup's fill mask apart from its values. (Under llama_sp the CPU program sums the embedding's "
+        "gradient over one axis, then the other, then slices it per device: exact mode reads that first sum as "
+        "the reduce-scatter it is, since sums commute.)",
         "",
         "Memory traffic (bytes read and written in device memory per step; no target: fast mode assumes an "
         "accelerator's fusion, and XLA:CPU stores more intermediates; docs/stepcost.md compares it with a GPU's "
