@@ -492,28 +492,28 @@ def main(argv=None) -> int:
                   f"{jax.devices()[0].platform} devices, {os.cpu_count()} cores, {platform.processor() or platform.machine()}")
     t0 = time.perf_counter()
     res = {"resolution": resolution.run(args.quick)}
-    console.print("1. resolution done")
+    console.print(f"1. resolution done ({time.perf_counter() - t0:.0f} s)")
     res["apply"] = bench_apply(args.quick)
-    console.print("2. apply done")
+    console.print(f"2. apply done ({time.perf_counter() - t0:.0f} s)")
     res["steps"] = bench_steps(args.quick)
-    console.print("3. training steps done")
+    console.print(f"3. training steps done ({time.perf_counter() - t0:.0f} s)")
     res["cost"] = bench_cost_model(args.quick)
-    console.print("4. cost model done")
+    console.print(f"4. cost model done ({time.perf_counter() - t0:.0f} s)")
     res["generation"] = bench_generation(args.quick)
-    console.print("5. generation done")
+    console.print(f"5. generation done ({time.perf_counter() - t0:.0f} s)")
     res["step_cost"] = bench_step_cost(args.quick)
     res["step_cost_scale"] = bench_step_cost_scale(args.quick)
-    console.print("6. step cost done")
+    console.print(f"6. step cost done ({time.perf_counter() - t0:.0f} s)")
     from benchmarks import reshard
 
     res["reshard"] = reshard.run(args.quick)
-    console.print("7. reshard done")
+    console.print(f"7. reshard done ({time.perf_counter() - t0:.0f} s)")
     res["shape_cache"] = bench_shape_cache(args.quick)
-    console.print("8. shapes cache done")
+    console.print(f"8. shapes cache done ({time.perf_counter() - t0:.0f} s)")
     from benchmarks import lsp
 
     res["lsp"] = lsp.run(args.quick)
-    console.print("9. language server done")
+    console.print(f"9. language server done ({time.perf_counter() - t0:.0f} s)")
 
     r = res["resolution"]
     checks = [
