@@ -247,6 +247,12 @@ def main(argv=None) -> int:
     if args.one:
         print("ROW " + json.dumps(one(args.one, args.chip, args.hlo)), flush=True)
         return 0
+    names = list(QUICK) if args.quick else (args.only.split(",") if args.only else list(CONFIGS))
+    unknown = [n for n in names if n not in CONFIGS and n not in QUICK]
+    if unknown:
+        print(f"--only: unknown configuration(s) {', '.join(unknown)}; known: {', '.join([*CONFIGS, *QUICK])}",
+              file=sys.stderr)
+        return 2
     import jax
 
     kind = jax.devices()[0].device_kind
@@ -258,7 +264,6 @@ def main(argv=None) -> int:
     ceil = ceilings(args.quick)
     print(f"measured ceilings: bf16 matmul {ceil['matmul_flops'] / 1e12:.1f} TFLOP/s, copy "
           f"{ceil['copy_bytes_s'] / 1e12:.2f} TB/s (read + written)", flush=True)
-    names = list(QUICK) if args.quick else (args.only.split(",") if args.only else list(CONFIGS))
     rows = []
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     for name in names:
