@@ -404,9 +404,12 @@ class _Propagator:
         if name in _VIEWS and eqn.invars[0] in frame.stored:
             frame.stored.update(eqn.outvars)
             return
+        fused_away = all(v in frame.fused or v in virtual for v in eqn.outvars)
+        if fused_away and not any(v in frame.shared and v not in virtual for v in eqn.outvars):
+            return  # computed inside its readers: they count what it reads
         reads = frozenset().union(*(self._closure(frame, x) for x in eqn.invars))
         nbytes = sum(self._read_bytes(v, outs) for _, v in reads)
-        if all(v in frame.fused or v in virtual for v in eqn.outvars):
+        if fused_away:
             for v, val in zip(eqn.outvars, outs, strict=True):
                 if v in frame.shared and v not in virtual and nbytes > self.ctx.local(val):
                     frame.stored.add(v)
