@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from flax import linen as nn
 from flax import nnx
 
@@ -48,6 +49,13 @@ class GPTConfig:
     use_bias: bool = False
     annotate: bool = False  # carry Flax logical-axis annotations (nnx.with_partitioning)
     dtype: str = "float32"
+    # "naive": scores materialized (any backend); "flash": jax's Pallas TPU flash-attention kernel
+    # (keys and values in blocks, the scores kept on chip), run per device in jax.shard_map over the
+    # mesh axes in ``attention_axes`` that split the batch, as MaxText does. The kernel traces
+    # anywhere (fast mode costs it) but runs only on TPU.
+    attention: str = "naive"
+    attention_axes: tuple[str, ...] = ("data",)
+    attention_blocks: tuple[int, int, int] = (512, 512, 512)  # flash: query, key/value, backward query block
 
     @property
     def head_dim(self) -> int:
@@ -210,8 +218,17 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     scan_layers: bool = False  # nnx.vmap-stacked blocks run by nnx.scan, each under nnx.remat
-    remat: str = "full"  # with scan_layers: "full" (save nothing), "dots" (save matmul outputs), "none"
+    # with scan_layers: "full" (save nothing), "dots" (save matmul outputs), "qkvo" (save the attention
+    # projections' outputs and each block's input, as MaxText's "custom" policy), "none"
+    remat: str = "full"
     dtype: str = "float32"
+    # "naive": scores materialized (any backend); "flash": jax's Pallas TPU flash-attention kernel
+    # (keys and values in blocks, the scores kept on chip), run per device in jax.shard_map over the
+    # mesh axes in ``attention_axes`` that split the batch, as MaxText does. The kernel traces
+    # anywhere (fast mode costs it) but runs only on TPU.
+    attention: str = "naive"
+    attention_axes: tuple[str, ...] = ("data",)
+    attention_blocks: tuple[int, int, int] = (512, 512, 512)  # flash: query, key/value, backward query block
 
     @property
     def head_dim(self) -> int:
@@ -246,11 +263,13 @@ class LlamaAttention(nnx.Module):
                  cache: dict | None = None):
         cfg = self.cfg
         b, t, _ = x.shape
-        q = rope(self.q(x).reshape(b, t, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
-        k = rope(self.k(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
-        v = self.v(x).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        q = rope(_tag(self.q(x)).reshape(b, t, cfg.n_heads, cfg.head_dim), positions, cfg.rope_theta)
+        k = rope(_tag(self.k(x)).reshape(b, t, cfg.n_kv_heads, cfg.head_dim), positions, cfg.rope_theta)
+        v = _tag(self.v(x)).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         if cache is not None:  # keys and values over the whole fixed-length cache
             k, v, cache = _write_cache(cache, k, v, positions)
+        elif cfg.attention == "flash" and mask is None:
+            return _tag(self.o(_flash_attention(cfg, q, k, v).reshape(b, t, cfg.n_heads * cfg.head_dim)))
         # Grouped-query attention: each group of n_heads / n_kv_heads query heads shares one kv head.
         q = q.reshape(b, t, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
         scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k) / jnp.sqrt(cfg.head_dim).astype(x.dtype)
@@ -258,7 +277,37 @@ class LlamaAttention(nnx.Module):
         scores = jnp.where(allowed, scores, jnp.finfo(scores.dtype).min)
         probs = jax.nn.softmax(scores, axis=-1)
         y = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v).reshape(b, t, cfg.n_heads * cfg.head_dim)
-        return self.o(y) if cache is None else (self.o(y), cache)
+        return _tag(self.o(y)) if cache is None else (self.o(y), cache)
+
+
+def _tag(x: jax.Array) -> jax.Array:
+    """An attention projection's output, named for the "qkvo" remat policy (an identity elsewhere)."""
+    return checkpoint_name(x, "attn_proj")
+
+
+def _flash_attention(cfg: LlamaConfig, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal attention by the Pallas TPU flash kernel on (batch, time, heads, head_dim), kv heads
+    repeated to the query heads; per device in shard_map over the batch's mesh axes."""
+    from jax.experimental.pallas.ops.tpu.flash_attention import BlockSizes, flash_attention
+
+    group = cfg.n_heads // cfg.n_kv_heads
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+
+    def attend(q, k, v):
+        q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # the kernel's (batch, heads, time, dim)
+        bq, bkv, bq_bwd = (min(n, q.shape[2]) for n in cfg.attention_blocks)
+        blocks = BlockSizes(block_q=bq, block_k_major=bkv, block_k=bkv, block_b=1, block_q_major_dkv=bq_bwd,
+                            block_k_major_dkv=bkv, block_k_dkv=bkv, block_q_dkv=bq_bwd, block_k_major_dq=bkv,
+                            block_k_dq=bkv, block_q_dq=bq_bwd)
+        out = flash_attention(q, k, v, causal=True, sm_scale=cfg.head_dim ** -0.5, block_sizes=blocks)
+        return out.transpose(0, 2, 1, 3)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = tuple(a for a in cfg.attention_axes if a in mesh.axis_names)
+    if not axes:
+        return attend(q, k, v)
+    spec = jax.sharding.PartitionSpec(axes)
+    return jax.shard_map(attend, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
 
 
 class LlamaMLP(nnx.Module):
@@ -292,6 +341,7 @@ class LlamaBlock(nnx.Module):
     def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array | None = None,
                  cache: dict | None = None):
         if cache is None:
+            x = checkpoint_name(x, "layer_input")
             x = residual(x + self.attn(self.attn_norm(x), positions))
             return residual(x + self.mlp(self.mlp_norm(x)))
         h, cache = self.attn(self.attn_norm(x), positions, mask, cache)
@@ -302,6 +352,7 @@ class LlamaBlock(nnx.Module):
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole block in the backward pass
     "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "qkvo": jax.checkpoint_policies.save_only_these_names("attn_proj", "layer_input"),
 }
 
 

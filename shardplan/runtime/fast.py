@@ -28,75 +28,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
+from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL
 
 Dims = tuple[tuple[str, ...], ...]
 
-# Elementwise primitives (output shape = operand shape; jax broadcasts scalars before). The
-# transcendental ones are counted apart as well, as XLA's cost analysis does.
-_TRANSCENDENTAL = {
-    "atan2",
-    "cbrt",
-    "cos",
-    "erf",
-    "erf_inv",
-    "erfc",
-    "exp",
-    "exp2",
-    "expm1",
-    "log",
-    "log1p",
-    "logistic",
-    "pow",
-    "rsqrt",
-    "sin",
-    "sqrt",
-    "tan",
-    "tanh",
-}
-_ELEMENTWISE = _TRANSCENDENTAL | {
-    "abs",
-    "add",
-    "add_any",
-    "and",
-    "ceil",
-    "clamp",
-    "conj",
-    "convert_element_type",
-    "copy",
-    "copy_p",
-    "div",
-    "eq",
-    "floor",
-    "ge",
-    "gt",
-    "imag",
-    "integer_pow",
-    "is_finite",
-    "le",
-    "lt",
-    "max",
-    "min",
-    "mul",
-    "ne",
-    "neg",
-    "nextafter",
-    "not",
-    "or",
-    "population_count",
-    "real",
-    "reduce_precision",
-    "rem",
-    "round",
-    "select_n",
-    "shift_left",
-    "shift_right_arithmetic",
-    "shift_right_logical",
-    "sign",
-    "square",
-    "stop_gradient",
-    "sub",
-    "xor",
-}
+_TRANSCENDENTAL = TRANSCENDENTAL
+_ELEMENTWISE = ELEMENTWISE
 # Ops through which a pending partial sum stays pending: layout changes and conversions. GSPMD
 # all-reduces each operand of an add of partial sums (measured: a column-parallel layer's q, k
 # and v input gradients are three all-reduces, not one), so adds are not among them.
@@ -110,8 +47,10 @@ _LINEAR = {
     "copy_p",
     "squeeze",
     "expand_dims",
+    "name",
 }
-_LAYOUT = {"reshape", "transpose", "squeeze", "expand_dims", "convert_element_type"}
+# ``name`` is ``checkpoint_name``: an identity that tags a value for a remat policy.
+_LAYOUT = {"reshape", "transpose", "squeeze", "expand_dims", "convert_element_type", "name"}
 # Consumers XLA fuses a single-use elementwise producer into (loop and input fusion).
 _FUSES_PRODUCER = (
     _ELEMENTWISE | _LAYOUT | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "broadcast_in_dim"}
@@ -122,10 +61,11 @@ _FREE = {"iota", "stop_gradient"}
 _EXPENSIVE = _TRANSCENDENTAL | {"div", "rem", "lgamma", "digamma"}
 # Ops XLA does as a bitcast of the same buffer (no memory traffic) or folds into the consumer's
 # operand layout.
-_VIEWS = {"reshape", "squeeze", "expand_dims", "transpose"}
+_VIEWS = {"reshape", "squeeze", "expand_dims", "transpose", "name"}
 # Ops whose output dims of unchanged size keep their operands' layout (a wanted layout flows back;
 # not scans along a dim, cumsum or rev, where a split would change what each device computes).
 _LAYOUT_PRESERVING = {
+    "name",
     "convert_element_type",
     "copy",
     "copy_p",
@@ -165,6 +105,7 @@ class _Ctx:
     gathered_now: int = 0
     gathered_peak: int = 0
     lookups: list[str] = field(default_factory=list)  # sources of lookups whose table and indices share an axis
+    kernels: list[str] = field(default_factory=list)  # what the Pallas kernels' costs estimate
     source: str = ""  # 'file:line' in the user's code of the equation being propagated
 
     def split(self, axes: tuple[str, ...]) -> int:
@@ -396,7 +337,7 @@ class _Propagator:
         more bytes than it holds (XLA's fusion weighs the same). Reshapes of stored values are
         views; a call's body counts for itself (see ``eqn``)."""
         name = eqn.primitive.name
-        if name == "scan":  # a loop's results are in memory
+        if name in ("scan", "shard_map", "pallas_call"):  # results in memory (a kernel counts itself)
             frame.stored.update(v for v in eqn.outvars if v not in virtual)
             return
         if _subjaxpr(eqn) is not None:
@@ -408,7 +349,9 @@ class _Propagator:
         if fused_away and not any(v in frame.shared and v not in virtual for v in eqn.outvars):
             return  # computed inside its readers: they count what it reads
         reads = frozenset().union(*(self._closure(frame, x) for x in eqn.invars))
-        nbytes = sum(self._read_bytes(v, outs) for _, v in reads)
+        # A value computed from literals alone (zeros a scatter adds into) takes its reader's split
+        # (GSPMD shards it like its user): written there, not where it was held whole.
+        nbytes = sum(self._read_bytes(v, outs) * (2 if x in self.constant else 1) for x, v in reads)
         if fused_away:
             for v, val in zip(eqn.outvars, outs, strict=True):
                 if v in frame.shared and v not in virtual and nbytes > self.ctx.local(val):
@@ -418,7 +361,7 @@ class _Propagator:
         for var, val in zip(eqn.outvars, outs, strict=True):
             if var not in frame.fused and var not in virtual:
                 frame.stored.add(var)
-                nbytes += self.ctx.local(val)
+                nbytes += 0 if var in self.constant else self.ctx.local(val)
         self.ctx.hbm += nbytes * mult
 
     def _closure(self, frame: _Frame, x: Any) -> frozenset:
@@ -515,6 +458,16 @@ class _Propagator:
             return inner
         if name == "scan":
             return self.scan(eqn, ins, mult)
+        if name == "pallas_call":
+            return self.kernel(eqn, ins, mult)
+        if name == "shard_map":
+            return self.shard_map(eqn, ins, mult)
+        if name in _MANUAL_COLLECTIVES:
+            return [self.manual_collective(eqn, ins[0], mult)]
+        if name == "name":  # checkpoint_name: the value itself
+            return [ins[0]]
+        if name in ("pvary", "pbroadcast", "axis_index"):  # no data moves
+            return [ins[0]] if ins else [_replicated(a) for a in outs_avals]
         if name in _ELEMENTWISE:
             return [self.elementwise(eqn, ins, mult)]
         if name == "dot_general":
@@ -869,7 +822,19 @@ class _Propagator:
                 return Val(shape, _itemsize(out_aval), tuple(dims), frozenset(rows) | updates.partial)
         # The result (e.g. an embedding's gradient) takes the operand's layout; updates split
         # over axes the result is not split on are summed across them.
-        out = Val(shape, _itemsize(out_aval), operand.dims)
+        dims = list(operand.dims)
+        if not operand.axes and len(ins) > 2:
+            # Batched indices (``take_along_axis``'s gradient) split a whole operand (zeros) on its
+            # batch dims as they are split: each device scatters into its own rows.
+            batching = zip(
+                tuple(getattr(dn, "operand_batching_dims", ())),
+                tuple(getattr(dn, "scatter_indices_batching_dims", ())),
+                strict=False,
+            )
+            for od, idd in batching:
+                if ins[1].shape[idd] == shape[od]:
+                    dims[od] = ins[1].dims[idd]
+        out = Val(shape, _itemsize(out_aval), tuple(dims))
         pending = frozenset(a for d in updates.dims for a in d if a not in out.axes) | updates.partial
         if len(ins) > 2 and not tuple(getattr(dn, "scatter_indices_batching_dims", ())):
             # Indices split over an axis (a lookup's tokens) split the updates with them (a free
@@ -899,6 +864,62 @@ class _Propagator:
                     )
             outs.append(Val(shape, _itemsize(o.aval), _tuple(dims)))
         return outs
+
+    def kernel(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        """A Pallas kernel (``kernels.pallas_cost``). XLA cannot split a custom call: outside
+        shard_map every device runs it on whole operands (gathered first) and holds the whole result."""
+        from shardplan.runtime.kernels import pallas_cost
+
+        cost = pallas_cost(eqn)
+        why = f"kernel {cost.name}"
+        if any(v.axes or v.partial for v in ins):
+            self.ctx.kernels.append(
+                f"kernel {cost.name} ({self.ctx.source or 'step'}) runs outside shard_map on split operands: XLA "
+                "gathers them whole on every device (wrap the kernel in jax.shard_map to run it on each device's block)"
+            )
+        for x, v in zip(eqn.invars, ins, strict=True):
+            if v.axes or v.partial:
+                self.to_layout(x, v, ((),) * len(v.shape), mult, why)
+        self.ctx.flops += cost.flops * mult
+        self.ctx.transcendentals += cost.transcendentals * mult
+        self.ctx.hbm += (cost.read + cost.written) * mult
+        self.ctx.kernels.extend(n for n in cost.notes if n not in self.ctx.kernels)
+        return [_replicated(o.aval) for o in eqn.outvars]
+
+    def shard_map(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        """A ``jax.shard_map`` region: its operands set to ``in_specs`` (GSPMD's reshards), its
+        body run per device on local blocks (the collectives in it are the user's own), its
+        results laid out as ``out_specs``."""
+        body = eqn.params["jaxpr"]
+        body = getattr(body, "jaxpr", body)
+        manual = set(eqn.params.get("newly_manual_axes") or eqn.params.get("manual_axes") or self.ctx.mesh)
+        env: dict[Any, Val] = {}
+        for x, inner, v, spec in zip(eqn.invars, body.invars, ins, eqn.params["in_specs"], strict=True):
+            target = _spec_dims(spec, len(v.shape))
+            self.to_layout(x, v, target, mult, "shard_map in_specs")
+            auto = tuple(tuple(a for a in d if a not in manual) for d in target)
+            env[inner] = Val(tuple(inner.aval.shape), _itemsize(inner.aval), auto)
+        self.run(body, env, mult, _Boundary(frozenset(body.invars), {}, {}))
+        return [
+            Val(tuple(o.aval.shape), _itemsize(o.aval), _spec_dims(spec, len(o.aval.shape)))
+            for o, spec in zip(eqn.outvars, eqn.params["out_specs"], strict=True)
+        ]
+
+    def manual_collective(self, eqn: Any, v: Val, mult: int) -> Val:
+        """A collective the user wrote inside shard_map (``lax.psum``, ``all_gather``, ...)."""
+        name = eqn.primitive.name
+        axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+        axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if isinstance(a, str))
+        kind = _MANUAL_COLLECTIVES[name]
+        out_aval = eqn.outvars[0].aval
+        out = Val(
+            tuple(out_aval.shape),
+            _itemsize(out_aval),
+            v.dims if out_aval.shape == tuple(v.shape) else ((),) * len(out_aval.shape),
+        )
+        nbytes = self.ctx.local(out) if kind == "all-gather" else self.ctx.local(v)
+        self.ctx.add(kind, axes, nbytes, mult, f"shard_map {eqn.primitive.name}")
+        return out
 
     def scan(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         length = int(eqn.params["length"])
@@ -1101,11 +1122,35 @@ def _source(eqn: Any) -> str:
 
 
 def _subjaxpr(eqn: Any) -> Any:
+    """The body of a call XLA inlines (not a kernel's body, nor a shard_map's per-device one)."""
+    if eqn.primitive.name in ("pallas_call", "shard_map"):
+        return None
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         j = eqn.params.get(key)
         if j is not None:
             return j.jaxpr if hasattr(j, "jaxpr") else j
     return None
+
+
+# Collectives written inside shard_map, by the kind XLA names them.
+_MANUAL_COLLECTIVES = {
+    "psum": "all-reduce",
+    "psum_invariant": "all-reduce",
+    "psum2": "all-reduce",
+    "pmax": "all-reduce",
+    "pmin": "all-reduce",
+    "all_gather": "all-gather",
+    "all_gather_invariant": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+    "ppermute": "collective-permute",
+}
+
+
+def _spec_dims(spec: Any, rank: int) -> Dims:
+    """A PartitionSpec's entries as per-dim axis tuples."""
+    dims = [(() if e is None else (e,) if isinstance(e, str) else tuple(e)) for e in tuple(spec)]
+    return _norm(tuple(dims), rank)
 
 
 def _without(dims: Dims, axes: set[str]) -> Dims:
@@ -1245,6 +1290,7 @@ def analyze(
             "1 GiB per device; on data=2,model=4 the table gathered): use --compile for this lookup's cost"
         )
     notes += acts.notes()
+    notes += ctx.kernels
     if ctx.unmodeled:
         notes.append(
             "not modelled (outputs taken as replicated, no communication counted): "

@@ -46,10 +46,11 @@ _ELEMENTWISE = {
     "lgamma", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or",
     "population_count", "pow", "real", "reduce_precision", "rem", "round", "rsqrt", "select_n", "shift_left",
     "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient",
-    "sub", "tan", "tanh", "xor", "optimization_barrier",
+    "sub", "tan", "tanh", "xor", "optimization_barrier", "name",
 }  # fmt: skip
 # Linear in all operands together: a sum of partial sums is a partial sum.
-_LINEAR_ALL = {"add", "add_any", "sub", "neg", "convert_element_type", "copy", "copy_p", "reduce_precision"}
+# ``name`` is ``checkpoint_name``: an identity tagging a value for a remat policy.
+_LINEAR_ALL = {"add", "add_any", "sub", "neg", "convert_element_type", "copy", "copy_p", "reduce_precision", "name"}
 _INLINE = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 

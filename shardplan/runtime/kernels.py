@@ -1,0 +1,178 @@
+"""What a custom kernel (``pallas_call``) costs: its FLOPs and the bytes it moves in memory.
+
+XLA runs a Pallas kernel as one opaque call, so fast mode costs it from the kernel's own
+description rather than by XLA's fusion:
+
+- **Memory traffic** follows the kernel's block specs. Each grid step works on one block of each
+  operand and output. On TPU (Mosaic) the pipeline copies a block in only when its block index
+  differs from the previous step's, and writes an output block back when its index moves on: the
+  index maps are evaluated over the whole grid and the changes counted. This is what makes a
+  causal flash attention skip the key blocks above the diagonal. Other Pallas backends (Triton,
+  Mosaic GPU) run grid steps as parallel programs, each loading its own blocks: every step counts.
+  An operand left in HBM for the kernel's own copies (``memory_space=ANY``) counts once, and this
+  is said in the notes.
+- **FLOPs** are the kernel's ``cost_estimate`` when its author gives one, else the kernel body's
+  (matmuls 2*M*N*K, one per element of other arithmetic) times the grid's steps. A conditional
+  counts its costlier branch; a loop whose trip count is set at run time counts once, and this is
+  said in the notes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL
+
+# Index maps are evaluated at every grid step; past this many steps the fetches are bounded
+# above (every step copies its blocks) instead.
+_MAX_GRID_STEPS = 1 << 24
+_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
+
+
+@dataclass(frozen=True)
+class KernelCost:
+    """One ``pallas_call``'s cost per run: ``read``/``written`` are bytes in HBM."""
+
+    name: str
+    flops: float
+    transcendentals: float
+    read: int
+    written: int
+    notes: tuple[str, ...] = ()
+
+
+def pallas_cost(eqn: Any) -> KernelCost:
+    """The cost of the ``pallas_call`` equation ``eqn`` (see the module docstring)."""
+    gm = eqn.params["grid_mapping"]
+    name = str(eqn.params.get("name") or _body_name(eqn) or "pallas_call")
+    grid = tuple(int(g) for g in gm.grid if isinstance(g, int))
+    steps = math.prod(grid) if grid else 1
+    pipelined = _pipelined(eqn.params.get("compiler_params"))
+    notes: list[str] = []
+    read = written = 0
+    n_in = int(gm.num_inputs)
+    for k, bm in enumerate(gm.block_mappings):
+        nbytes, manual = _block_bytes(bm)
+        if manual:
+            notes.append(f"kernel {name}: an operand it copies itself (memory_space=ANY) is counted as read once")
+            moved = nbytes
+        else:
+            fetches = _fetches(bm, grid) if pipelined else None
+            moved = nbytes * (fetches if fetches is not None else steps)
+        if k < n_in:
+            read += moved
+        else:
+            written += moved
+    estimate = eqn.params.get("cost_estimate")
+    if estimate is not None and getattr(estimate, "flops", None) is not None:
+        flops, trans = float(estimate.flops), float(getattr(estimate, "transcendentals", 0) or 0)
+    else:
+        dynamic: list[str] = []
+        flops, trans = _body_flops(eqn.params["jaxpr"], dynamic)
+        flops, trans = flops * steps, trans * steps
+        if dynamic:
+            notes.append(
+                f"kernel {name}: a loop whose trip count is set at run time is counted once per grid step "
+                "(its FLOPs are a lower bound; give the pallas_call a cost_estimate)"
+            )
+    return KernelCost(name, flops, trans, read, written, tuple(notes))
+
+
+def _body_name(eqn: Any) -> str:
+    info = eqn.params.get("name_and_src_info")
+    return str(getattr(info, "name", "") or "")
+
+
+def _pipelined(params: Any) -> bool:
+    """Whether the kernel runs under TPU's (Mosaic) pipeline, which skips unchanged blocks."""
+    items = params.values() if isinstance(params, dict) else [params]
+    return any(type(p).__module__.endswith("mosaic.core") for p in items if p is not None)
+
+
+def _block_bytes(bm: Any) -> tuple[int, bool]:
+    """Bytes of one block of ``bm``, and whether the kernel copies that operand itself."""
+    aval = bm.array_aval
+    itemsize = int(getattr(aval.dtype, "itemsize", 4))
+    space = getattr(bm.transformed_block_aval, "memory_space", None)
+    if str(getattr(space, "value", space)).lower() in ("any", "hbm"):
+        return math.prod(aval.shape) * itemsize, True
+    elems = 1
+    for b, size in zip(bm.block_shape, aval.shape, strict=False):
+        if isinstance(b, int):
+            elems *= b
+        elif b is None:
+            continue
+        else:
+            elems *= int(getattr(b, "block_size", 1) or size)
+    return elems * itemsize, False
+
+
+def _fetches(bm: Any, grid: tuple[int, ...]) -> int | None:
+    """How many grid steps (in order, the last grid dim fastest) start a new block of ``bm``;
+    None where the index map cannot be evaluated ahead (it reads prefetched scalars)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    closed = bm.index_map_jaxpr
+    steps = math.prod(grid) if grid else 1
+    if len(closed.jaxpr.invars) != len(grid) or steps > _MAX_GRID_STEPS:
+        return None
+    if steps <= 1:
+        return steps
+    ids = np.indices(grid).reshape(len(grid), -1).astype(np.int32)
+
+    def index(*i: Any) -> Any:
+        return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *i)
+
+    try:
+        outs = jax.vmap(index)(*(jnp.asarray(row) for row in ids))
+    except Exception:  # an index map we cannot run ahead: bound the fetches above
+        return None
+    idx = np.stack([np.broadcast_to(np.asarray(o), (steps,)) for o in outs]) if outs else np.zeros((1, steps))
+    return 1 + int(np.any(idx[:, 1:] != idx[:, :-1], axis=0).sum())
+
+
+def _body_flops(closed: Any, dynamic: list[str]) -> tuple[float, float]:
+    """FLOPs and transcendental ops of one run of a kernel body (or any jaxpr)."""
+    jaxpr = getattr(closed, "jaxpr", closed)
+    flops = trans = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lc, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            flops += 2.0 * _size(eqn.outvars[0].aval) * math.prod(lhs[i] for i in lc)
+        elif name in ELEMENTWISE:
+            n = _size(eqn.outvars[0].aval)
+            flops += n
+            if name in TRANSCENDENTAL:
+                trans += n
+        elif name in _REDUCTIONS:
+            flops += _size(eqn.invars[0].aval)
+        elif name == "cond":
+            costs = [_body_flops(b, dynamic) for b in eqn.params["branches"]]
+            f, t = max(costs) if costs else (0.0, 0.0)
+            flops, trans = flops + f, trans + t
+        elif name == "scan":
+            f, t = _body_flops(eqn.params["jaxpr"], dynamic)
+            n = int(eqn.params["length"])
+            flops, trans = flops + f * n, trans + t * n
+        elif name == "while":
+            dynamic.append(name)
+            f, t = _body_flops(eqn.params["body_jaxpr"], dynamic)
+            flops, trans = flops + f, trans + t
+        else:
+            for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+                sub = eqn.params.get(key)
+                if sub is not None and hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    f, t = _body_flops(sub, dynamic)
+                    flops, trans = flops + f, trans + t
+                    break
+    return flops, trans
+
+
+def _size(aval: Any) -> int:
+    return math.prod(getattr(aval, "shape", ()))
