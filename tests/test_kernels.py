@@ -124,14 +124,17 @@ def build(attention):
 def flash():
     return build("flash")
 
+def flash_unwrapped():  # the kernel called on the batch-split activations, no shard_map
+    return Llama(LlamaConfig(vocab=128, d_model=128, n_heads=4, n_kv_heads=2, d_ff=256, n_layers=1, max_len=512,
+                             attention="flash", attention_axes=(), attention_blocks=(128, 128, 128)), nnx.Rngs(0))
+
 def naive():
     return build("naive")
 """
 
 
 def test_flash_attention_moves_less_than_the_stored_scores_of_naive_attention(tmp_path):
-    models = tmp_path / "flash_models.py"
-    models.write_text(FLASH)
+    models = flash_models(tmp_path)
     kw = dict(step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=("tokens=int32[8,512],labels=int32[8,512]",))
     naive = analyze(f"{models}:naive", "fast", ROOT / "plans" / "dp.splan", **kw)
     flash = analyze(f"{models}:flash", "fast", ROOT / "plans" / "dp.splan", **kw)
@@ -141,3 +144,31 @@ def test_flash_attention_moves_less_than_the_stored_scores_of_naive_attention(tm
     assert naive.hbm_bytes - flash.hbm_bytes >= 2 * scores
     assert by_kind(flash) == by_kind(naive)  # the kernel runs per device: no collective added
     assert not any("outside shard_map" in n for n in flash.notes)
+
+
+def flash_models(tmp_path):
+    models = tmp_path / "flash_models.py"
+    models.write_text(FLASH)
+    return models
+
+
+def test_a_kernel_outside_shard_map_gathers_its_operands_and_says_so(tmp_path):
+    models = flash_models(tmp_path)
+    kw = dict(step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=("tokens=int32[8,512],labels=int32[8,512]",))
+    wrapped = analyze(f"{models}:flash", "fast", ROOT / "plans" / "dp.splan", **kw)
+    bare = analyze(f"{models}:flash_unwrapped", "fast", ROOT / "plans" / "dp.splan", **kw)
+    # q, k and v (8 x 512 x 4 heads x 32, f32), split over data=8, gathered whole for the kernel.
+    gathered = sum(c.bytes for c in bare.communication if c.kind == "all-gather" and "kernel" in c.op)
+    assert gathered >= 3 * 8 * 512 * 4 * 32 * 4
+    assert not any(c.kind == "all-gather" for c in wrapped.communication)
+    assert any("outside shard_map" in n and "wrap the kernel in jax.shard_map" in n for n in bare.notes)
+    assert bare.flops > 4 * wrapped.flops  # every device runs the whole batch's attention
+
+
+def test_exact_mode_refuses_a_pallas_kernel_with_a_located_error(tmp_path):
+    models = flash_models(tmp_path)
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        analyze(f"{models}:flash", "exact", ROOT / "plans" / "dp.splan",
+                step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=("tokens=int32[8,512],labels=int32[8,512]",))
+    d = info.value.diagnostics[0]
+    assert d.code == "kernel-not-compilable" and d.path == "--compile" and "fast mode" in d.hint

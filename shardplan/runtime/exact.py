@@ -81,7 +81,24 @@ def compile_step(
     check_loss(acts.wrap(loss_fn, mesh_context=True), abs_model, batch_abs, where="--step")
     with nnx.use_eager_sharding(False):
         step = backends.get(backend).build(placement, acts.wrap(loss_fn), abs_model, abs_opt)
-        compiled = step.lower(sm, so, batch_in).compile()
+        try:
+            compiled = step.lower(sm, so, batch_in).compile()
+        except Exception as e:
+            if _in_pallas(e):
+                raise as_error(
+                    [
+                        error(
+                            "kernel-not-compilable",
+                            f"the step calls a Pallas kernel, which XLA:CPU cannot compile ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); exact mode compiles the step for "
+                            "simulated CPU devices",
+                            "cost this step in fast mode (drop --compile): it costs a Pallas kernel from its "
+                            "block specs and body",
+                            path="--compile",
+                        )
+                    ]
+                ) from None
+            raise
     text = compiled.as_text()
     mem = compiled.memory_analysis()
     costs = compiled.cost_analysis()
@@ -159,3 +176,10 @@ def communications(
             )
         )
     return tuple(sorted(out, key=lambda c: (c.kind, -c.bytes)))
+
+
+def _in_pallas(e: BaseException) -> bool:
+    """Whether ``e`` was raised while lowering a Pallas kernel (jax's pallas package on the stack)."""
+    import traceback
+
+    return any("/pallas/" in f.filename.replace("\\", "/") for f in traceback.extract_tb(e.__traceback__))
