@@ -172,3 +172,24 @@ def test_exact_mode_refuses_a_pallas_kernel_with_a_located_error(tmp_path):
                 step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=("tokens=int32[8,512],labels=int32[8,512]",))
     d = info.value.diagnostics[0]
     assert d.code == "kernel-not-compilable" and d.path == "--compile" and "fast mode" in d.hint
+
+
+def test_scan_operand_groups_are_read_from_either_jax_form():
+    """Up to jax 0.10 a scan names its constants and carries by count; jax 0.11 groups its operands
+    (consts, carry, xs) in a flat tree, ``ft_in``. Both give the same split."""
+    from types import SimpleNamespace
+
+    from shardplan.runtime.primitives import scan_counts
+
+    w = jnp.ones(3)
+    jaxpr = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda c, x: (c + x * w, c.sum()), c, xs))(jnp.ones(3),
+                                                                                                  jnp.ones((5, 3)))
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert scan_counts(eqn) == (1, 1)
+
+    class Groups:  # jax 0.11's flat tree of the operands, three groups
+        def update(self, leaves):
+            return SimpleNamespace(unpack=lambda: (leaves[:1], leaves[1:2], leaves[2:]))
+
+    newer = SimpleNamespace(params={"ft_in": Groups(), "length": 5}, invars=eqn.invars)
+    assert scan_counts(newer) == scan_counts(eqn)

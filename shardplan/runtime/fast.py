@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
-from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL
+from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, scan_counts
 
 Dims = tuple[tuple[str, ...], ...]
 
@@ -924,7 +924,7 @@ class _Propagator:
     def scan(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         length = int(eqn.params["length"])
         body = eqn.params["jaxpr"].jaxpr
-        nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+        nc, ncarry = scan_counts(eqn)
         env: dict[Any, Val] = {}
         for k, (var, v) in enumerate(zip(body.invars, ins, strict=True)):
             if k >= nc + ncarry:  # scanned over: the body sees one slice (the leading dim dropped)

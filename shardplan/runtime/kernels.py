@@ -60,6 +60,11 @@ def pallas_cost(eqn: Any) -> KernelCost:
             moved = nbytes
         else:
             fetches = _fetches(bm, grid) if pipelined else None
+            if pipelined and fetches is None:
+                notes.append(
+                    f"kernel {name}: a block index map that cannot be evaluated ahead (it reads prefetched "
+                    "scalars) is counted as a copy at every grid step (an upper bound)"
+                )
             moved = nbytes * (fetches if fetches is not None else steps)
         if k < n_in:
             read += moved
@@ -77,7 +82,7 @@ def pallas_cost(eqn: Any) -> KernelCost:
                 f"kernel {name}: a loop whose trip count is set at run time is counted once per grid step "
                 "(its FLOPs are a lower bound; give the pallas_call a cost_estimate)"
             )
-    return KernelCost(name, flops, trans, read, written, tuple(notes))
+    return KernelCost(name, flops, trans, read, written, tuple(dict.fromkeys(notes)))
 
 
 def _body_name(eqn: Any) -> str:

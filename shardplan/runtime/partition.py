@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from shardplan.runtime.primitives import scan_counts
+
 Dims = tuple[tuple[str, ...], ...]
 
 _ELEMENTWISE = {
@@ -392,7 +394,7 @@ class Partitioner:
 
     def scan(self, eqn: Any, ins: list[V]) -> list[V]:
         p = eqn.params
-        closed, nc, ncarry, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
+        (nc, ncarry), closed, length = scan_counts(eqn), p["jaxpr"], p["length"]
         consts, carry, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
         carry = [self.resolve(c) for c in carry]
         # The scanned dim of each xs whole (each iteration reads one slice).

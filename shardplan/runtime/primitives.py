@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 # Elementwise primitives (output shape = operand shape; jax broadcasts scalars before). The
 # transcendental ones are counted apart as well, as XLA's cost analysis does.
 TRANSCENDENTAL = {
@@ -68,3 +70,13 @@ ELEMENTWISE = TRANSCENDENTAL | {
     "sub",
     "xor",
 }
+
+
+def scan_counts(eqn: Any) -> tuple[int, int]:
+    """A ``scan`` equation's (constants, carries) counts: ``num_consts``/``num_carry`` up to jax 0.10;
+    from jax 0.11 its operands are grouped (consts, carry, xs) by the ``ft_in`` flat tree."""
+    params = eqn.params
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    return len(list(consts)), len(list(carry))
