@@ -34,6 +34,9 @@ CONFIGS = {
                                     max_len=2048, scan_layers=True, remat="full"), 8),
     "llama_1b": ("Llama", dict(vocab=32000, d_model=2048, n_heads=16, n_kv_heads=8, d_ff=5632, n_layers=16,
                                max_len=2048), 4),
+    # The same Llama on cuDNN's flash attention (fast mode's fused-attention rule against the chip).
+    "llama_1b_cudnn": ("Llama", dict(vocab=32000, d_model=2048, n_heads=16, n_kv_heads=8, d_ff=5632, n_layers=16,
+                                     max_len=2048, attention="cudnn"), 4),
 }
 QUICK = {"gpt_tiny": ("GPT", dict(vocab=256, d_model=64, n_heads=4, d_ff=128, n_layers=2, max_len=32), 8)}
 KIND_TO_CHIP = {"H200": "h200", "H100": "h100", "A100": "a100-80gb", "B200": "b200", "TPU v4": "tpu-v4",
@@ -67,6 +70,10 @@ def llama_1b_scan():
 
 def llama_1b():
     return _factory("llama_1b")
+
+
+def llama_1b_cudnn():
+    return _factory("llama_1b_cudnn")
 
 
 def gpt_tiny():

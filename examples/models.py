@@ -49,7 +49,8 @@ class GPTConfig:
     use_bias: bool = False
     annotate: bool = False  # carry Flax logical-axis annotations (nnx.with_partitioning)
     dtype: str = "float32"
-    # "naive": scores materialized (any backend); "flash": jax's Pallas TPU flash-attention kernel
+    # "naive": scores materialized (any backend); "cudnn": jax.nn.dot_product_attention on cuDNN's
+    # flash attention (NVIDIA GPUs, bf16/fp16); "flash": jax's Pallas TPU flash-attention kernel
     # (keys and values in blocks, the scores kept on chip), run per device in jax.shard_map over the
     # mesh axes in ``attention_axes`` that split the batch, as MaxText does. The kernel traces
     # anywhere (fast mode costs it) but runs only on TPU.
@@ -222,7 +223,8 @@ class LlamaConfig:
     # projections' outputs and each block's input, as MaxText's "custom" policy), "none"
     remat: str = "full"
     dtype: str = "float32"
-    # "naive": scores materialized (any backend); "flash": jax's Pallas TPU flash-attention kernel
+    # "naive": scores materialized (any backend); "cudnn": jax.nn.dot_product_attention on cuDNN's
+    # flash attention (NVIDIA GPUs, bf16/fp16); "flash": jax's Pallas TPU flash-attention kernel
     # (keys and values in blocks, the scores kept on chip), run per device in jax.shard_map over the
     # mesh axes in ``attention_axes`` that split the batch, as MaxText does. The kernel traces
     # anywhere (fast mode costs it) but runs only on TPU.
@@ -270,6 +272,9 @@ class LlamaAttention(nnx.Module):
             k, v, cache = _write_cache(cache, k, v, positions)
         elif cfg.attention == "flash" and mask is None:
             return _tag(self.o(_flash_attention(cfg, q, k, v).reshape(b, t, cfg.n_heads * cfg.head_dim)))
+        elif cfg.attention == "cudnn" and mask is None:  # cuDNN's flash attention; jax splits it by batch and heads
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            return _tag(self.o(y.reshape(b, t, cfg.n_heads * cfg.head_dim)))
         # Grouped-query attention: each group of n_heads / n_kv_heads query heads shares one kv head.
         q = q.reshape(b, t, cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim)
         scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k) / jnp.sqrt(cfg.head_dim).astype(x.dtype)

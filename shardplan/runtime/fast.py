@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
+from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable
 from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, scan_counts
 
 Dims = tuple[tuple[str, ...], ...]
@@ -337,7 +338,8 @@ class _Propagator:
         more bytes than it holds (XLA's fusion weighs the same). Reshapes of stored values are
         views; a call's body counts for itself (see ``eqn``)."""
         name = eqn.primitive.name
-        if name in ("scan", "shard_map", "pallas_call"):  # results in memory (a kernel counts itself)
+        if name in ("scan", "shard_map", "pallas_call") or name in FUSED_ATTENTION:  # results stored (a kernel
+            # counts its own traffic)
             frame.stored.update(v for v in eqn.outvars if v not in virtual)
             return
         if _subjaxpr(eqn) is not None:
@@ -460,6 +462,8 @@ class _Propagator:
             return self.scan(eqn, ins, mult)
         if name == "pallas_call":
             return self.kernel(eqn, ins, mult)
+        if name in FUSED_ATTENTION:
+            return self.fused_attention(eqn, ins, mult)
         if name == "shard_map":
             return self.shard_map(eqn, ins, mult)
         if name in _MANUAL_COLLECTIVES:
@@ -886,6 +890,46 @@ class _Propagator:
         self.ctx.kernels.extend(n for n in cost.notes if n not in self.ctx.kernels)
         return [_replicated(o.aval) for o in eqn.outvars]
 
+    def fused_attention(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        """cuDNN's flash attention (``kernels.fused_attention_cost``). jax partitions it over the
+        batch and the heads: operands keep those splits (a key/value head split only where its
+        query's is the same) and are gathered on the others; results take their operands' splits."""
+        from shardplan.runtime.kernels import fused_attention_cost
+
+        bnth = str(eqn.params.get("layout", "0")) in ("1", "Layout.BNTH", "BNTH")
+        keep = (0, 1) if bnth else (0, 2)  # batch, heads
+        q = ins[0]
+        target_q = tuple(d if i in keep else () for i, d in enumerate(q.dims))
+        moved: list[Val] = []
+        for x, v in zip(eqn.invars, ins, strict=True):
+            if len(v.shape) == 4 and all(v.shape):
+                target = tuple(
+                    target_q[i] if i in keep and v.shape[i] % self.ctx.split(target_q[i]) == 0 else () for i in range(4)
+                )
+            elif len(v.shape) == 3 and all(v.shape):  # the softmax statistics (batch, heads, time)
+                target = (target_q[keep[0]], target_q[keep[1]], ())
+            else:  # empty placeholders (no bias, no sequence lengths)
+                target = ((),) * len(v.shape)
+            moved.append(self.to_layout(x, v, _norm(target, len(v.shape)), mult, "cudnn attention"))
+        cost = fused_attention_cost(eqn)
+        # Per device: the split of the queries' batch and heads.
+        share = self.ctx.split(tuple(a for i in keep for a in target_q[i]))
+        self.ctx.flops += cost.flops / share * mult
+        self.ctx.transcendentals += cost.transcendentals / share * mult
+        self.ctx.hbm += (sum(self.ctx.local(v) for v in moved) + cost.written / share) * mult
+        outs = []
+        for o in eqn.outvars:
+            shape = tuple(o.aval.shape)
+            src = next((v for v in moved if v.shape == shape and len(shape) == 4), None)
+            if src is not None:
+                dims = src.dims
+            elif len(shape) == 3:  # statistics
+                dims = (target_q[keep[0]], target_q[keep[1]], ())
+            else:
+                dims = ((),) * len(shape)
+            outs.append(Val(shape, _itemsize(o.aval), _norm(dims, len(shape))))
+        return outs
+
     def shard_map(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         """A ``jax.shard_map`` region: its operands set to ``in_specs`` (GSPMD's reshards), its
         body run per device on local blocks (the collectives in it are the user's own), its
@@ -1215,10 +1259,11 @@ def analyze(
     inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
     acts = Activations(plan, _abstract_mesh(mesh), "auto")
     loss_fn = acts.wrap(loss_fn)
-    check_loss(loss_fn, abs_model, batch_abs, where="--step")
-    step = pure_step(loss_fn, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
-    with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
-        closed = jax.make_jaxpr(step)(nnx.state(abs_model), nnx.state(abs_opt), batch_abs)
+    with cudnn_traceable():
+        check_loss(loss_fn, abs_model, batch_abs, where="--step")
+        step = pure_step(loss_fn, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
+        with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
+            closed = jax.make_jaxpr(step)(nnx.state(abs_model), nnx.state(abs_opt), batch_abs)
     jaxpr = closed.jaxpr
     decisions = list(params.decisions) + list(opt.decisions) + list(inputs.decisions)
     prefixes = ["param"] * len(params.decisions) + ["opt"] * len(opt.decisions) + ["input"] * len(inputs.decisions)

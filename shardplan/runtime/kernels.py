@@ -19,7 +19,9 @@ description rather than by XLA's fusion:
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,3 +183,67 @@ def _body_flops(closed: Any, dynamic: list[str]) -> tuple[float, float]:
 
 def _size(aval: Any) -> int:
     return math.prod(getattr(aval, "shape", ()))
+
+
+# cuDNN's fused (flash) attention, as ``jax.nn.dot_product_attention(implementation="cudnn")``
+# traces it: forward (q, k, v, bias and mask operands -> output, softmax statistics) and backward.
+FUSED_ATTENTION = {"dot_product_attention_fwd_wrapper": "fwd", "dot_product_attention_bwd_wrapper": "bwd"}
+# Matmuls per (query, key) pair and head dim: forward q.k and p.v; backward q.k again (the
+# scores are recomputed, not stored), dO.v, p.dO, dS.k and dS.q.
+_ATTENTION_MATMULS = {"fwd": 2, "bwd": 5}
+
+
+def fused_attention_cost(eqn: Any) -> KernelCost:
+    """One cuDNN flash-attention kernel: its matmuls (2*M*N*K each; under a causal mask only the
+    (query, key) pairs at or below the diagonal, the tiles cuDNN skips above it not counted), one
+    exp per score, each operand read and each result written once (the kernel keeps the scores
+    on chip; keys and values reread per query tile are taken to hit the chip's caches)."""
+    pass_ = FUSED_ATTENTION[eqn.primitive.name]
+    q, k = eqn.invars[0].aval, eqn.invars[1].aval
+    bnth = str(eqn.params.get("layout", "0")) in ("1", "Layout.BNTH", "BNTH")
+    b, t, n, h = (q.shape[0], q.shape[2], q.shape[1], q.shape[3]) if bnth else q.shape
+    s = k.shape[2] if bnth else k.shape[1]
+    pairs = float(t) * s
+    mask = str(eqn.params.get("mask_type", ""))
+    if "CAUSAL" in mask:  # query i sees keys 0..i (queries and keys end-aligned)
+        pairs = sum(float(max(0, min(s, s - t + i + 1))) for i in range(t))
+    flops = 2.0 * _ATTENTION_MATMULS[pass_] * b * n * pairs * h
+    exps = float(b) * n * pairs
+    read = sum(_size(x.aval) * _itemsize(x.aval) for x in eqn.invars)
+    written = sum(_size(x.aval) * _itemsize(x.aval) for x in eqn.outvars)
+    # Five elementwise ops per score in either pass (scale, max, subtract, exp, sum; backward: the
+    # recomputed scale, subtract and exp, then dS = P * (dP - D)).
+    return KernelCost(f"cudnn attention {pass_}", flops + 5 * exps, exps, read, written)
+
+
+def _itemsize(aval: Any) -> int:
+    return int(getattr(getattr(aval, "dtype", None), "itemsize", 4))
+
+
+# The cuDNN version a step is traced for where no GPU is present (cuDNN 9.10: flash attention).
+TRACED_CUDNN = 91000
+
+
+@contextlib.contextmanager
+def cudnn_traceable() -> Iterator[None]:
+    """Tracing, ``jax.nn.dot_product_attention(implementation="cudnn")`` traces as on a GPU with
+    cuDNN (jax looks for the library while tracing and fails without one): fast mode costs the
+    step for an accelerator, whatever machine it runs on. Nothing changes where cuDNN is present."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except ImportError:  # another jax layout: the user's own error stands
+        yield
+        return
+    original = getattr(fa, "check_cudnn_version", None)
+    try:
+        present = original is not None and original() > 0
+    except Exception:  # no cuDNN here
+        present = False
+    if present or original is None:
+        yield
+        return
+    fa.check_cudnn_version = lambda: TRACED_CUDNN
+    try:
+        yield
+    finally:
+        fa.check_cudnn_version = original
