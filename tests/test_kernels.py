@@ -247,3 +247,21 @@ def test_cudnn_attention_keeps_the_heads_split_and_moves_less_than_naive_attenti
         # Naive attention stores each device's f32 scores (1 sequence x 4 heads, or 2 under tp, x 512 x 512)
         # forward and backward; the kernel keeps them on chip.
         assert naive.hbm_bytes - cudnn.hbm_bytes >= 2 * (1 * 2 * 512 * 512 * 4)
+
+
+def test_a_gpu_kernels_key_loop_runs_as_often_as_its_program_ids_say():
+    """jax's Pallas GPU (Triton) flash attention loops over key blocks with a fori_loop whose bound
+    it computes from its program id (causal: query block i reads key blocks 0..i). Non-causal, its
+    FLOPs are those of jax's XLA attention compiled here; causal, 4 query blocks of 128 read
+    1 + 2 + 3 + 4 of the 16 key blocks."""
+    from jax.experimental.pallas.ops.gpu.attention import mha
+
+    q = jax.ShapeDtypeStruct((2, 512, 4, 64), jnp.bfloat16)
+    (full,) = pallas_eqns(lambda q, k, v: mha(q, k, v, segment_ids=None, causal=False), q, q, q)
+    (causal,) = pallas_eqns(lambda q, k, v: mha(q, k, v, segment_ids=None, causal=True), q, q, q)
+    costs = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="xla")).lower(
+        q, q, q).compile().cost_analysis()
+    costs = costs[0] if isinstance(costs, list) else costs
+    assert pallas_cost(full).flops == pytest.approx(costs["flops"], rel=0.05)
+    assert pallas_cost(causal).flops == pytest.approx(pallas_cost(full).flops * 10 / 16, rel=0.02)
+    assert not pallas_cost(causal).notes  # every loop's trip count was evaluated

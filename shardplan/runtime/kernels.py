@@ -13,8 +13,10 @@ description rather than by XLA's fusion:
   is said in the notes.
 - **FLOPs** are the kernel's ``cost_estimate`` when its author gives one, else the kernel body's
   (matmuls 2*M*N*K, one per element of other arithmetic) times the grid's steps. A conditional
-  counts its costlier branch; a loop whose trip count is set at run time counts once, and this is
-  said in the notes.
+  counts its costlier branch. A ``fori_loop`` whose bounds the body computes from its program ids
+  (a causal attention kernel's loop over key blocks) runs as many times as those bounds say at
+  each grid step (the body's scalar arithmetic is evaluated over the grid); another loop whose
+  trip count is set at run time counts once, and this is said in the notes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL
 
@@ -77,7 +81,9 @@ def pallas_cost(eqn: Any) -> KernelCost:
         flops, trans = float(estimate.flops), float(getattr(estimate, "transcendentals", 0) or 0)
     else:
         dynamic: list[str] = []
-        flops, trans = _body_flops(eqn.params["jaxpr"], dynamic)
+        body = eqn.params["jaxpr"]
+        trips = _loop_trips(getattr(body, "jaxpr", body), grid)
+        flops, trans = _body_flops(body, dynamic, trips)
         flops, trans = flops * steps, trans * steps
         if dynamic:
             notes.append(
@@ -121,7 +127,6 @@ def _fetches(bm: Any, grid: tuple[int, ...]) -> int | None:
     None where the index map cannot be evaluated ahead (it reads prefetched scalars)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     closed = bm.index_map_jaxpr
     steps = math.prod(grid) if grid else 1
@@ -142,9 +147,11 @@ def _fetches(bm: Any, grid: tuple[int, ...]) -> int | None:
     return 1 + int(np.any(idx[:, 1:] != idx[:, :-1], axis=0).sum())
 
 
-def _body_flops(closed: Any, dynamic: list[str]) -> tuple[float, float]:
-    """FLOPs and transcendental ops of one run of a kernel body (or any jaxpr)."""
+def _body_flops(closed: Any, dynamic: list[str], trips: dict[int, float] | None = None) -> tuple[float, float]:
+    """FLOPs and transcendental ops of one run of a kernel body (or any jaxpr); ``trips``: the mean
+    trip count over the grid of the body's ``while`` loops whose counts were evaluated (by id)."""
     jaxpr = getattr(closed, "jaxpr", closed)
+    trips = trips or {}
     flops = trans = 0.0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -168,9 +175,12 @@ def _body_flops(closed: Any, dynamic: list[str]) -> tuple[float, float]:
             n = int(eqn.params["length"])
             flops, trans = flops + f * n, trans + t * n
         elif name == "while":
-            dynamic.append(name)
+            runs = trips.get(id(eqn))
+            if runs is None:  # counted once
+                dynamic.append(name)
+                runs = 1.0
             f, t = _body_flops(eqn.params["body_jaxpr"], dynamic)
-            flops, trans = flops + f, trans + t
+            flops, trans = flops + f * runs, trans + t * runs
         else:
             for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
                 sub = eqn.params.get(key)
@@ -183,6 +193,110 @@ def _body_flops(closed: Any, dynamic: list[str]) -> tuple[float, float]:
 
 def _size(aval: Any) -> int:
     return math.prod(getattr(aval, "shape", ()))
+
+
+def _loop_trips(jaxpr: Any, grid: tuple[int, ...]) -> dict[int, float]:
+    """The mean trip count over the grid of each counted ``while`` loop of a kernel body (a
+    ``fori_loop`` whose bounds the body computes from its program ids, as a causal attention
+    kernel's key loop): the body's scalar arithmetic evaluated at every grid step."""
+    steps = math.prod(grid) if grid else 1
+    if steps > _MAX_GRID_STEPS or not any(e.primitive.name == "while" for e in jaxpr.eqns):
+        return {}
+    ids = np.indices(grid).reshape(len(grid), -1) if grid else np.zeros((0, 1), np.int64)
+    vals: dict[Any, Any] = {}
+
+    def value(x: Any) -> Any:
+        return np.asarray(x.val) if hasattr(x, "val") else vals.get(x)
+
+    out: dict[int, float] = {}
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "while":
+            n = _trips(eqn, value)
+            if n is not None:
+                out[id(eqn)] = float(np.mean(np.broadcast_to(n, (steps,))))
+            continue
+        if len(eqn.outvars) != 1 or getattr(eqn.outvars[0].aval, "shape", None) != ():
+            continue
+        if name == "program_id":
+            vals[eqn.outvars[0]] = ids[int(eqn.params["axis"])]
+        elif name == "num_programs":
+            vals[eqn.outvars[0]] = np.int64(grid[int(eqn.params["axis"])])
+        elif name in _SCALAR_OPS:
+            args = [value(x) for x in eqn.invars]
+            if all(a is not None for a in args):
+                vals[eqn.outvars[0]] = _SCALAR_OPS[name](*args)
+    return out
+
+
+def _trips(eqn: Any, value: Any) -> Any:
+    """A ``while`` loop's trip count (per grid step) when it counts ``i`` up by one while ``i < n``
+    from values known ahead; else None."""
+    cond, body = eqn.params["cond_jaxpr"].jaxpr, eqn.params["body_jaxpr"].jaxpr
+    nc, nb = int(eqn.params["cond_nconsts"]), int(eqn.params["body_nconsts"])
+    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name not in ("lt", "gt"):
+        return None
+    a, b = cond.eqns[0].invars
+    if cond.eqns[0].primitive.name == "gt":
+        a, b = b, a
+    carry, init = cond.invars[nc:], eqn.invars[nc + nb :]
+    if a not in carry:
+        return None
+    i = carry.index(a)
+    # The counter steps by one in the body.
+    step = next((e for e in body.eqns if e.outvars and e.outvars[0] is body.outvars[i]), None)
+    if step is None or step.primitive.name != "add" or body.invars[nb + i] not in step.invars:
+        return None
+    other = [x for x in step.invars if x is not body.invars[nb + i]]
+    if len(other) != 1 or not hasattr(other[0], "val") or int(other[0].val) != 1:
+        return None
+    if b in carry:
+        j = carry.index(b)
+        if body.outvars[j] is not body.invars[nb + j]:  # the bound must not change
+            return None
+        hi = value(init[j])
+    elif hasattr(b, "val"):
+        hi = np.asarray(b.val)
+    elif b in cond.invars[:nc]:
+        hi = value(eqn.invars[cond.invars.index(b)])
+    else:
+        return None
+    lo = value(init[i])
+    if hi is None or lo is None:
+        return None
+    return np.maximum(0, np.asarray(hi, np.int64) - np.asarray(lo, np.int64))
+
+
+def _div(a: Any, b: Any) -> Any:
+    """``lax.div``: integer division rounding toward zero (C's), true division for floats."""
+    if np.issubdtype(np.asarray(a).dtype, np.integer) and np.issubdtype(np.asarray(b).dtype, np.integer):
+        q = np.abs(a) // np.maximum(np.abs(b), 1)
+        return np.where((np.asarray(a) < 0) ^ (np.asarray(b) < 0), -q, q)
+    return np.asarray(a) / b
+
+
+# Scalar arithmetic a kernel body does on its program ids (numpy, vectorized over the grid).
+_SCALAR_OPS: dict[str, Any] = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": _div,
+    "rem": np.fmod,
+    "max": np.maximum,
+    "min": np.minimum,
+    "and": np.logical_and,
+    "or": np.logical_or,
+    "not": np.logical_not,
+    "neg": lambda a: -a,
+    "lt": lambda a, b: a < b,
+    "le": lambda a, b: a <= b,
+    "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b,
+    "eq": lambda a, b: a == b,
+    "ne": lambda a, b: a != b,
+    "convert_element_type": lambda a: a,
+    "select_n": lambda p, *cases: np.choose(np.asarray(p, int), cases),
+}
 
 
 # cuDNN's fused (flash) attention, as ``jax.nn.dot_product_attention(implementation="cudnn")``
