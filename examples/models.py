@@ -49,14 +49,6 @@ class GPTConfig:
     use_bias: bool = False
     annotate: bool = False  # carry Flax logical-axis annotations (nnx.with_partitioning)
     dtype: str = "float32"
-    # "naive": scores materialized (any backend); "cudnn": jax.nn.dot_product_attention on cuDNN's
-    # flash attention (NVIDIA GPUs, bf16/fp16); "flash": jax's Pallas TPU flash-attention kernel
-    # (keys and values in blocks, the scores kept on chip), run per device in jax.shard_map over the
-    # mesh axes in ``attention_axes`` that split the batch, as MaxText does. The kernel traces
-    # anywhere (fast mode costs it) but runs only on TPU.
-    attention: str = "naive"
-    attention_axes: tuple[str, ...] = ("data",)
-    attention_blocks: tuple[int, int, int] = (512, 512, 512)  # flash: query, key/value, backward query block
 
     @property
     def head_dim(self) -> int:
@@ -225,11 +217,13 @@ class LlamaConfig:
     dtype: str = "float32"
     # "naive": scores materialized (any backend); "cudnn": jax.nn.dot_product_attention on cuDNN's
     # flash attention (NVIDIA GPUs, bf16/fp16); "flash": jax's Pallas TPU flash-attention kernel
-    # (keys and values in blocks, the scores kept on chip), run per device in jax.shard_map over the
-    # mesh axes in ``attention_axes`` that split the batch, as MaxText does. The kernel traces
-    # anywhere (fast mode costs it) but runs only on TPU.
+    # (keys and values in blocks, the scores kept on chip), run per device in jax.shard_map with the
+    # batch split over the mesh axes in ``attention_axes`` and the heads over ``attention_head_axes``
+    # (those the mesh has), as MaxText does. The kernel traces anywhere (fast mode costs it) but
+    # runs only on TPU.
     attention: str = "naive"
     attention_axes: tuple[str, ...] = ("data",)
+    attention_head_axes: tuple[str, ...] = ("model",)
     attention_blocks: tuple[int, int, int] = (512, 512, 512)  # flash: query, key/value, backward query block
 
     @property
@@ -308,10 +302,11 @@ def _flash_attention(cfg: LlamaConfig, q: jax.Array, k: jax.Array, v: jax.Array)
         return out.transpose(0, 2, 1, 3)
 
     mesh = jax.sharding.get_abstract_mesh()
-    axes = tuple(a for a in cfg.attention_axes if a in mesh.axis_names)
-    if not axes:
+    batch = tuple(a for a in cfg.attention_axes if a in mesh.axis_names)
+    heads = tuple(a for a in cfg.attention_head_axes if a in mesh.axis_names and a not in batch)
+    if not batch and not heads:
         return attend(q, k, v)
-    spec = jax.sharding.PartitionSpec(axes)
+    spec = jax.sharding.PartitionSpec(batch or None, None, heads or None, None)  # (batch, time, heads, dim)
     return jax.shard_map(attend, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False)(q, k, v)
 
 

@@ -28,13 +28,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
-from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable
-from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, scan_counts
+from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable, fused_attention_cost, pallas_cost
+from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize, scan_counts
 
 Dims = tuple[tuple[str, ...], ...]
 
-_TRANSCENDENTAL = TRANSCENDENTAL
-_ELEMENTWISE = ELEMENTWISE
 # Ops through which a pending partial sum stays pending: layout changes and conversions. GSPMD
 # all-reduces each operand of an add of partial sums (measured: a column-parallel layer's q, k
 # and v input gradients are three all-reduces, not one), so adds are not among them.
@@ -54,12 +52,12 @@ _LINEAR = {
 _LAYOUT = {"reshape", "transpose", "squeeze", "expand_dims", "convert_element_type", "name"}
 # Consumers XLA fuses a single-use elementwise producer into (loop and input fusion).
 _FUSES_PRODUCER = (
-    _ELEMENTWISE | _LAYOUT | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "broadcast_in_dim"}
+    ELEMENTWISE | _LAYOUT | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "broadcast_in_dim"}
 )
 _FREE = {"iota", "stop_gradient"}
 # Elementwise ops XLA's fusion will not duplicate into several consumers (instruction_fusion's
 # IsExpensive): transcendental functions and divisions.
-_EXPENSIVE = _TRANSCENDENTAL | {"div", "rem", "lgamma", "digamma"}
+_EXPENSIVE = TRANSCENDENTAL | {"div", "rem", "lgamma", "digamma"}
 # Ops XLA does as a bitcast of the same buffer (no memory traffic) or folds into the consumer's
 # operand layout.
 _VIEWS = {"reshape", "squeeze", "expand_dims", "transpose", "name"}
@@ -149,6 +147,7 @@ class _Frame:
     shared: set  # fused results several equations read
     soft: dict[Any, int]  # call results the readers fuse -> how many read it
     closures: dict[Any, frozenset]  # value -> the (value in memory, layout) pairs reading it reads
+    written: set = field(default_factory=set)  # values from literals alone, written where first read
 
 
 def _norm(dims: Dims, rank: int) -> Dims:
@@ -353,7 +352,13 @@ class _Propagator:
         reads = frozenset().union(*(self._closure(frame, x) for x in eqn.invars))
         # A value computed from literals alone (zeros a scatter adds into) takes its reader's split
         # (GSPMD shards it like its user): written there, not where it was held whole.
-        nbytes = sum(self._read_bytes(v, outs) * (2 if x in self.constant else 1) for x, v in reads)
+        nbytes = 0
+        for x, v in reads:
+            n = self._read_bytes(v, outs)
+            if x in self.constant and x not in frame.written:  # written once, at its first reader's split
+                frame.written.add(x)
+                n *= 2
+            nbytes += n
         if fused_away:
             for v, val in zip(eqn.outvars, outs, strict=True):
                 if v in frame.shared and v not in virtual and nbytes > self.ctx.local(val):
@@ -391,14 +396,14 @@ class _Propagator:
     def _read(self, env: dict[Any, Val], x: Any) -> Val:
         if hasattr(x, "val"):  # a literal
             shape = tuple(getattr(x.aval, "shape", ()))
-            return Val(shape, _itemsize(x.aval), ((),) * len(shape))
+            return Val(shape, itemsize(x.aval), ((),) * len(shape))
         return env[x]
 
     def _hints(self, jaxpr: Any) -> None:
         """Backward pass: an elementwise chain ending in a value of known layout wants that layout
         (so a partial gradient is reduce-scattered straight into an FSDP-split update)."""
         for eqn in reversed(jaxpr.eqns):
-            if eqn.primitive.name not in _ELEMENTWISE:
+            if eqn.primitive.name not in ELEMENTWISE:
                 continue
             out = self.hints.get(eqn.outvars[0])
             if out is None:
@@ -467,12 +472,12 @@ class _Propagator:
         if name == "shard_map":
             return self.shard_map(eqn, ins, mult)
         if name in _MANUAL_COLLECTIVES:
-            return [self.manual_collective(eqn, ins[0], mult)]
+            return self.manual_collective(eqn, ins, mult)
         if name == "name":  # checkpoint_name: the value itself
             return [ins[0]]
-        if name in ("pvary", "pbroadcast", "axis_index"):  # no data moves
+        if name in ("pvary", "axis_index"):  # no data moves
             return [ins[0]] if ins else [_replicated(a) for a in outs_avals]
-        if name in _ELEMENTWISE:
+        if name in ELEMENTWISE:
             return [self.elementwise(eqn, ins, mult)]
         if name == "dot_general":
             return [self.dot(eqn, ins, mult)]
@@ -495,7 +500,7 @@ class _Propagator:
             for i, j in enumerate(bdims):
                 if v.shape[i] == shape[j]:
                     dims[j] = v.dims[i]
-            return [Val(shape, _itemsize(outs_avals[0]), tuple(dims), v.partial)]
+            return [Val(shape, itemsize(outs_avals[0]), tuple(dims), v.partial)]
         if name == "transpose":
             v = ins[0]
             perm = eqn.params["permutation"]
@@ -545,7 +550,7 @@ class _Propagator:
 
     def _flops(self, n: float, mult: int, name: str) -> None:
         self.ctx.flops += n * mult
-        if name in _TRANSCENDENTAL:
+        if name in TRANSCENDENTAL:
             self.ctx.transcendentals += n * mult
 
     def elementwise(self, eqn: Any, ins: list[Val], mult: int) -> Val:
@@ -562,7 +567,7 @@ class _Propagator:
             target = max((v for _, v in full), key=lambda v: math.prod(self.ctx.split(d) for d in v.dims)).dims
             for x, v in full:
                 self.reshard(x, replace(v, partial=frozenset()), target, mult, name)
-            out = Val(shape, _itemsize(out_aval), target, next(iter(partials)))
+            out = Val(shape, itemsize(out_aval), target, next(iter(partials)))
             self._flops(self.ctx.local(out) / out.itemsize, mult, name)
             return out
         hint = self.hints.get(eqn.outvars[0])
@@ -589,7 +594,7 @@ class _Propagator:
                 if any(whole):
                     self.slices.setdefault(x, whole)
             self.reshard(x, v, target, mult, name)
-        out = Val(shape, _itemsize(out_aval), _norm(target, len(shape)))
+        out = Val(shape, itemsize(out_aval), _norm(target, len(shape)))
         self._flops(self.ctx.local(out) / out.itemsize, mult, name)
         return out
 
@@ -662,7 +667,7 @@ class _Propagator:
         self.reshard(rx, rhs, rt, mult, "dot_general")
         out_dims = [lt[i] for i in lb] + [lt[i] for i in lfree] + [rt[j] for j in rfree]
         shape = tuple(out_aval.shape)
-        out = Val(shape, _itemsize(out_aval), tuple(out_dims), frozenset(partial))
+        out = Val(shape, itemsize(out_aval), tuple(out_dims), frozenset(partial))
         k = math.prod(lhs.shape[i] for i in lc)
         kshards = self.ctx.split(tuple(x for i in lc for x in lt[i]))
         self._flops(2 * (self.ctx.local(out) / out.itemsize) * (k / kshards), mult, "dot_general")
@@ -679,7 +684,7 @@ class _Propagator:
         reduced = tuple(x for i in axes for x in v.dims[i])
         name = eqn.primitive.name
         self._flops(self.ctx.local(v) / v.itemsize, mult, name)
-        out = Val(tuple(out_aval.shape), _itemsize(out_aval), tuple(v.dims[i] for i in kept))
+        out = Val(tuple(out_aval.shape), itemsize(out_aval), tuple(v.dims[i] for i in kept))
         if name == "reduce_sum":
             return replace(out, partial=v.partial | frozenset(reduced))
         if v.partial:  # max / min of a pending sum: the sum is done first
@@ -779,7 +784,7 @@ class _Propagator:
             if k in whole:
                 dims[k] = tuple(a for a in table.dims[i] if all(a not in d for d in dims))
         rows = tuple(a for i in collapsed for a in table.dims[i])
-        out = Val(shape, _itemsize(out_aval), tuple(dims))
+        out = Val(shape, itemsize(out_aval), tuple(dims))
         self._flops(self.ctx.local(out) / out.itemsize, mult, "gather")
         if rows:
             # A table split over its rows: a masked local lookup summed over those axes (an
@@ -823,7 +828,7 @@ class _Propagator:
                 self.reshard(eqn.invars[2], replace(updates, partial=frozenset()), _tuple(moved), mult, "scatter-add")
                 self.reshard(eqn.invars[1], ins[1], _without(ins[1].dims, clash), mult, "scatter-add")
                 dims = [tuple(a for a in target[i] if a in clash) if i in kept else () for i in range(len(shape))]
-                return Val(shape, _itemsize(out_aval), tuple(dims), frozenset(rows) | updates.partial)
+                return Val(shape, itemsize(out_aval), tuple(dims), frozenset(rows) | updates.partial)
         # The result (e.g. an embedding's gradient) takes the operand's layout; updates split
         # over axes the result is not split on are summed across them.
         dims = list(operand.dims)
@@ -838,7 +843,7 @@ class _Propagator:
             for od, idd in batching:
                 if ins[1].shape[idd] == shape[od]:
                     dims[od] = ins[1].dims[idd]
-        out = Val(shape, _itemsize(out_aval), tuple(dims))
+        out = Val(shape, itemsize(out_aval), tuple(dims))
         pending = frozenset(a for d in updates.dims for a in d if a not in out.axes) | updates.partial
         if len(ins) > 2 and not tuple(getattr(dn, "scatter_indices_batching_dims", ())):
             # Indices split over an axis (a lookup's tokens) split the updates with them (a free
@@ -866,14 +871,12 @@ class _Propagator:
                         mult,
                         eqn.primitive.name,
                     )
-            outs.append(Val(shape, _itemsize(o.aval), _tuple(dims)))
+            outs.append(Val(shape, itemsize(o.aval), _tuple(dims)))
         return outs
 
     def kernel(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         """A Pallas kernel (``kernels.pallas_cost``). XLA cannot split a custom call: outside
         shard_map every device runs it on whole operands (gathered first) and holds the whole result."""
-        from shardplan.runtime.kernels import pallas_cost
-
         cost = pallas_cost(eqn)
         why = f"kernel {cost.name}"
         if any(v.axes or v.partial for v in ins):
@@ -894,8 +897,6 @@ class _Propagator:
         """cuDNN's flash attention (``kernels.fused_attention_cost``). jax partitions it over the
         batch and the heads: operands keep those splits (a key/value head split only where its
         query's is the same) and are gathered on the others; results take their operands' splits."""
-        from shardplan.runtime.kernels import fused_attention_cost
-
         bnth = str(eqn.params.get("layout", "0")) in ("1", "Layout.BNTH", "BNTH")
         keep = (0, 1) if bnth else (0, 2)  # batch, heads
         q = ins[0]
@@ -927,43 +928,53 @@ class _Propagator:
                 dims = (target_q[keep[0]], target_q[keep[1]], ())
             else:
                 dims = ((),) * len(shape)
-            outs.append(Val(shape, _itemsize(o.aval), _norm(dims, len(shape))))
+            outs.append(Val(shape, itemsize(o.aval), _norm(dims, len(shape))))
         return outs
 
     def shard_map(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
-        """A ``jax.shard_map`` region: its operands set to ``in_specs`` (GSPMD's reshards), its
-        body run per device on local blocks (the collectives in it are the user's own), its
-        results laid out as ``out_specs``."""
+        """A ``jax.shard_map`` region: its operands set to ``in_specs`` over the manual axes (GSPMD's
+        reshards; their splits over the axes it leaves automatic are kept), its body run per
+        device on local blocks (the collectives in it are the user's own), its results laid out as
+        ``out_specs`` plus the body's automatic splits."""
         body = eqn.params["jaxpr"]
         body = getattr(body, "jaxpr", body)
         manual = set(eqn.params.get("newly_manual_axes") or eqn.params.get("manual_axes") or self.ctx.mesh)
         env: dict[Any, Val] = {}
         for x, inner, v, spec in zip(eqn.invars, body.invars, ins, eqn.params["in_specs"], strict=True):
-            target = _spec_dims(spec, len(v.shape))
-            self.to_layout(x, v, target, mult, "shard_map in_specs")
-            auto = tuple(tuple(a for a in d if a not in manual) for d in target)
-            env[inner] = Val(tuple(inner.aval.shape), _itemsize(inner.aval), auto)
-        self.run(body, env, mult, _Boundary(frozenset(body.invars), {}, {}))
-        return [
-            Val(tuple(o.aval.shape), _itemsize(o.aval), _spec_dims(spec, len(o.aval.shape)))
-            for o, spec in zip(eqn.outvars, eqn.params["out_specs"], strict=True)
-        ]
+            wanted = _spec_dims(spec, len(v.shape))
+            auto = tuple(tuple(a for a in d if a not in manual) for d in v.dims)
+            self.to_layout(x, v, tuple(w + a for w, a in zip(wanted, auto, strict=True)), mult, "shard_map in_specs")
+            env[inner] = Val(tuple(inner.aval.shape), itemsize(inner.aval), auto)
+        results = self.run(body, env, mult, _Boundary(frozenset(body.invars), {}, {}))
+        outs = []
+        for o, spec, r in zip(eqn.outvars, eqn.params["out_specs"], results, strict=True):
+            dims = _spec_dims(spec, len(o.aval.shape))
+            auto = tuple(tuple(a for a in d if a not in manual) for d in r.dims) if len(r.dims) == len(dims) else ()
+            if auto:
+                dims = tuple(d + a for d, a in zip(dims, auto, strict=True))
+            outs.append(Val(tuple(o.aval.shape), itemsize(o.aval), dims, frozenset(r.partial) - manual))
+        return outs
 
-    def manual_collective(self, eqn: Any, v: Val, mult: int) -> Val:
-        """A collective the user wrote inside shard_map (``lax.psum``, ``all_gather``, ...)."""
+    def manual_collective(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        """A collective the user wrote inside shard_map (``lax.psum``, ``all_gather``, ...), one
+        per operand."""
         name = eqn.primitive.name
         axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
         axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if isinstance(a, str))
         kind = _MANUAL_COLLECTIVES[name]
-        out_aval = eqn.outvars[0].aval
-        out = Val(
-            tuple(out_aval.shape),
-            _itemsize(out_aval),
-            v.dims if out_aval.shape == tuple(v.shape) else ((),) * len(out_aval.shape),
-        )
-        nbytes = self.ctx.local(out) if kind == "all-gather" else self.ctx.local(v)
-        self.ctx.add(kind, axes, nbytes, mult, f"shard_map {eqn.primitive.name}")
-        return out
+        outs = []
+        for v, o in zip(ins, eqn.outvars, strict=True):
+            shape = tuple(o.aval.shape)
+            out = Val(shape, itemsize(o.aval), v.dims if shape == tuple(v.shape) else ((),) * len(shape))
+            self.ctx.add(
+                kind,
+                axes,
+                self.ctx.local(out) if kind == "all-gather" else self.ctx.local(v),
+                mult,
+                f"shard_map {name}",
+            )
+            outs.append(out)
+        return outs
 
     def scan(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         length = int(eqn.params["length"])
@@ -1009,7 +1020,7 @@ def _spread(jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None
         if out is None:
             continue
         shape = tuple(eqn.outvars[0].aval.shape)
-        if name in _ELEMENTWISE or name in _LAYOUT_PRESERVING:
+        if name in ELEMENTWISE or name in _LAYOUT_PRESERVING:
             for x in eqn.invars:
                 xs = tuple(getattr(x.aval, "shape", ()))
                 if len(xs) == len(shape):
@@ -1071,7 +1082,7 @@ def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
         name = eqn.primitive.name
         if name in ("broadcast_in_dim", "iota"):  # recomputed inside each consumer's loop
             out.update(eqn.outvars)
-        elif name in _ELEMENTWISE or name in _LAYOUT:
+        elif name in ELEMENTWISE or name in _LAYOUT:
             for v in eqn.outvars:
                 if uses.get(v, 0) == 1 and consumer.get(v) in _FUSES_PRODUCER:
                     out.add(v)
@@ -1096,7 +1107,7 @@ def _kernels(jaxpr: Any, fusable_outs: dict[Any, int]) -> tuple[dict[Any, int], 
     fused: dict[Any, int] = {}
     soft: dict[Any, int] = {}
     shared: set = set()
-    fusible = _ELEMENTWISE | _LAYOUT | {"broadcast_in_dim", "iota"}
+    fusible = ELEMENTWISE | _LAYOUT | {"broadcast_in_dim", "iota"}
     for k, eqn in enumerate(jaxpr.eqns):
         call = eqn.primitive.name != "scan" and _subjaxpr(eqn) is not None
         if eqn.primitive.name not in fusible and not call:
@@ -1206,18 +1217,9 @@ def _tuple(dims: list) -> Dims:
     return tuple(tuple(d) for d in dims)
 
 
-def _itemsize(aval: Any) -> int:
-    import numpy as np
-
-    try:
-        return int(np.dtype(aval.dtype).itemsize)
-    except TypeError:  # PRNG key types
-        return 8
-
-
 def _replicated(aval: Any) -> Val:
     shape = tuple(getattr(aval, "shape", ()))
-    return Val(shape, _itemsize(aval), ((),) * len(shape))
+    return Val(shape, itemsize(aval), ((),) * len(shape))
 
 
 def _fits(shape: tuple[int, ...], dims: Dims, ctx: _Ctx) -> bool:
@@ -1276,7 +1278,7 @@ def analyze(
         names: dict[Any, str] = {}
         env: dict[Any, Val] = {}
         for var, d, role in zip(jaxpr.invars, decisions, prefixes, strict=True):
-            env[var] = Val(tuple(var.aval.shape), _itemsize(var.aval), _norm(d.spec.dims, len(var.aval.shape)))
+            env[var] = Val(tuple(var.aval.shape), itemsize(var.aval), _norm(d.spec.dims, len(var.aval.shape)))
             if role != "input":
                 names[var] = d.path
         for var, c in zip(jaxpr.constvars, closed.consts, strict=True):

@@ -12,28 +12,30 @@ description rather than by XLA's fusion:
   An operand left in HBM for the kernel's own copies (``memory_space=ANY``) counts once, and this
   is said in the notes.
 - **FLOPs** are the kernel's ``cost_estimate`` when its author gives one, else the kernel body's
-  (matmuls 2*M*N*K, one per element of other arithmetic) times the grid's steps. A conditional
-  counts its costlier branch. A ``fori_loop`` whose bounds the body computes from its program ids
-  (a causal attention kernel's loop over key blocks) runs as many times as those bounds say at
-  each grid step (the body's scalar arithmetic is evaluated over the grid); another loop whose
-  trip count is set at run time counts once, and this is said in the notes.
+  (matmuls 2*M*N*K, one per element of other arithmetic) times the grid's steps. The body's
+  scalar arithmetic on its program ids is evaluated over the grid: a conditional on them (a
+  causal kernel's ``pl.when`` skipping blocks above the diagonal) counts each branch as often as
+  it runs, and a ``fori_loop`` whose bounds come from them (a causal attention kernel's loop over
+  key blocks) runs as often as they say. Otherwise a conditional counts its costlier branch and a
+  loop whose trip count is set at run time counts once, which the notes say.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL
+from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize
 
 # Index maps are evaluated at every grid step; past this many steps the fetches are bounded
 # above (every step copies its blocks) instead.
-_MAX_GRID_STEPS = 1 << 24
+_MAX_GRID_STEPS = 1 << 22
 _REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
 
 
@@ -53,10 +55,16 @@ def pallas_cost(eqn: Any) -> KernelCost:
     """The cost of the ``pallas_call`` equation ``eqn`` (see the module docstring)."""
     gm = eqn.params["grid_mapping"]
     name = str(eqn.params.get("name") or _body_name(eqn) or "pallas_call")
-    grid = tuple(int(g) for g in gm.grid if isinstance(g, int))
+    notes: list[str] = []
+    # A grid dim given as a traced value (a numpy integer too) is an operand of the call, leading
+    # its operands: its size is known where that operand is a literal.
+    bounds = iter(eqn.invars[: int(getattr(gm, "num_dynamic_grid_bounds", 0) or 0)])
+    sizes = [_static(g) if _static(g) is not None else _literal(next(bounds, None)) for g in gm.grid]
+    if any(g is None for g in sizes):  # a grid dim set at run time: counted as one step
+        notes.append(f"kernel {name}: a grid dimension set at run time is counted as 1 (a lower bound)")
+    grid = tuple(1 if g is None else g for g in sizes)
     steps = math.prod(grid) if grid else 1
     pipelined = _pipelined(eqn.params.get("compiler_params"))
-    notes: list[str] = []
     read = written = 0
     n_in = int(gm.num_inputs)
     for k, bm in enumerate(gm.block_mappings):
@@ -68,8 +76,8 @@ def pallas_cost(eqn: Any) -> KernelCost:
             fetches = _fetches(bm, grid) if pipelined else None
             if pipelined and fetches is None:
                 notes.append(
-                    f"kernel {name}: a block index map that cannot be evaluated ahead (it reads prefetched "
-                    "scalars) is counted as a copy at every grid step (an upper bound)"
+                    f"kernel {name}: a block index map that cannot be evaluated ahead (one reading prefetched "
+                    "scalars, or a grid too large to walk) is counted as a copy at every grid step (an upper bound)"
                 )
             moved = nbytes * (fetches if fetches is not None else steps)
         if k < n_in:
@@ -93,13 +101,27 @@ def pallas_cost(eqn: Any) -> KernelCost:
     return KernelCost(name, flops, trans, read, written, tuple(dict.fromkeys(notes)))
 
 
+def _static(g: Any) -> int | None:
+    """A grid dim's size, None where it is set at run time (a traced value)."""
+    try:
+        return operator.index(g)
+    except TypeError:
+        return None
+
+
+def _literal(x: Any) -> int | None:
+    return int(x.val) if x is not None and hasattr(x, "val") else None
+
+
 def _body_name(eqn: Any) -> str:
     info = eqn.params.get("name_and_src_info")
     return str(getattr(info, "name", "") or "")
 
 
 def _pipelined(params: Any) -> bool:
-    """Whether the kernel runs under TPU's (Mosaic) pipeline, which skips unchanged blocks."""
+    """Whether the kernel runs under TPU's (Mosaic) pipeline, which skips unchanged blocks: told by
+    its compiler params (``pltpu.CompilerParams``; a TPU kernel written without them is costed as
+    a GPU one, every step's blocks copied: an upper bound)."""
     items = params.values() if isinstance(params, dict) else [params]
     return any(type(p).__module__.endswith("mosaic.core") for p in items if p is not None)
 
@@ -107,10 +129,10 @@ def _pipelined(params: Any) -> bool:
 def _block_bytes(bm: Any) -> tuple[int, bool]:
     """Bytes of one block of ``bm``, and whether the kernel copies that operand itself."""
     aval = bm.array_aval
-    itemsize = int(getattr(aval.dtype, "itemsize", 4))
+    each = itemsize(aval)
     space = getattr(bm.transformed_block_aval, "memory_space", None)
     if str(getattr(space, "value", space)).lower() in ("any", "hbm"):
-        return math.prod(aval.shape) * itemsize, True
+        return math.prod(aval.shape) * each, True
     elems = 1
     for b, size in zip(bm.block_shape, aval.shape, strict=False):
         if isinstance(b, int):
@@ -119,7 +141,7 @@ def _block_bytes(bm: Any) -> tuple[int, bool]:
             continue
         else:
             elems *= int(getattr(b, "block_size", 1) or size)
-    return elems * itemsize, False
+    return elems * each, False
 
 
 def _fetches(bm: Any, grid: tuple[int, ...]) -> int | None:
@@ -141,15 +163,18 @@ def _fetches(bm: Any, grid: tuple[int, ...]) -> int | None:
 
     try:
         outs = jax.vmap(index)(*(jnp.asarray(row) for row in ids))
-    except Exception:  # an index map we cannot run ahead: bound the fetches above
+    except Exception:  # an index map that does not run ahead (the caller notes the upper bound)
         return None
     idx = np.stack([np.broadcast_to(np.asarray(o), (steps,)) for o in outs]) if outs else np.zeros((1, steps))
     return 1 + int(np.any(idx[:, 1:] != idx[:, :-1], axis=0).sum())
 
 
-def _body_flops(closed: Any, dynamic: list[str], trips: dict[int, float] | None = None) -> tuple[float, float]:
-    """FLOPs and transcendental ops of one run of a kernel body (or any jaxpr); ``trips``: the mean
-    trip count over the grid of the body's ``while`` loops whose counts were evaluated (by id)."""
+def _body_flops(
+    closed: Any, dynamic: list[str], trips: dict[int, float | tuple[float, ...]] | None = None
+) -> tuple[float, float]:
+    """FLOPs and transcendental ops of one run of a kernel body (or any jaxpr); ``trips`` (by id):
+    the mean trip count over the grid of its ``while`` loops, and how often each branch of its
+    conditionals runs, where they were evaluated (``_loop_trips``)."""
     jaxpr = getattr(closed, "jaxpr", closed)
     trips = trips or {}
     flops = trans = 0.0
@@ -168,7 +193,12 @@ def _body_flops(closed: Any, dynamic: list[str], trips: dict[int, float] | None 
             flops += _size(eqn.invars[0].aval)
         elif name == "cond":
             costs = [_body_flops(b, dynamic) for b in eqn.params["branches"]]
-            f, t = max(costs) if costs else (0.0, 0.0)
+            weights = trips.get(id(eqn))  # how often each branch runs over the grid, when known
+            if isinstance(weights, tuple) and len(weights) == len(costs):
+                f = sum(w * c[0] for w, c in zip(weights, costs, strict=True))
+                t = sum(w * c[1] for w, c in zip(weights, costs, strict=True))
+            else:
+                f, t = max(costs) if costs else (0.0, 0.0)
             flops, trans = flops + f, trans + t
         elif name == "scan":
             f, t = _body_flops(eqn.params["jaxpr"], dynamic)
@@ -176,7 +206,7 @@ def _body_flops(closed: Any, dynamic: list[str], trips: dict[int, float] | None 
             flops, trans = flops + f * n, trans + t * n
         elif name == "while":
             runs = trips.get(id(eqn))
-            if runs is None:  # counted once
+            if not isinstance(runs, float):  # counted once
                 dynamic.append(name)
                 runs = 1.0
             f, t = _body_flops(eqn.params["body_jaxpr"], dynamic)
@@ -195,12 +225,14 @@ def _size(aval: Any) -> int:
     return math.prod(getattr(aval, "shape", ()))
 
 
-def _loop_trips(jaxpr: Any, grid: tuple[int, ...]) -> dict[int, float]:
-    """The mean trip count over the grid of each counted ``while`` loop of a kernel body (a
+def _loop_trips(jaxpr: Any, grid: tuple[int, ...]) -> dict[int, float | tuple[float, ...]]:
+    """Over the grid, the mean trip count of each counted ``while`` loop of a kernel body (a
     ``fori_loop`` whose bounds the body computes from its program ids, as a causal attention
-    kernel's key loop): the body's scalar arithmetic evaluated at every grid step."""
+    kernel's key loop) and the share of steps each branch of a conditional runs (``pl.when`` on
+    the program ids: a causal kernel skipping the blocks above the diagonal): the body's scalar
+    arithmetic evaluated at every grid step."""
     steps = math.prod(grid) if grid else 1
-    if steps > _MAX_GRID_STEPS or not any(e.primitive.name == "while" for e in jaxpr.eqns):
+    if steps > _MAX_GRID_STEPS or not any(e.primitive.name in ("while", "cond") for e in jaxpr.eqns):
         return {}
     ids = np.indices(grid).reshape(len(grid), -1) if grid else np.zeros((0, 1), np.int64)
     vals: dict[Any, Any] = {}
@@ -208,9 +240,15 @@ def _loop_trips(jaxpr: Any, grid: tuple[int, ...]) -> dict[int, float]:
     def value(x: Any) -> Any:
         return np.asarray(x.val) if hasattr(x, "val") else vals.get(x)
 
-    out: dict[int, float] = {}
+    out: dict[int, float | tuple[float, ...]] = {}
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        if name == "cond":
+            index = value(eqn.invars[0])
+            if index is not None:
+                taken = np.broadcast_to(np.asarray(index, np.int64), (steps,))
+                out[id(eqn)] = tuple(float(np.mean(taken == b)) for b in range(len(eqn.params["branches"])))
+            continue
         if name == "while":
             n = _trips(eqn, value)
             if n is not None:
@@ -323,15 +361,11 @@ def fused_attention_cost(eqn: Any) -> KernelCost:
         pairs = sum(float(max(0, min(s, s - t + i + 1))) for i in range(t))
     flops = 2.0 * _ATTENTION_MATMULS[pass_] * b * n * pairs * h
     exps = float(b) * n * pairs
-    read = sum(_size(x.aval) * _itemsize(x.aval) for x in eqn.invars)
-    written = sum(_size(x.aval) * _itemsize(x.aval) for x in eqn.outvars)
+    read = sum(_size(x.aval) * itemsize(x.aval) for x in eqn.invars)
+    written = sum(_size(x.aval) * itemsize(x.aval) for x in eqn.outvars)
     # Five elementwise ops per score in either pass (scale, max, subtract, exp, sum; backward: the
     # recomputed scale, subtract and exp, then dS = P * (dP - D)).
     return KernelCost(f"cudnn attention {pass_}", flops + 5 * exps, exps, read, written)
-
-
-def _itemsize(aval: Any) -> int:
-    return int(getattr(getattr(aval, "dtype", None), "itemsize", 4))
 
 
 # The cuDNN version a step is traced for where no GPU is present (cuDNN 9.10: flash attention).
@@ -342,7 +376,12 @@ TRACED_CUDNN = 91000
 def cudnn_traceable() -> Iterator[None]:
     """Tracing, ``jax.nn.dot_product_attention(implementation="cudnn")`` traces as on a GPU with
     cuDNN (jax looks for the library while tracing and fails without one): fast mode costs the
-    step for an accelerator, whatever machine it runs on. Nothing changes where cuDNN is present."""
+    step for an accelerator, whatever machine it runs on. Nothing changes where cuDNN is present.
+
+    Why a patch: jax has no switch for it, and its check (``check_cudnn_version`` in a private
+    module) is the only thing that needs the library to trace. The patch is process-wide for the
+    length of one trace (fast mode traces on one thread) and undone after it; where jax moves the
+    check, the user's own trace error stands."""
     try:
         from jax._src.cudnn import fused_attention_stablehlo as fa
     except ImportError:  # another jax layout: the user's own error stands

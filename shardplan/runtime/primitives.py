@@ -80,3 +80,13 @@ def scan_counts(eqn: Any) -> tuple[int, int]:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
     return len(list(consts)), len(list(carry))
+
+
+def itemsize(aval: Any) -> int:
+    """Bytes per element of an abstract value (a PRNG key: 8)."""
+    import numpy as np
+
+    try:
+        return int(np.dtype(aval.dtype).itemsize)
+    except TypeError:  # PRNG key types
+        return 8
