@@ -29,7 +29,7 @@ from typing import Any
 
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable, fused_attention_cost, pallas_cost
-from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize, scan_counts
+from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize
 
 Dims = tuple[tuple[str, ...], ...]
 
@@ -979,6 +979,8 @@ class _Propagator:
     def scan(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         length = int(eqn.params["length"])
         body = eqn.params["jaxpr"].jaxpr
+        from shardplan.runtime.partition import scan_counts
+
         nc, ncarry = scan_counts(eqn)
         env: dict[Any, Val] = {}
         for k, (var, v) in enumerate(zip(body.invars, ins, strict=True)):

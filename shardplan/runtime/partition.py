@@ -37,8 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from shardplan.runtime.primitives import scan_counts
-
 Dims = tuple[tuple[str, ...], ...]
 
 _ELEMENTWISE = {
@@ -1064,3 +1062,13 @@ def local_step(
         return loss.x, [g.x for g in grads]
 
     return fn
+
+
+def scan_counts(eqn: Any) -> tuple[int, int]:
+    """A ``scan`` equation's (constants, carries) counts: ``num_consts``/``num_carry`` up to jax 0.10;
+    from jax 0.11 its operands are grouped (consts, carry, xs) by the ``ft_in`` flat tree."""
+    params = eqn.params
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    return len(list(consts)), len(list(carry))

@@ -72,16 +72,6 @@ ELEMENTWISE = TRANSCENDENTAL | {
 }
 
 
-def scan_counts(eqn: Any) -> tuple[int, int]:
-    """A ``scan`` equation's (constants, carries) counts: ``num_consts``/``num_carry`` up to jax 0.10;
-    from jax 0.11 its operands are grouped (consts, carry, xs) by the ``ft_in`` flat tree."""
-    params = eqn.params
-    if "num_consts" in params:
-        return int(params["num_consts"]), int(params["num_carry"])
-    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
-    return len(list(consts)), len(list(carry))
-
-
 def itemsize(aval: Any) -> int:
     """Bytes per element of an abstract value (a PRNG key: 8)."""
     import numpy as np
