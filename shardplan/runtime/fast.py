@@ -475,8 +475,10 @@ class _Propagator:
             return self.manual_collective(eqn, ins, mult)
         if name == "name":  # checkpoint_name: the value itself
             return [ins[0]]
-        if name in ("pvary", "axis_index"):  # no data moves
-            return [ins[0]] if ins else [_replicated(a) for a in outs_avals]
+        if name == "pvary":  # marks values as varying over axes: no data moves (one per operand)
+            return list(ins)
+        if name == "axis_index":
+            return [_replicated(a) for a in outs_avals]
         if name in ELEMENTWISE:
             return [self.elementwise(eqn, ins, mult)]
         if name == "dot_general":
