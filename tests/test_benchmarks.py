@@ -95,3 +95,16 @@ def test_device_benchmark_quick_mode_measures_and_predicts_side_by_side(tmp_path
     assert abs(row["fast"]["flops"] / row["xla"]["flops"] - 1) < 0.1
     assert 0.25 < row["fast"]["hbm_bytes"] / row["xla"]["memory_bytes"] < 1.5
     assert row["predicted"]["serial_s"] == row["predicted"]["compute_s"] + row["predicted"]["memory_s"]
+
+
+def test_published_runs_benchmark_costs_each_run_with_both_attentions():
+    """`python -m benchmarks.published` (fast mode on the Llama 2 70B and Llama 3.1 8B shapes, 256
+    devices, scanned layers: seconds) runs, and flash attention moves less than naive attention."""
+    from benchmarks import published
+
+    rows = published.run()
+    assert [(r["run"], r["attention"]) for r in rows] == [
+        (run, attention) for run, *_ in published.RUNS for attention in ("flash", "naive")]
+    for flash, naive in zip(rows[::2], rows[1::2], strict=True):
+        assert 0 < flash["hbm_bytes"] < naive["hbm_bytes"]
+        assert all(0 < x < 10 for x in flash["ratio_tokens_s"] + naive["ratio_tokens_s"])
