@@ -105,7 +105,7 @@ CODES: dict[str, Code] = {
         _e("model-axis", "apply", "the model's code names a mesh axis the plan's mesh lacks"),
         _e("act-rank", "apply", "an act rule's spec does not fit the rank of a module's output"),
         _e("loss-not-scalar", "apply", "the loss function does not return a float scalar"),
-        _e("kernel-not-compilable", "apply", "exact mode: the step calls a Pallas kernel XLA:CPU cannot compile"),
+        _e("kernel-not-compilable", "apply", "exact mode: a custom kernel (Pallas, cuDNN) XLA:CPU cannot compile"),
         _e("sharding-mismatch", "apply", "a live array placed other than the plan says (`verify`)"),
         _e("not-a-checkpoint", "apply", "a checkpoint directory that is missing, not a directory, or empty"),
         _e("corrupt-checkpoint", "apply", "a checkpoint step shardplan wrote whose files are damaged (file named)"),

@@ -171,15 +171,6 @@ def test_a_kernel_outside_shard_map_gathers_its_operands_and_says_so(tmp_path):
     assert bare.flops > 4 * wrapped.flops  # every device runs the whole batch's attention
 
 
-def test_exact_mode_refuses_a_pallas_kernel_with_a_located_error(tmp_path):
-    models = flash_models(tmp_path)
-    with pytest.raises(shardplan.ShardPlanError) as info:
-        analyze(f"{models}:flash", "exact", ROOT / "plans" / "dp.splan",
-                step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=("tokens=int32[8,512],labels=int32[8,512]",))
-    d = info.value.diagnostics[0]
-    assert d.code == "kernel-not-compilable" and d.path == "--compile" and "fast mode" in d.hint
-
-
 def test_scan_operand_groups_are_read_from_either_jax_form():
     """Up to jax 0.10 a scan names its constants and carries by count; jax 0.11 groups its operands
     (consts, carry, xs) in a flat tree, ``ft_in``. Both give the same split."""
@@ -301,3 +292,15 @@ def test_a_grid_given_as_numpy_integers_is_walked_whole():
              for grid in ((2, 4), (np.int64(2), np.int64(4)))]
     assert costs[0] == costs[1]
     assert costs[1].read == costs[1].written == 8 * 128 * 128 * 4 and costs[1].flops == 256 * 512
+
+
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_exact_mode_refuses_a_custom_kernel_with_a_located_error(tmp_path, kernel):
+    models = tmp_path / "kernel_models.py"
+    models.write_text(FLASH if kernel == "flash" else CUDNN)
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        analyze(f"{models}:{kernel}", "exact", ROOT / "plans" / "dp.splan",
+                step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=("tokens=int32[8,512],labels=int32[8,512]",))
+    d = info.value.diagnostics[0]
+    assert d.code == "kernel-not-compilable" and d.path == "--compile" and "fast mode" in d.hint
+    assert "Traceback" not in d.message

@@ -19,6 +19,7 @@ from shardplan.core import hlo
 from shardplan.core.leaves import Resolution
 from shardplan.core.stepcost import Communication, Memory, StepCost
 from shardplan.errors import as_error, error
+from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable
 from shardplan.runtime.step import check_loss
 
 
@@ -78,22 +79,21 @@ def compile_step(
     sm = abstract_state(nnx.state(abs_model), params.shardings(mesh))
     so = abstract_state(nnx.state(abs_opt), opt.shardings(mesh))
     acts = Activations(plan, mesh, backend)
-    check_loss(acts.wrap(loss_fn, mesh_context=True), abs_model, batch_abs, where="--step")
-    with nnx.use_eager_sharding(False):
+    with cudnn_traceable(), nnx.use_eager_sharding(False):  # a cuDNN kernel traces; XLA:CPU refuses it below
+        check_loss(acts.wrap(loss_fn, mesh_context=True), abs_model, batch_abs, where="--step")
         step = backends.get(backend).build(placement, acts.wrap(loss_fn), abs_model, abs_opt)
         try:
             compiled = step.lower(sm, so, batch_in).compile()
         except Exception as e:
-            if _in_pallas(e):
+            if _in_kernel(e):
                 raise as_error(
                     [
                         error(
                             "kernel-not-compilable",
-                            f"the step calls a Pallas kernel, which XLA:CPU cannot compile ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}); exact mode compiles the step for "
-                            "simulated CPU devices",
+                            f"the step calls a custom kernel (Pallas, cuDNN), which XLA:CPU cannot compile "
+                            f"({_kernel_error(e)}); exact mode compiles the step for simulated CPU devices",
                             "cost this step in fast mode (drop --compile): it costs a Pallas kernel from its "
-                            "block specs and body",
+                            "block specs and body, and cuDNN's attention as one kernel",
                             path="--compile",
                         )
                     ]
@@ -178,8 +178,24 @@ def communications(
     return tuple(sorted(out, key=lambda c: (c.kind, -c.bytes)))
 
 
-def _in_pallas(e: BaseException) -> bool:
-    """Whether ``e`` was raised while lowering a Pallas kernel (jax's pallas package on the stack)."""
+def _in_kernel(e: BaseException) -> bool:
+    """Whether ``e`` was raised lowering a custom kernel: jax's pallas package on the stack, or XLA's
+    partitioner reporting that cuDNN's attention has no CPU lowering."""
     import traceback
 
-    return any("/pallas/" in f.filename.replace("\\", "/") for f in traceback.extract_tb(e.__traceback__))
+    files = [f.filename.replace("\\", "/") for f in traceback.extract_tb(e.__traceback__)]
+    return any("/pallas/" in f or "/cudnn/" in f for f in files) or any(
+        f"'{name.removesuffix('_wrapper')}'" in str(e) for name in FUSED_ATTENTION
+    )
+
+
+def _kernel_error(e: BaseException) -> str:
+    """The line of ``e`` that says what failed (XLA wraps the Python error of a partitioner callback),
+    and the user's line XLA suspects."""
+    import re
+
+    lines = str(e).splitlines() or [""]
+    what = next((x.strip() for x in lines if re.match(r"\s*\w+(Error|Exception): ", x)), "")
+    what = what or f"{type(e).__name__}: {lines[0].strip()}"
+    at = next((lines[i + 1].strip().split(" [")[0] for i, x in enumerate(lines[:-1]) if "Suspected Python" in x), "")
+    return f"{what}{' at ' + at if at else ''}"
