@@ -819,7 +819,8 @@ class _Propagator:
         moves = self.names.get(self.root(var), "")
         axes = tuple(sorted(clash & idx.axes))
         row_axes = tuple(a for a in rows if a not in idx.axes)
-        self.ctx.add("collective-permute", (*axes, *row_axes), local, mult, "gather", moves)
+        pair = tuple(a for a in self.ctx.mesh if a in axes or a in row_axes)  # in mesh order, as XLA's groups
+        self.ctx.add("collective-permute", pair, local, mult, "gather", moves)
         if held > groups:
             self.ctx.add("all-gather", axes, local * held // groups, mult, "gather", moves)
         self.ctx.add("all-gather", row_axes, local * held, mult, "gather", moves)
@@ -1361,10 +1362,12 @@ def analyze(
     if ctx.lookups:
         notes.append(
             f"lookups in a table split over an axis that also splits their indices ({sorted(set(ctx.lookups))[0]}): "
-            "fast mode counts XLA's way for small tables (the indices all-gathered, the lookup where the table's "
-            "width is split, an all-to-all onto the batch split), but XLA picks its way by mesh shape and sizes "
-            "(measured on one lookup: a 32000x8192 table on data=32,model=8 regathered and the output all-gathered, "
-            "1 GiB per device; on data=2,model=4 the table gathered): use --compile for this lookup's cost"
+            "fast mode counts one of XLA's ways (the indices gathered, the lookup where the table's width is split, "
+            "an all-to-all onto the batch split), but XLA's gather partitioner picks its way by a dry-run cost of "
+            "each, which depends on the mesh and the sizes (measured on a 256x128 table on data=4,model=2: 32 "
+            "sequences of 32 tokens looked up this way, 8 or 128 sequences another way; a 32000x8192 table on "
+            "data=32,model=8 regathered and the output all-gathered, 1 GiB per device; on data=2,model=4 the table "
+            "gathered): use --compile for this lookup's cost"
         )
     notes += acts.notes()
     notes += ctx.kernels
