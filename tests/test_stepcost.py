@@ -300,6 +300,24 @@ def test_fast_mode_follows_xla_through_a_2d_plan_on_a_scanned_model():
     assert any("lookups in a table split over an axis" in n for n in fast.notes)
 
 
+@pytest.mark.parametrize("model_axis", [2, 4])
+def test_fast_mode_follows_xla_where_a_position_table_is_split_over_the_batch_axis(tmp_path, model_axis):
+    """A position table split over its rows on `data`, looked up for a batch split over `data`: XLA
+    moves the rows' split onto `model` (collective-permute; all-gathers the rest where `data` is
+    larger), looks up masked and all-reduces the output over `model`; the gradient is all-reduced
+    over `data` and permuted back. Fast mode once gathered the whole table instead."""
+    plan = tmp_path / "pos.splan"
+    plan.write_text(f'plan "pos"\nmesh data = *, model = {model_axis}\nbatch (data, _)\n'
+                    'param "pos_embed/embedding" (data, _)\nact "embed" (data, _, _)\ndefault replicated\n')
+    models = ROOT / "tests" / "fixtures" / "lookup_models.py"
+    kw = dict(model=f"{models}:position_lookup", step=f"{models}:loss", batch=["tokens=int32[32,32]"], devices=8)
+    fast = shardplan.api.analyze(plan, mode="fast", **kw).bytes_by_kind()
+    exact = shardplan.api.analyze(plan, mode="exact", **kw).bytes_by_kind()
+    assert exact["collective-permute"] > 0 and exact["all-reduce"] > 200_000
+    for kind in ("collective-permute", "all-gather", "all-reduce", "reduce-scatter"):
+        assert fast[kind] == pytest.approx(exact[kind], abs=64), kind
+
+
 def test_fast_mode_computes_split_what_xla_slices_for_free():
     """gpt_logical on the Llama: the plan maps none of its activation names, so its residual stream
     is constrained whole; XLA still runs the loss, the head and the embedding's backward split over

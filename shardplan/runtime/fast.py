@@ -798,7 +798,63 @@ class _Propagator:
         if masked:
             return replace(out, partial=frozenset(rows))
         if rows:
+            regrouped = self.regroup_table(eqn, table, out, rows, batch_out, mult)
+            if regrouped is not None:
+                return regrouped
             self.reshard(eqn.invars[0], table, _without(table.dims, set(rows)), mult, "gather")
+        return out
+
+    def regroup_table(
+        self, eqn: Any, table: Val, out: Val, rows: tuple[str, ...], batch_out: list[int], mult: int
+    ) -> Val | None:
+        """A table split over its rows on axes that split the lookup's output too (a position table
+        split over the batch axis, looked up for a batch split over it). XLA's gather partitioner
+        splits the output's batch over those axes and, within each group of devices, needs the
+        table whole over them: where the table is replicated over other axes, fewer than those rows
+        split, it moves the rows' split onto them (a collective-permute of the local rows, an
+        all-gather of the rest) and looks up masked over them (an all-reduce of the output), rather
+        than gathering the table (measured: data=4,model=2 and data=8,model=2). None where that
+        does not apply."""
+        wanted = _norm(self.wants.get(eqn.outvars[0], ()), len(out.shape))
+        groups = self.ctx.split(rows)
+        free = tuple(a for a in self.ctx.mesh if a not in table.axes and a not in out.axes and a not in rows)
+        spare = self.ctx.split(free)
+        dims = list(out.dims)
+        for k in batch_out:
+            dims[k] = (*dims[k], *(a for a in wanted[k] if a in rows))
+        split = {a for k in batch_out for a in dims[k]}
+        if spare < 2 or (groups % spare and spare % groups) or split != set(rows) or not _fits(out.shape, dims, self.ctx):
+            return None
+        local = self.ctx.local(table)
+        moves = self.names.get(self.root(eqn.invars[0]), "")
+        pair = tuple(a for a in self.ctx.mesh if a in rows or a in free)
+        self.ctx.add("collective-permute", pair, local, mult, "gather", moves)
+        if groups > spare:
+            self.ctx.add("all-gather", rows, local * groups // spare, mult, "gather", moves)
+        return Val(out.shape, out.itemsize, _tuple(dims), frozenset(free))
+
+    def regroup_gradient(self, eqn: Any, target: Dims, idx: Val, updates: Val, mult: int) -> Val | None:
+        """The transpose of ``regroup_table``'s lookup: the gradient of a table wanted split over its
+        rows on the axes that split the updates' batch. XLA scatters each device's updates into the
+        rows regrouped onto the spare axes, sums that over the batch axes (an all-reduce) and moves
+        each device's rows back (a collective-permute) (measured). None where that does not apply."""
+        dn = eqn.params["dimension_numbers"]
+        inserted = tuple(dn.inserted_window_dims)
+        rows = tuple(a for i in inserted for a in target[i])
+        if not rows or any(target[i] for i in range(len(target)) if i not in inserted) or updates.partial:
+            return None
+        window = tuple(dn.update_window_dims)
+        split = {a for k, d in enumerate(updates.dims) if k not in window for a in d}
+        free = tuple(a for a in self.ctx.mesh if a not in rows and a not in updates.axes and a not in idx.axes)
+        groups, spare = self.ctx.split(rows), self.ctx.split(free)
+        if split != set(rows) or spare < 2 or (groups % spare and spare % groups):
+            return None
+        shape = tuple(eqn.outvars[0].aval.shape)
+        out = Val(shape, itemsize(eqn.outvars[0].aval), target)
+        local = self.ctx.local(out)
+        pair = tuple(a for a in self.ctx.mesh if a in rows or a in free)
+        self.ctx.add("all-reduce", rows, local * max(1, groups // spare), mult, "scatter-add")
+        self.ctx.add("collective-permute", pair, local, mult, "scatter-add")
         return out
 
     def lookup_indices(self, var: Any, idx: Val, clash: set[str], rows: tuple[str, ...], mult: int) -> Val:
@@ -858,6 +914,10 @@ class _Propagator:
                 self.reshard(eqn.invars[1], ins[1], _without(ins[1].dims, clash), mult, "scatter-add")
                 dims = [tuple(a for a in target[i] if a in clash) if i in kept else () for i in range(len(shape))]
                 return Val(shape, itemsize(out_aval), tuple(dims), frozenset(rows) | updates.partial)
+        if hint is not None and len(ins) > 2 and not operand.axes:
+            regrouped = self.regroup_gradient(eqn, _norm(hint, len(shape)), ins[1], updates, mult)
+            if regrouped is not None:
+                return regrouped
         # The result (e.g. an embedding's gradient) takes the operand's layout; updates split
         # over axes the result is not split on are summed across them.
         dims = list(operand.dims)
