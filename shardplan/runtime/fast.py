@@ -823,7 +823,8 @@ class _Propagator:
         for k in batch_out:
             dims[k] = (*dims[k], *(a for a in wanted[k] if a in rows))
         split = {a for k in batch_out for a in dims[k]}
-        if spare < 2 or (groups % spare and spare % groups) or split != set(rows) or not _fits(out.shape, dims, self.ctx):
+        fits = _fits(out.shape, _tuple(dims), self.ctx)
+        if spare < 2 or (groups % spare and spare % groups) or split != set(rows) or not fits:
             return None
         local = self.ctx.local(table)
         moves = self.names.get(self.root(eqn.invars[0]), "")
