@@ -318,6 +318,23 @@ def test_fast_mode_follows_xla_where_a_position_table_is_split_over_the_batch_ax
         assert fast[kind] == pytest.approx(exact[kind], abs=64), kind
 
 
+@pytest.mark.parametrize("table", ["(model, _)", "(_, _)"])
+def test_fast_mode_gathers_a_filled_lookups_mask_where_a_constraint_wants_its_result_whole(tmp_path, table):
+    """``jnp.take`` fills out-of-range indices: XLA lowers the lookup as a gather, a mask and a
+    select. A constraint on the result (here: whole) lays out the select, so the looked-up values
+    and the mask are gathered apart (the mask is a fifth of the bytes here)."""
+    plan = tmp_path / "whole.splan"
+    plan.write_text(f'plan "whole"\nmesh data = *, model = 2\nbatch (data, _)\nparam "embed/embedding" {table}\n'
+                    'act "embed" (_, _, _)\ndefault replicated\n')
+    models = ROOT / "tests" / "fixtures" / "lookup_models.py"
+    kw = dict(model=f"{models}:position_lookup", step=f"{models}:loss", batch=["tokens=int32[32,32]"], devices=8)
+    fast = shardplan.api.analyze(plan, mode="fast", **kw).bytes_by_kind()
+    exact = shardplan.api.analyze(plan, mode="exact", **kw).bytes_by_kind()
+    values = 32 * 32 * 128 * 4
+    assert exact["all-gather"] == values + values // 4
+    assert fast["all-gather"] == exact["all-gather"]
+
+
 def test_fast_mode_computes_split_what_xla_slices_for_free():
     """gpt_logical on the Llama: the plan maps none of its activation names, so its residual stream
     is constrained whole; XLA still runs the loss, the head and the embedding's backward split over

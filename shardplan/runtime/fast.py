@@ -164,6 +164,7 @@ class _Propagator:
         self.ignore_constraints = ignore_constraints  # propagate as if the step constrained nothing
         self.names = names  # top-level invar -> leaf path (for 'moves')
         self.hints: dict[Any, Dims] = {}
+        self.claimed: dict[Any, Dims] = {}  # values a closed sharding constraint lays out (see _claims)
         self.wants: dict[Any, Dims] = {}  # splits readers want (see _wants)
         # Whole values an elementwise op met with split ones (XLA's propagation would have computed
         # them split: slicing a whole value is free); a second propagation takes them as ``free``.
@@ -402,6 +403,8 @@ class _Propagator:
     def _hints(self, jaxpr: Any) -> None:
         """Backward pass: an elementwise chain ending in a value of known layout wants that layout
         (so a partial gradient is reduce-scattered straight into an FSDP-split update)."""
+        if not self.ignore_constraints:
+            self._claims(jaxpr)
         for eqn in reversed(jaxpr.eqns):
             if eqn.primitive.name not in ELEMENTWISE:
                 continue
@@ -411,6 +414,34 @@ class _Propagator:
             for x in eqn.invars:
                 if not hasattr(x, "val") and tuple(x.aval.shape) == tuple(eqn.outvars[0].aval.shape):
                     self.hints.setdefault(x, out)
+
+    def _claims(self, jaxpr: Any) -> None:
+        """Shardy gives a fully closed sharding constraint's layout to the op computing its operand
+        (its import pass ``apply-sharding-constraints``), unless the operand is an input or another
+        constraint reads it with another layout. See ``elementwise`` for what that changes."""
+        from shardplan.runtime.partition import constraint_target
+
+        made = {o for eqn in jaxpr.eqns for o in eqn.outvars}
+        seen: dict[Any, Dims] = {}
+        clash: set[Any] = set()
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name != "sharding_constraint":
+                continue
+            x = eqn.invars[0]
+            spec = getattr(eqn.params.get("sharding"), "spec", None)
+            unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
+            if x not in made or spec is None or any(e is unconstrained for e in spec):
+                continue
+            target = constraint_target(eqn, ((),) * len(x.aval.shape))
+            if target is None:
+                continue
+            target = _norm(target, len(x.aval.shape))
+            if seen.get(x, target) != target:
+                clash.add(x)
+            seen[x] = target
+        for x, target in seen.items():
+            if x not in clash:
+                self.claimed.setdefault(x, target)
 
     def _wants(self, jaxpr: Any) -> None:
         """Backward pass: the splits a value's readers want, from constrained activations back
@@ -439,6 +470,8 @@ class _Propagator:
                     self.hints.setdefault(inner_var, self.hints[outer_var])
                 if outer_var in self.wants and not hasattr(inner_var, "val"):
                     self.wants.setdefault(inner_var, self.wants[outer_var])
+                if outer_var in self.claimed and not hasattr(inner_var, "val"):
+                    self.claimed.setdefault(inner_var, self.claimed[outer_var])
             outer_call, self.call_source = self.call_source, self.ctx.source
             outer = self._frame
             assert outer is not None  # equations run inside a jaxpr
@@ -573,6 +606,12 @@ class _Propagator:
             self._flops(self.ctx.local(out) / out.itemsize, mult, name)
             return out
         hint = self.hints.get(eqn.outvars[0])
+        claim = self.claimed.get(eqn.outvars[0])
+        if hint is None and claim is not None and len({v.dims for _, v in full}) > 1:
+            # Computed in a constrained layout its operands do not share: XLA moves each operand to
+            # it (a select's mask and values gathered apart, its constant fill whole already);
+            # operands laid out alike are combined first and the result moved (measured).
+            hint = claim
         done = [(x, self.resolve(x, v, hint, mult, name)) for x, v in full]
         if not done:
             return _replicated(out_aval)
@@ -781,6 +820,7 @@ class _Propagator:
             self.ctx.lookups.append(self.ctx.source)
             for k in batch_out:
                 dims[k] = tuple(a for a in dims[k] if a not in clash)
+        valid = Val(shape, 1, tuple(dims))  # the fill mode's mask of valid indices: split like them
         for k, i in zip(offset, kept, strict=False):
             if k in whole:
                 dims[k] = tuple(a for a in table.dims[i] if all(a not in d for d in dims))
@@ -796,12 +836,27 @@ class _Propagator:
         if clash:
             self.lookup_indices(eqn.invars[1], idx, clash, rows if masked else (), mult)
         if masked:
-            return replace(out, partial=frozenset(rows))
+            return self.filled(eqn, replace(out, partial=frozenset(rows)), valid, mult)
         if rows:
             regrouped = self.regroup_table(eqn, table, out, rows, batch_out, mult)
             if regrouped is not None:
-                return regrouped
+                return self.filled(eqn, regrouped, valid, mult)
             self.reshard(eqn.invars[0], table, _without(table.dims, set(rows)), mult, "gather")
+        return self.filled(eqn, out, valid, mult)
+
+    def filled(self, eqn: Any, out: Val, mask: Val, mult: int) -> Val:
+        """A lookup that fills out-of-range indices (``jnp.take``'s default) is lowered as the gather,
+        a mask of the valid indices and a ``select`` of the looked-up values or the fill constant.
+        A closed constraint on the lookup's result lays out that select, whose operands differ in
+        layout (the fill is a constant): XLA moves the values and the mask to the constraint's
+        layout apart (measured: a residual constrained whole gathers both)."""
+        claim = self.claimed.get(eqn.outvars[0])
+        if claim is None or getattr(eqn.params.get("mode"), "name", "") != "FILL_OR_DROP":
+            return out
+        if out.dims == claim and not out.partial:
+            return out
+        out = self.to_layout(eqn.outvars[0], out, claim, mult, "gather")
+        self.reshard(("fill mask", eqn.outvars[0]), mask, claim, mult, "gather")
         return out
 
     def regroup_table(
