@@ -191,14 +191,17 @@ def _step_cost(res: dict) -> list[str]:
         "in plans/ x both model families; a family's model is the GPT (`gpt_small`, annotated for the logical "
         "plan) or the Llama (`llama_small`, scanned under remat for the scan plan). Communication is bytes per "
         "device per step by kind (CPU all-reduces that every device only slices counted as reduce-scatters).",
-        "Where fast mode and XLA still differ (the rows missed above): a lookup whose table and indices share an "
-        "axis (the 2-D plans' embedding) has XLA permute the indices and gather them in stages (a few KB; fast "
-        "mode counts one all-gather of them and says so in its notes); the learned position table is looked up "
-        "at constant positions, which XLA turns into a slice moved by collective-permutes; under a residual "
-        "constrained whole (gpt_logical on the Llama, whose activation names the plan does not map) XLA gathers "
-        "the lookup's fill mask apart from its values. (Under llama_sp the CPU program sums the embedding's "
-        "gradient over one axis, then the other, then slices it per device: exact mode reads that first sum as "
-        "the reduce-scatter it is, since sums commute.)",
+        "Lookups, where XLA's gather partitioner decides (each followed in fast mode, found by reading the "
+        "compiled programs and checked on other meshes in tests/test_stepcost.py): a table whose width and the "
+        "batch share an axis (the 2-D plans' embedding) has its indices moved onto the table's row axis "
+        "(collective-permute), gathered over the rest of the batch axis, then over the rows; a table split over "
+        "its rows on the batch axis (the 2-D GPT's position table) has that split moved onto the spare axis, a "
+        "masked lookup all-reduced over it, and its gradient permuted back; a residual constrained whole "
+        "(gpt_logical on the Llama, whose activation names the plan does not map) gathers the lookup's values "
+        "and its fill mask apart. XLA orders its ways of partitioning a gather by a dry-run cost that depends "
+        "on the sizes, which fast mode does not reproduce: its notes say so for such lookups. (Under llama_sp "
+        "the CPU program sums the embedding's gradient over one axis, then the other, then slices it per "
+        "device: exact mode reads that first sum as the reduce-scatter it is, since sums commute.)",
         "",
         "Memory traffic (bytes read and written in device memory per step; no target: fast mode assumes an "
         "accelerator's fusion, and XLA:CPU stores more intermediates; docs/stepcost.md compares it with a GPU's "
