@@ -865,11 +865,11 @@ class _Propagator:
         """A table split over its rows on axes that split the lookup's output too (a position table
         split over the batch axis, looked up for a batch split over it). XLA's gather partitioner
         splits the output's batch over those axes and, within each group of devices, needs the
-        table whole over them: where the table is replicated over other axes, fewer than those rows
-        split, it moves the rows' split onto them (a collective-permute of the local rows, an
-        all-gather of the rest) and looks up masked over them (an all-reduce of the output), rather
-        than gathering the table (measured: data=4,model=2 and data=8,model=2). None where that
-        does not apply."""
+        table whole over them: where the table is replicated over other axes whose size divides, or
+        is divided by, the rows' split, it moves the rows' split onto them (a collective-permute of
+        the local rows, an all-gather of the rest where the rows' split is the larger) and looks up
+        masked over them (an all-reduce of the output), rather than gathering the table (measured:
+        data=2,4,8 x model=2,4, three batch sizes). None where that does not apply."""
         wanted = _norm(self.wants.get(eqn.outvars[0], ()), len(out.shape))
         groups = self.ctx.split(rows)
         free = tuple(a for a in self.ctx.mesh if a not in table.axes and a not in out.axes and a not in rows)
@@ -919,8 +919,9 @@ class _Propagator:
         XLA's gather partitioner groups the devices by the width split and keeps the indices split
         over the row axes within each group: a collective-permute moves the batch's split onto the
         row axes, an all-gather collects the rest of it, and an all-gather over the row axes makes
-        the indices whole (measured on data=4,8,16 x model=2 and data=4,8 x model=4). Where the
-        batch's split is smaller than the rows' XLA picks another way (fast mode's notes say so)."""
+        the indices whole (measured on data=4,8,16 x model=2 and data=4,8 x model=4). XLA picks
+        another way where the batch's split is smaller than the rows', and at other sizes (its
+        gather partitioner orders its ways by a dry-run cost): fast mode's notes say so."""
         target = _without(idx.dims, clash)
         held = self.ctx.split(tuple(a for a in idx.axes if a in clash))
         groups = self.ctx.split(tuple(a for a in rows if a not in idx.axes))
