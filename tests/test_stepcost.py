@@ -300,19 +300,24 @@ def test_fast_mode_follows_xla_through_a_2d_plan_on_a_scanned_model():
     assert any("lookups in a table split over an axis" in n for n in fast.notes)
 
 
+def lookup_bytes(tmp_path, model_axis, rule, embed_layout):
+    """Bytes per collective kind, fast and exact, of tests/fixtures/lookup_models.py under a plan
+    with ``rule`` and its token lookup's result constrained to ``embed_layout``, on 8 devices."""
+    plan = tmp_path / "lookup.splan"
+    plan.write_text(f'plan "lookup"\nmesh data = *, model = {model_axis}\nbatch (data, _)\n{rule}\n'
+                    f'act "embed" {embed_layout}\ndefault replicated\n')
+    models = ROOT / "tests" / "fixtures" / "lookup_models.py"
+    kw = dict(model=f"{models}:position_lookup", step=f"{models}:loss", batch=["tokens=int32[32,32]"], devices=8)
+    return tuple(shardplan.api.analyze(plan, mode=m, **kw).bytes_by_kind() for m in ("fast", "exact"))
+
+
 @pytest.mark.parametrize("model_axis", [2, 4])
 def test_fast_mode_follows_xla_where_a_position_table_is_split_over_the_batch_axis(tmp_path, model_axis):
     """A position table split over its rows on `data`, looked up for a batch split over `data`: XLA
     moves the rows' split onto `model` (collective-permute; all-gathers the rest where `data` is
     larger), looks up masked and all-reduces the output over `model`; the gradient is all-reduced
     over `data` and permuted back. Fast mode once gathered the whole table instead."""
-    plan = tmp_path / "pos.splan"
-    plan.write_text(f'plan "pos"\nmesh data = *, model = {model_axis}\nbatch (data, _)\n'
-                    'param "pos_embed/embedding" (data, _)\nact "embed" (data, _, _)\ndefault replicated\n')
-    models = ROOT / "tests" / "fixtures" / "lookup_models.py"
-    kw = dict(model=f"{models}:position_lookup", step=f"{models}:loss", batch=["tokens=int32[32,32]"], devices=8)
-    fast = shardplan.api.analyze(plan, mode="fast", **kw).bytes_by_kind()
-    exact = shardplan.api.analyze(plan, mode="exact", **kw).bytes_by_kind()
+    fast, exact = lookup_bytes(tmp_path, model_axis, 'param "pos_embed/embedding" (data, _)', "(data, _, _)")
     assert exact["collective-permute"] > 0 and exact["all-reduce"] > 200_000
     for kind in ("collective-permute", "all-gather", "all-reduce", "reduce-scatter"):
         assert fast[kind] == pytest.approx(exact[kind], abs=64), kind
@@ -323,13 +328,7 @@ def test_fast_mode_gathers_a_filled_lookups_mask_where_a_constraint_wants_its_re
     """``jnp.take`` fills out-of-range indices: XLA lowers the lookup as a gather, a mask and a
     select. A constraint on the result (here: whole) lays out the select, so the looked-up values
     and the mask are gathered apart (the mask is a fifth of the bytes here)."""
-    plan = tmp_path / "whole.splan"
-    plan.write_text(f'plan "whole"\nmesh data = *, model = 2\nbatch (data, _)\nparam "embed/embedding" {table}\n'
-                    'act "embed" (_, _, _)\ndefault replicated\n')
-    models = ROOT / "tests" / "fixtures" / "lookup_models.py"
-    kw = dict(model=f"{models}:position_lookup", step=f"{models}:loss", batch=["tokens=int32[32,32]"], devices=8)
-    fast = shardplan.api.analyze(plan, mode="fast", **kw).bytes_by_kind()
-    exact = shardplan.api.analyze(plan, mode="exact", **kw).bytes_by_kind()
+    fast, exact = lookup_bytes(tmp_path, 2, f'param "embed/embedding" {table}', "(_, _, _)")
     values = 32 * 32 * 128 * 4
     assert exact["all-gather"] == values + values // 4
     assert fast["all-gather"] == exact["all-gather"]
