@@ -989,6 +989,14 @@ class _Propagator:
             for od, idd in batching:
                 if ins[1].shape[idd] == shape[od]:
                     dims[od] = ins[1].dims[idd]
+            if hint is not None and not any(dims):
+                # A gradient wanted split over its rows (a table split over its vocabulary): each
+                # device scatters only the updates that fall in its own rows (XLA drops the others),
+                # so the sum over the updates' split is over that device's rows (measured).
+                moving = updates.axes | ins[1].axes | updates.partial
+                target = _norm(hint, len(shape))
+                for i in tuple(dn.inserted_window_dims):
+                    dims[i] = tuple(a for a in target[i] if a not in moving)
         out = Val(shape, itemsize(out_aval), tuple(dims))
         pending = frozenset(a for d in updates.dims for a in d if a not in out.axes) | updates.partial
         if len(ins) > 2 and not tuple(getattr(dn, "scatter_indices_batching_dims", ())):
