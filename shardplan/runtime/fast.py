@@ -881,13 +881,21 @@ class _Propagator:
         fits = _fits(out.shape, _tuple(dims), self.ctx)
         if spare < 2 or (groups % spare and spare % groups) or split != set(rows) or not fits:
             return None
-        local = self.ctx.local(table)
-        moves = self.names.get(self.root(eqn.invars[0]), "")
-        pair = tuple(a for a in self.ctx.mesh if a in rows or a in free)
-        self.ctx.add("collective-permute", pair, local, mult, "gather", moves)
-        if groups > spare:
-            self.ctx.add("all-gather", rows, local * groups // spare, mult, "gather", moves)
+        self.move_split(eqn.invars[0], self.ctx.local(table), rows, free, mult)
         return Val(out.shape, out.itemsize, _tuple(dims), frozenset(free))
+
+    def move_split(self, var: Any, local: int, held: tuple[str, ...], spare: tuple[str, ...], mult: int) -> int:
+        """A value split over ``held`` moved onto ``spare`` axes (which it is not split over) as XLA's
+        gather partitioner regroups devices: a collective-permute of each device's ``local`` bytes,
+        then an all-gather over ``held`` of what the spare axes cannot take (where ``held`` splits
+        more). Returns the bytes each device then holds."""
+        moves = self.names.get(self.root(var), "")
+        n, m = self.ctx.split(held), self.ctx.split(spare)
+        pair = tuple(a for a in self.ctx.mesh if a in held or a in spare)  # in mesh order, as XLA's groups
+        self.ctx.add("collective-permute", pair, local, mult, "gather", moves)
+        if n > m:
+            self.ctx.add("all-gather", held, local * n // m, mult, "gather", moves)
+        return local * max(1, n // m)
 
     def regroup_gradient(self, eqn: Any, target: Dims, idx: Val, updates: Val, mult: int) -> Val | None:
         """The transpose of ``regroup_table``'s lookup: the gradient of a table wanted split over its
@@ -928,15 +936,10 @@ class _Propagator:
         key = ("reshard", self.key(var), target)
         if groups == 1 or held < groups or held % groups or key in self.ctx.cache:
             return self.reshard(var, idx, target, mult, "gather")
-        local = self.ctx.local(idx)
-        moves = self.names.get(self.root(var), "")
-        axes = tuple(sorted(clash & idx.axes))
+        axes = tuple(a for a in self.ctx.mesh if a in clash and a in idx.axes)
         row_axes = tuple(a for a in rows if a not in idx.axes)
-        pair = tuple(a for a in self.ctx.mesh if a in axes or a in row_axes)  # in mesh order, as XLA's groups
-        self.ctx.add("collective-permute", pair, local, mult, "gather", moves)
-        if held > groups:
-            self.ctx.add("all-gather", axes, local * held // groups, mult, "gather", moves)
-        self.ctx.add("all-gather", row_axes, local * held, mult, "gather", moves)
+        regrouped = self.move_split(var, self.ctx.local(idx), axes, row_axes, mult)
+        self.ctx.add("all-gather", row_axes, regrouped * groups, mult, "gather", self.names.get(self.root(var), ""))
         out = Val(idx.shape, idx.itemsize, target)
         self.ctx.cache[key] = out
         return out
