@@ -59,7 +59,7 @@ def pallas_cost(eqn: Any) -> KernelCost:
     # A grid dim given as a traced value (a numpy integer too) is an operand of the call, leading
     # its operands: its size is known where that operand is a literal.
     bounds = iter(eqn.invars[: int(getattr(gm, "num_dynamic_grid_bounds", 0) or 0)])
-    sizes = [_static(g) if _static(g) is not None else _literal(next(bounds, None)) for g in gm.grid]
+    sizes = [size if (size := _static(g)) is not None else _literal(next(bounds, None)) for g in gm.grid]
     if any(g is None for g in sizes):  # a grid dim set at run time: counted as one step
         notes.append(f"kernel {name}: a grid dimension set at run time is counted as 1 (a lower bound)")
     grid = tuple(1 if g is None else g for g in sizes)
@@ -358,7 +358,8 @@ def fused_attention_cost(eqn: Any) -> KernelCost:
     pairs = float(t) * s
     mask = str(eqn.params.get("mask_type", ""))
     if "CAUSAL" in mask:  # query i sees keys 0..i (queries and keys end-aligned)
-        pairs = sum(float(max(0, min(s, s - t + i + 1))) for i in range(t))
+        first = max(s - t + 1, 1)  # keys seen by the first query that sees any, then one more each
+        pairs = float(s * (s + 1) - (first - 1) * first) / 2
     flops = 2.0 * _ATTENTION_MATMULS[pass_] * b * n * pairs * h
     exps = float(b) * n * pairs
     read = sum(_size(x.aval) * itemsize(x.aval) for x in eqn.invars)
