@@ -1,6 +1,8 @@
 """`shardplan lsp` end to end with pytest-lsp: open, edit (an error introduced and fixed),
-hover on a rule, completion, go to definition of `extends`, formatting."""
+hover on a rule, completion, go to definition of `extends`, formatting; model code runs only
+when the client trusts the workspace, and only from inside it."""
 
+import contextlib
 import sys
 import time
 
@@ -9,7 +11,9 @@ import pytest_lsp
 from lsprotocol import types
 from pytest_lsp import ClientServerConfig, LanguageClient
 
+from shardplan.errors import Diagnostic
 from shardplan.lang.fmt import format_text
+from shardplan.tools import trust
 from tests.helpers import PLANS, ROOT
 
 MODEL = f"{ROOT / 'examples' / 'models.py'}:gpt_tiny"
@@ -23,10 +27,19 @@ default replicated
 '''
 
 
-@pytest_lsp.fixture(config=ClientServerConfig(server_command=[sys.executable, "-m", "shardplan", "lsp"]))
+CONFIG = ClientServerConfig(server_command=[sys.executable, "-m", "shardplan", "lsp"])
+
+
+def init(folders, options) -> types.InitializeParams:
+    return types.InitializeParams(
+        capabilities=types.ClientCapabilities(), initialization_options=options,
+        workspace_folders=[types.WorkspaceFolder(uri=f.as_uri(), name=f.name) for f in folders])
+
+
+@pytest_lsp.fixture(config=CONFIG)
 async def client(lsp_client: LanguageClient):
-    await lsp_client.initialize_session(types.InitializeParams(capabilities=types.ClientCapabilities(),
-                                                               initialization_options={"devices": 8}))
+    # The example models live in the repository: it is the (trusted) workspace.
+    await lsp_client.initialize_session(init([ROOT], {"devices": 8, "trustModelCode": True}))
     yield
     await lsp_client.shutdown_session()
 
@@ -80,3 +93,128 @@ async def test_hover_completion_definition_formatting(client: LanguageClient, tm
     edits = await client.text_document_formatting_async(types.DocumentFormattingParams(
         text_document=types.TextDocumentIdentifier(uri=uri), options=types.FormattingOptions(2, True)))
     assert len(edits) == 1 and edits[0].new_text == format_text(TEXT)
+
+
+# A model whose import and call leave files behind: proof of whether its code ran.
+MODEL_PY = """
+from pathlib import Path
+Path(__file__).with_name("imported.txt").write_text("the model module was imported")
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Tiny(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones((8, 4)))
+
+
+def tiny():
+    Path(__file__).with_name("called.txt").write_text("the factory was called")
+    return Tiny()
+"""
+PLAN = """# shardplan: --model {model} --devices 8
+plan "p"
+mesh data = *, model = 2
+param "w" (_, model)
+param "nothing/here" (model, _)
+default replicated
+"""
+
+
+@contextlib.asynccontextmanager
+async def session(folders, **options):
+    """A server of its own, initialized with these workspace folders and options."""
+    lsp = await CONFIG.start()
+    await lsp.initialize_session(init(folders, options))
+    try:
+        yield lsp
+    finally:
+        await lsp.shutdown_session()
+        await lsp.stop()
+
+
+def seen(lsp: LanguageClient, uri: str) -> list[tuple[str, int, types.DiagnosticSeverity]]:
+    return [(d.code, d.range.start.line, d.severity) for d in lsp.diagnostics[uri]]
+
+
+def write_model(folder, name="m.py"):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(MODEL_PY)
+    return folder / name
+
+
+@pytest.mark.asyncio
+async def test_an_untrusted_workspace_runs_no_model_code_and_says_how_to_enable_it(tmp_path):
+    write_model(tmp_path)
+    async with session([tmp_path], devices=8) as lsp:  # no trustModelCode: the default
+        uri = await opened(lsp, tmp_path / "p.splan", PLAN.format(model="m.py:tiny"))
+        assert not (tmp_path / "imported.txt").exists() and not (tmp_path / "called.txt").exists()
+        (notice,) = lsp.diagnostics[uri]  # one diagnostic; no unused-rule: not checked against the model
+        assert notice.code == "model-not-run" and notice.range.start.line == 0
+        assert notice.severity == types.DiagnosticSeverity.Information
+        assert '"trustModelCode": true' in notice.message and "Manage Workspace Trust" in notice.message
+        # Every edit: still nothing run, still that one notice.
+        await edit(lsp, uri, 2, PLAN.format(model="m.py:tiny").replace("(_, model)", "(model, _)"))
+        assert [d.code for d in lsp.diagnostics[uri]] == ["model-not-run"]
+        assert not (tmp_path / "imported.txt").exists()
+
+
+@pytest.mark.asyncio
+async def test_a_trusted_workspace_builds_its_model_and_an_untrusted_one_then_reads_the_cache(tmp_path):
+    write_model(tmp_path)
+    text = PLAN.format(model="m.py:tiny")
+    async with session([tmp_path], devices=8, trustModelCode=True) as lsp:
+        uri = await opened(lsp, tmp_path / "p.splan", text)
+        assert (tmp_path / "called.txt").exists()  # built: the test above would see it if run untrusted
+        assert seen(lsp, uri) == [("unused-rule", 4, types.DiagnosticSeverity.Warning)]
+    (tmp_path / "imported.txt").unlink()
+    (tmp_path / "called.txt").unlink()
+    # Untrusted, the shapes come from the cache the trusted build filled: checked, nothing run.
+    async with session([tmp_path], devices=8) as lsp:
+        uri = await opened(lsp, tmp_path / "p.splan", text)
+        assert seen(lsp, uri) == [("unused-rule", 4, types.DiagnosticSeverity.Warning)]
+        assert not (tmp_path / "imported.txt").exists() and not (tmp_path / "called.txt").exists()
+
+
+@pytest.mark.asyncio
+async def test_a_package_module_is_found_in_the_workspace_without_importing_it(tmp_path):
+    pkg = tmp_path / "mypkg"
+    write_model(pkg, "mod.py")
+    (pkg / "__init__.py").write_text("open(__file__ + '.ran', 'w').write('imported')\n")
+    text = PLAN.format(model="mypkg.mod:tiny")
+    async with session([tmp_path], devices=8) as lsp:
+        uri = await opened(lsp, tmp_path / "p.splan", text)
+        assert [d.code for d in lsp.diagnostics[uri]] == ["model-not-run"]
+        assert list(tmp_path.rglob("*.ran")) == [] and not (pkg / "imported.txt").exists()
+    async with session([tmp_path], devices=8, trustModelCode=True) as lsp:
+        uri = await opened(lsp, tmp_path / "p.splan", text)
+        assert seen(lsp, uri) == [("unused-rule", 4, types.DiagnosticSeverity.Warning)]
+        assert (pkg / "called.txt").exists() and (pkg / "__init__.py.ran").exists()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("model, why", [
+    ("../outside/m.py:tiny", "outside the workspace folders"),
+    (None, "outside the workspace folders"),  # the same file by its absolute path
+    ("json:loads", "is not in the workspace folders"),  # an installed module
+])
+async def test_a_model_outside_the_workspace_is_refused_even_when_trusted(tmp_path, model, why):
+    outside = write_model(tmp_path / "outside")
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    async with session([workspace], devices=8, trustModelCode=True) as lsp:
+        uri = await opened(lsp, workspace / "p.splan", PLAN.format(model=model or f"{outside}:tiny"))
+        (refused,) = lsp.diagnostics[uri]
+        assert refused.code == "bad-model-arg" and refused.range.start.line == 0 and why in refused.message
+        assert refused.severity == types.DiagnosticSeverity.Error
+        assert not (outside.parent / "imported.txt").exists()
+
+
+def test_a_symlink_out_of_the_workspace_is_refused(tmp_path):
+    outside = write_model(tmp_path / "outside")
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "m.py").symlink_to(outside)
+    got = trust.locate("m.py:tiny", tmp_path / "ws", [(tmp_path / "ws").resolve()])
+    assert isinstance(got, Diagnostic) and "outside the workspace folders" in got.message
+    ok = trust.locate("m.py:tiny", tmp_path / "outside", [(tmp_path / "outside").resolve()])
+    assert not isinstance(ok, Diagnostic) and ok.file == outside.resolve()
