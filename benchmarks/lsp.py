@@ -1,6 +1,8 @@
 """The language server as an editor drives it: `shardplan lsp` over stdio, the 40-rule MoE plan
 checked against the 99,092-leaf MoE state (an NNX model whose params are section 1's, Adam state
-derived) read back from the shapes cache, timed from each edit sent to its diagnostics received."""
+derived) read back from the shapes cache, timed from each edit sent to its diagnostics received;
+then the same edits while the plan also holds a rule that matches nothing (its unused-rule warning
+on every check). The servers are told the workspace (the model's folder) is trusted."""
 
 from __future__ import annotations
 
@@ -69,6 +71,10 @@ def moe():
 """
 
 
+# A plausible rule that matches nothing in this model (no fused qkv projection): on every check.
+UNUSED = 'param "blocks/\\d+/attn/qkv/kernel" (_, model)\n'
+
+
 def _edits(text: str) -> list[tuple[str, str]]:
     """What a user does while typing: an axis name misspelt and fixed, a rule's regex broken so
     it matches nothing and fixed, a spec changed and restored."""
@@ -88,8 +94,26 @@ def _edits(text: str) -> list[tuple[str, str]]:
     return out[:EDITS]
 
 
+async def _timed(client: LanguageClient, got: asyncio.Queue, uri: str, version: int, edits: list) -> tuple[list, list]:
+    """Each edit sent, timed to its diagnostics; the codes each edit got."""
+    times, codes = [], []
+    for v, (what, new) in enumerate(edits, start=version):
+        t = time.perf_counter()
+        client.text_document_did_change(
+            types.DidChangeTextDocumentParams(
+                text_document=types.VersionedTextDocumentIdentifier(uri=uri, version=v),
+                content_changes=[types.TextDocumentContentChangeWholeDocument(text=new)],
+            )
+        )
+        done, diags = await asyncio.wait_for(got.get(), 120)
+        times.append(done - t)
+        codes.append((what, sorted({str(d.code) for d in diags})))
+    return times, codes
+
+
 async def _session(folder: Path, layers: int) -> dict:
-    """One server: opened (its first check), then every edit timed."""
+    """One server: opened (its first check), then every edit timed; then the same edits with a
+    rule that matches nothing in the plan."""
     text = "# shardplan: --model moe_model.py:moe --devices 32 --optimizer adam\n" + plan_text()
     plan = folder / "moe.splan"
     plan.write_text(text)
@@ -103,7 +127,13 @@ async def _session(folder: Path, layers: int) -> dict:
 
     await client.start_io(sys.executable, "-m", "shardplan", "lsp")
     try:
-        await client.initialize_async(types.InitializeParams(capabilities=types.ClientCapabilities()))
+        await client.initialize_async(
+            types.InitializeParams(
+                capabilities=types.ClientCapabilities(),
+                workspace_folders=[types.WorkspaceFolder(uri=folder.as_uri(), name="bench")],
+                initialization_options={"trustModelCode": True},  # the model is built by the first server
+            )
+        )
         client.initialized(types.InitializedParams())
         t = time.perf_counter()
         client.text_document_did_open(
@@ -114,18 +144,11 @@ async def _session(folder: Path, layers: int) -> dict:
         done, first = await asyncio.wait_for(got.get(), 600)
         open_s = done - t
         assert not [d for d in first if d.severity == types.DiagnosticSeverity.Error], first
-        times, codes = [], []
-        for version, (what, new) in enumerate(_edits(text), start=2):
-            t = time.perf_counter()
-            client.text_document_did_change(
-                types.DidChangeTextDocumentParams(
-                    text_document=types.VersionedTextDocumentIdentifier(uri=uri, version=version),
-                    content_changes=[types.TextDocumentContentChangeWholeDocument(text=new)],
-                )
-            )
-            done, diags = await asyncio.wait_for(got.get(), 120)
-            times.append(done - t)
-            codes.append((what, sorted({str(d.code) for d in diags})))
+        times, codes = await _timed(client, got, uri, 2, _edits(text))
+        with_unused = text.replace("default replicated\n", UNUSED + "default replicated\n")
+        assert with_unused != text
+        await _timed(client, got, uri, 2 + EDITS, [("unused rule", with_unused)])  # its first check, untimed
+        unused_times, unused_codes = await _timed(client, got, uri, 3 + EDITS, _edits(with_unused))
         await client.shutdown_async(None)
         client.exit(None)
     finally:
@@ -134,8 +157,12 @@ async def _session(folder: Path, layers: int) -> dict:
     for what, c in codes:
         want = {"unused rule": ["unused-rule"], "unknown axis": ["unknown-axis"]}.get(what, [])
         assert c == want, (what, c)
+    for what, c in unused_codes:  # reported after every edit the plan checks against the model after
+        want = {"unknown axis": ["unknown-axis"]}.get(what, ["unused-rule"])
+        assert c == want, (what, c)
     return {"open_s": open_s, "edit_median_s": statistics.median(times), "edit_max_s": max(times),
-            "edits": len(times)}
+            "edits": len(times), "unused_edit_median_s": statistics.median(unused_times),
+            "unused_edit_max_s": max(unused_times), "unused_edits": len(unused_times)}
 
 
 def run(quick: bool) -> dict:
