@@ -6,6 +6,7 @@ written (nothing coerced)."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -111,9 +112,11 @@ def test_shapes_files_of_arbitrary_bytes(data):
 
 
 # -- command-line flags ------------------------------------------------------------------------
-numbers = st.one_of(st.integers(-10, 10**6).map(str), st.integers().map(str),
-                    st.sampled_from(["nan", "inf", "-inf", "1e400", "0", "-0", "1e3", "0x10", " 8", "8 ", "", "٨"]),
-                    st.floats(allow_nan=True, allow_infinity=True).map(str))
+NASTY_NUMBERS = ["nan", "NaN", "inf", "-inf", "Infinity", "1e400", "1e999", "0", "-0", "-0.0", "1e3", "0x10", " 8",
+                 "8 ", "", "٨", "²", "８", "٣٢", "8_0", "ⅷ", "1" * 40]
+numbers = st.one_of(st.integers(-10, 10**6).map(str), st.integers().map(str), st.sampled_from(NASTY_NUMBERS),
+                    st.floats(allow_nan=True, allow_infinity=True).map(str),
+                    st.text(st.characters(categories=["Nd", "No", "Nl"]), min_size=1, max_size=3))
 sizes = st.one_of(numbers, st.builds(lambda n, u: f"{n}{u}", numbers, st.sampled_from(["", "B", "KB", "GiB", "TB",
                                                                                           "XB", "gib"])))
 meshes = st.one_of(
@@ -172,6 +175,45 @@ def test_check_flags_never_escape(plan_name, flags):
             if name in last:
                 with contextlib.suppress(ValueError):
                     assert math.isfinite(float(last[name].rstrip("BKMGTiIbkmgt"))), (name, last[name])
+
+
+def _typed_flags():
+    """(subcommand path, flag, type) for every flag of every subcommand that converts its text."""
+    out = []
+
+    def walk(parser, prefix):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, prefix + [name])
+            elif action.type is not None and action.option_strings:
+                out.append((tuple(prefix), action.option_strings[-1], action.type))
+
+    walk(cli.build_parser(), [])
+    return out
+
+
+TYPED = _typed_flags()
+
+
+def test_every_numeric_flag_is_fuzzed():
+    """The flags converted by a type (the `int(`/`float(` of user input): at least launch's and check's."""
+    names = {flag for _, flag, _ in TYPED}
+    assert {"--devices", "--failure-grace", "--timeout", "-n", "--max-replicated-fraction", "--step"} <= names
+    assert all(t not in (int, float) for _, _, t in TYPED), "int/float accept nan, inf, '٣' and '1_0'"
+
+
+@MANY
+@given(st.sampled_from(TYPED), numbers)
+def test_numeric_flags_take_finite_ascii_numbers_or_exit_2(typed, text):
+    _, flag, convert = typed
+    try:
+        value = convert(text)
+    except argparse.ArgumentTypeError:  # argparse prints it at the flag and exits 2
+        return
+    assert text.isascii() and math.isfinite(value) and value >= 0, (flag, text, value)
+    if isinstance(value, int):
+        assert text.strip().isdigit(), (flag, text)
 
 
 def test_run_main_reports_what_escapes(monkeypatch):

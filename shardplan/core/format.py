@@ -24,7 +24,7 @@ def fmt_bytes(n: float) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """``80GB`` (10^9), ``80GiB`` (2^30), ``512MiB``, ``1e9`` -> bytes.
+    """``80GB`` (10^9), ``80GiB`` (2^30), ``512MiB``, ``1e9B`` -> bytes. A unit is required.
 
     Raises:
         ValueError: not a size.
@@ -38,12 +38,16 @@ def parse_bytes(text: str) -> int:
         raise ValueError(f"cannot read a size from '{text}' (write e.g. 80GB or 16GiB)") from None
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"'{text}' is not a size (a finite, non-negative number)")
-    unit = (m.group(2) or "").upper().rstrip("B")
+    if not m.group(2):  # '80' is 80 bytes to a machine and 80 GB to a person: say which
+        raise ValueError(f"'{text}' has no unit: write e.g. {text.strip()}GB, {text.strip()}GiB or {text.strip()}B")
+    unit = m.group(2).upper().rstrip("B")
     scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}.get(
         unit
     )
     if scale is None:
         raise ValueError(f"unknown unit in '{text}'")
+    if not value * scale < 2**80:  # 1e308TB: finite before the unit, not after
+        raise ValueError(f"'{text}' is not a size a device could have (at most about 10^24 bytes)")
     return int(value * scale)
 
 

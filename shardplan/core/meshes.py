@@ -34,7 +34,7 @@ def parse_mesh_arg(text: str) -> dict[str, int | None]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, eq, size = part.partition("=")
         name, size = name.strip(), size.strip()
-        if not eq or not name.isidentifier() or not (size == "*" or size.isdigit()):
+        if not eq or not name.isidentifier() or not (size == "*" or (size.isascii() and size.isdigit())):
             raise as_error(
                 [
                     error(

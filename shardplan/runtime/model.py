@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ import optax
 from flax import nnx
 
 from shardplan.core import optimizers
+from shardplan.core.frames import user_frame
 from shardplan.core.shapes import shapes_json
 from shardplan.errors import ShardPlanError, as_error, error
 from shardplan.runtime.tree import flatten
@@ -94,16 +96,21 @@ def load_factory(spec: str, what: str = "--model") -> Callable[..., Any]:
             sys.modules[mod_name] = module
             loader_spec.loader.exec_module(module)
         else:
+            # As `python -m` does: a package in the working directory imports (examples.models:gpt_tiny
+            # from a repository's root), where a console script's sys.path starts at its bin folder.
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())
             module = importlib.import_module(target)
     except ShardPlanError:
         raise
     except Exception as e:
+        frame = user_frame(e.__traceback__)
         raise as_error(
             [
                 error(
                     "model-import",
-                    f"importing '{target}' failed: {type(e).__name__}: {e}",
-                    "fix the model module, or check with --shapes from dump_shapes",
+                    f"importing '{target}' failed{' at ' + frame if frame else ''}: {type(e).__name__}: {e}",
+                    f"fix the model module{' at ' + frame if frame else ''}, or check with --shapes from dump_shapes",
                     path=what,
                 )
             ]
@@ -125,6 +132,31 @@ def _attribute(module: Any, target: str, name: str, what: str) -> Callable[..., 
             ]
         )
     return fn
+
+
+def _callable_without_arguments(factory: Any, path: str) -> None:
+    """A factory is called with no arguments: one that needs some is named before it is called."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a signature Python cannot read: let the call say
+        return
+    needs = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if needs:
+        raise as_error(
+            [
+                error(
+                    "model-build",
+                    f"the factory takes arguments ({', '.join(needs)}); shardplan calls it with none",
+                    "name a function that builds the model with no arguments, e.g. "
+                    "def make(): return MyModel(Config(), nnx.Rngs(0))",
+                    path=path,
+                )
+            ]
+        )
 
 
 @contextlib.contextmanager
@@ -160,18 +192,21 @@ def abstract_model(factory, *, path: str = "--model") -> Any:
     ``nnx.with_partitioning`` build without a mesh; the annotations stay in metadata.
     ``path`` names the factory in the error when building fails.
     """
+    _callable_without_arguments(factory, path)
     try:
         with nnx.use_eager_sharding(False), quiet_tracer_origins():
             built = nnx.eval_shape(factory)
     except ShardPlanError:
         raise
-    except Exception as e:
+    except Exception as e:  # the user's code: their error at their line
+        frame = user_frame(e.__traceback__)
         raise as_error(
             [
                 error(
                     "model-build",
-                    f"building the model abstractly failed: {type(e).__name__}: {e}",
-                    "the factory must build an nnx.Module with no arguments",
+                    f"building the model failed{' at ' + frame if frame else ''}: {type(e).__name__}: {e}",
+                    f"fix the model code{' at ' + frame if frame else ''}; the factory is called with no "
+                    "arguments under nnx.eval_shape (shapes only: no array is allocated)",
                     path=path,
                 )
             ]
@@ -208,6 +243,7 @@ def abstract_model_and_optimizer(
     factory: Callable[[], Any], tx: optax.GradientTransformation | None, *, wrt: Any = nnx.Param, path: str = "--model"
 ) -> tuple[Any, Any]:
     """(model, ``nnx.Optimizer`` or None) built abstractly: shapes only."""
+    _callable_without_arguments(factory, path)
 
     def build():
         model = factory()

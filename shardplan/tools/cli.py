@@ -56,6 +56,42 @@ def _quiet_absl() -> None:
         pass
 
 
+def _count(text: str) -> int:
+    """An argparse type: a positive whole number in ASCII digits (``int`` accepts '٣' and ' 3_0 ')."""
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a positive whole number (e.g. 8)")
+    return int(text)
+
+
+def _index(text: str) -> int:
+    """An argparse type: a whole number >= 0 in ASCII digits (a checkpoint step)."""
+    if not (text.isascii() and text.isdigit()):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number >= 0 (e.g. 100)")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0 (not nan, inf or 1e999)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not text.isascii() or not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds (a finite number >= 0, e.g. 30)")
+    return value
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number between 0 and 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not text.isascii() or not 0 <= value <= 1:  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(f"'{text}' is not a fraction between 0 and 1 (e.g. 0.1)")
+    return value
+
+
 def _bytes_arg(text: str | None, flag: str) -> int | None:
     if text is None:
         return None
@@ -471,6 +507,29 @@ def cmd_launch(args, out: Console, err: Console) -> int:
     return code
 
 
+# Codes that, located at a flag, mean the command line itself is malformed or contradicts itself.
+_USAGE_CODES = frozenset(
+    {
+        "bad-mesh-arg",
+        "bad-model-arg",
+        "bad-argument",
+        "unknown-optimizer",
+        "unknown-chip",
+        "bad-axis-types",
+        "axis-size",
+        "two-inferred-sizes",
+        "mesh-devices",
+        "mesh-needs-devices",
+    }
+)
+
+
+def _is_usage(e: ShardPlanError) -> bool:
+    """Exit 2, not 1: every error is a malformed or contradictory flag, located at that flag."""
+    errors = e.errors
+    return bool(errors) and all(d.code in _USAGE_CODES and (d.path or "").startswith("-") for d in errors)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardplan", description="Sharding plans for Flax NNX models.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -483,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("plan", help="the .splan file")
     c.add_argument("--mesh", help="axis sizes replacing the plan's mesh, e.g. data=32,model=8")
-    c.add_argument("--devices", type=int, help="device count for a '*' mesh axis (default: local devices)")
+    c.add_argument("--devices", type=_count, help="device count for a '*' mesh axis (default: local devices)")
     src = c.add_argument_group("model (one of)")
     src.add_argument("--model", help="FILE.py:FACTORY or package.module:FACTORY; built with nnx.eval_shape")
     src.add_argument("--shapes", help="a shapes JSON written by shardplan.dump_shapes")
@@ -523,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--locked", metavar="LOCK", help="fail with a diff when the layout differs from this lock file")
     g.add_argument(
         "--max-replicated-fraction",
-        type=float,
+        type=_fraction,
         metavar="F",
         help="fail when more than this fraction of parameter bytes is whole on every device",
     )
@@ -535,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
         src.add_argument("--shapes", help="a shapes JSON written by shardplan.dump_shapes")
         src.add_argument("--no-cache", action="store_true", help="rebuild the model's shapes (skip the shapes cache)")
         q.add_argument("--mesh", help="axis sizes replacing the plans' meshes, e.g. data=4,model=2")
-        q.add_argument("--devices", type=int, help="device count for '*' mesh axes (default: local devices)")
+        q.add_argument("--devices", type=_count, help="device count for '*' mesh axes (default: local devices)")
         q.add_argument("--optimizer", choices=(*optimizers.NAMES, "recorded"), default="adam")
 
     df = sub.add_parser(
@@ -614,10 +673,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--mesh", help="axis sizes replacing the plan's mesh")
     v.add_argument("--optimizer", choices=optimizers.NAMES, default="adam")
     v.add_argument("--batch", action="append", help="an input leaf to place, NAME=8x16:int32 (repeatable)")
-    v.add_argument("--simulate-devices", type=int, help="simulated CPU devices (e.g. 8)")
+    v.add_argument("--simulate-devices", type=_count, help="simulated CPU devices (e.g. 8)")
     v.add_argument("--axis-types", choices=("auto", "explicit"), default="auto")
     v.add_argument("--expand", action="store_true", help="one row per layer")
-    v.add_argument("--visualize", type=int, default=4, help="how many arrays to draw (default 4)")
+    v.add_argument("--visualize", type=_index, default=4, help="how many arrays to draw (default 4)")
     v.set_defaults(func=cmd_show)
 
     lo = sub.add_parser(
@@ -631,7 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--backend", choices=backends.NAMES, default="shard_map")
     lo.add_argument("-o", "--output", help="write the module here (default: print it)")
     lo.add_argument("--mesh", help="axis sizes replacing the plan's mesh")
-    lo.add_argument("--devices", type=int, help="device count for a '*' axis (default: local devices)")
+    lo.add_argument("--devices", type=_count, help="device count for a '*' axis (default: local devices)")
     lo.add_argument("--optimizer", choices=[n for n in optimizers.NAMES if n != "none"], default="adamw")
     lo.add_argument("--batch", action="append", help="an input leaf NAME=16x16:int32 (repeatable)")
     lo.add_argument(
@@ -643,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--loss",
         help="FILE.py:FUNC loss_fn(model, batch) for --report (default: LM loss on 'tokens', else mean square)",
     )
-    lo.add_argument("--simulate-devices", type=int, help="simulated CPU devices (e.g. 8)")
+    lo.add_argument("--simulate-devices", type=_count, help="simulated CPU devices (e.g. 8)")
     lo.set_defaults(func=cmd_lower)
 
     la = sub.add_parser(
@@ -652,15 +711,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run N processes with simulated CPU devices and gloo collectives on "
         "127.0.0.1 (a free port); prefix output with the rank; fail if any rank fails.",
     )
-    la.add_argument("-n", type=int, default=2, help="number of processes (default 2)")
-    la.add_argument("--devices-per-process", type=int, default=4)
+    la.add_argument("-n", type=_count, default=2, help="number of processes (default 2)")
+    la.add_argument("--devices-per-process", type=_count, default=4)
     la.add_argument(
         "--failure-grace",
-        type=float,
+        type=_seconds,
         default=10.0,
         help="seconds the other ranks get after one fails, then they are stopped (default 10)",
     )
-    la.add_argument("--timeout", type=float, help="stop every rank after this many seconds")
+    la.add_argument("--timeout", type=_seconds, help="stop every rank after this many seconds")
     la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
     la.set_defaults(func=cmd_launch)
 
@@ -668,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
     cks = ck.add_subparsers(dest="ckpt_command", required=True)
     info = cks.add_parser("info", help="complete steps, the plan and mesh each was saved with, leaf shapes")
     info.add_argument("directory")
-    info.add_argument("--step", type=int, help="which step's leaves to list (default: the latest)")
+    info.add_argument("--step", type=_index, help="which step's leaves to list (default: the latest)")
     info.set_defaults(func=cmd_ckpt_info)
     return p
 
@@ -699,7 +758,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report.print_diagnostics(err, e.diagnostics)
         n = len(e.errors)
         err.print(f"[red]{n} error{'s' if n != 1 else ''}[/]")
-        return EXIT_ERRORS
+        return EXIT_USAGE if _is_usage(e) else EXIT_ERRORS
     except KeyboardInterrupt:
         return 130
 
