@@ -153,6 +153,9 @@ async def test_an_untrusted_workspace_runs_no_model_code_and_says_how_to_enable_
         assert notice.code == "model-not-run" and notice.range.start.line == 0
         assert notice.severity == types.DiagnosticSeverity.Information
         assert '"trustModelCode": true' in notice.message and "Manage Workspace Trust" in notice.message
+        hover = await lsp.text_document_hover_async(types.HoverParams(
+            text_document=types.TextDocumentIdentifier(uri=uri), position=types.Position(3, 2)))
+        assert "not checked against the model" in hover.contents.value
         # Every edit: still nothing run, still that one notice.
         await edit(lsp, uri, 2, PLAN.format(model="m.py:tiny").replace("(_, model)", "(model, _)"))
         assert [d.code for d in lsp.diagnostics[uri]] == ["model-not-run"]

@@ -67,6 +67,7 @@ class _State:
     resolution: Resolution | None = None
     logical: tuple[str, ...] = ()
     options: dict[str, Any] = field(default_factory=dict)
+    not_run: bool = False  # a model is named, and its code was not run (an untrusted workspace)
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def validate(uri: str, text: str) -> list[types.Diagnostic]:
     """Parse, check and (with a model) resolve; keep what hover and completion need."""
     path = _path(uri)
     state = _states.setdefault(uri, _State())
-    state.resolution = None  # until this text is checked against a model
+    state.resolution, state.not_run = None, False  # until this text is checked against a model
     found: list[Diagnostic] = []
     notice: types.Diagnostic | None = None
     where: Span | None = None
@@ -155,6 +156,7 @@ def validate(uri: str, text: str) -> list[types.Diagnostic]:
         shapes = _shapes(state.options, path.parent, where)
         found += shapes.problems
         notice, state.logical = shapes.notice, shapes.logical
+        state.not_run = notice is not None
         if shapes.leaves is not None:
             mesh = parse_mesh_arg(state.options["mesh"]) if state.options.get("mesh") else None
             devices = int(state.options["devices"]) if state.options.get("devices") else None
@@ -190,7 +192,7 @@ def _shapes(options: dict[str, Any], folder: Path, where: Span | None) -> _Shape
             hit = _kept(("model", source.cache_spec, optimizer), fresh, lambda: _model(source, optimizer, where))
             if hit is not None:
                 return _Shapes(hit[0], hit[1])
-            notice = _not_run(str(model), shapes, where)
+            notice = _not_run(source.spec, shapes, where)
     if shapes:
         read = _kept(
             ("shapes", shapes, optimizer), _stat(shapes), lambda: api.model_leaves(shapes=shapes, optimizer=optimizer)
@@ -302,7 +304,9 @@ def hover(ls: LanguageServer, params: types.HoverParams) -> types.Hover | None:
     if rule is None:
         return None
     head = f"**{rule.kind}** `{rule.pattern}` -> `{rule.spec}`"
-    if state.resolution is None:
+    if state.resolution is None and state.not_run:
+        body = "not checked against the model: its code runs only in a trusted workspace (see the notice)"
+    elif state.resolution is None:
         body = "no model: name one with `# shardplan: --model FILE.py:FACTORY` to see what this rule decides"
     else:
         decided = [d for d in state.resolution.decisions if d.how == "rule" and d.origin == rule.origin]
