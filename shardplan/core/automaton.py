@@ -29,6 +29,7 @@ import re2
 MAX_NFA_STATES = 50_000  # larger rule sets resolve leaf by leaf
 MAX_DFA_STATES = 20_000  # a blow-up past this gives up (Unsupported) mid-walk
 MAX_RULES = 2_000
+ANY = r"[\x{0}-\x{10ffff}]"  # every character, newlines too (RE2's '.' leaves them out)
 
 # Text where RE2 and Python's parser disagree on structure, or that we do not model.
 _REFUSE = re.compile(r"\[:|\{,|\\[QEpPzCAbBZxNuUG0-9]|\(\?(?!:|P<)")
@@ -78,6 +79,25 @@ def _class_source(op, av) -> str:
     raise Unsupported(str(op))
 
 
+def _parse(pattern: str):
+    """Python's parse of ``pattern``, where both engines read its structure alike."""
+    if _REFUSE.search(pattern):
+        raise Unsupported("refused")
+    parsed = _p.parse(pattern)
+    if parsed.state.flags & ~(_c.SRE_FLAG_UNICODE):
+        raise Unsupported("flags")
+    return list(parsed)
+
+
+def _holds_any(nfa: _NFA, cls: int, chars: set[str]) -> bool:
+    """Whether class ``cls`` holds one of ``chars``."""
+    lit = nfa.lits.get(cls)
+    if lit is not None:
+        return lit in chars
+    rx = re2.compile(nfa.classes[cls])
+    return any(rx.fullmatch(c) is not None for c in chars)
+
+
 class _NFA:
     def __init__(self) -> None:
         self.eps: list[list[int]] = []
@@ -85,6 +105,7 @@ class _NFA:
         self.accept: dict[int, int] = {}  # state -> rule index
         self.classes: list[str] = []
         self.class_ids: dict[str, int] = {}
+        self.lits: dict[int, str] = {}  # class id -> its one character, for a literal
 
     def new(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
@@ -93,11 +114,13 @@ class _NFA:
         self.edges.append([])
         return len(self.eps) - 1
 
-    def cls(self, source: str) -> int:
+    def cls(self, source: str, lit: str | None = None) -> int:
         hit = self.class_ids.get(source)
         if hit is None:
             hit = self.class_ids[source] = len(self.classes)
             self.classes.append(source)
+            if lit is not None:
+                self.lits[hit] = lit
         return hit
 
     def seq(self, items, cur: int) -> int:
@@ -105,7 +128,8 @@ class _NFA:
         for op, av in items:
             if op in (_c.LITERAL, _c.NOT_LITERAL, _c.ANY, _c.IN):
                 nxt = self.new()
-                self.edges[cur].append((self.cls(_class_source(op, av)), nxt))
+                lit = chr(av) if op is _c.LITERAL else None
+                self.edges[cur].append((self.cls(_class_source(op, av), lit), nxt))
                 cur = nxt
             elif op is _c.SUBPATTERN:
                 _group, add_flags, del_flags, sub = av
@@ -156,7 +180,9 @@ class Automaton:
         self._text: dict[tuple[int, str], int] = {}
         self._hits: list[tuple[int, ...]] = []
         self._member: dict[tuple[int, str], bool] = {}
-        self._compiled = [re2.compile(src) for src in nfa.classes]
+        self._live: dict[tuple[int, str], str] = {}
+        self._lits = [nfa.lits.get(i) for i in range(len(nfa.classes))]
+        self._compiled = [re2.compile(src) if self._lits[i] is None else None for i, src in enumerate(nfa.classes)]
         self.dead = self._intern(frozenset())
         self.start = self._intern(self._closure(starts))
 
@@ -169,14 +195,54 @@ class Automaton:
         starts = []
         try:
             for i, pattern in enumerate(patterns):
-                if _REFUSE.search(pattern):
-                    return None
-                parsed = _p.parse(pattern)
-                if parsed.state.flags & ~(_c.SRE_FLAG_UNICODE):
-                    return None
                 start = nfa.new()
                 starts.append(start)
-                nfa.accept[nfa.seq(list(parsed), start)] = i
+                nfa.accept[nfa.seq(_parse(pattern), start)] = i
+            return Automaton(nfa, starts)
+        except (Unsupported, re.error, RecursionError, OverflowError, re2.error):
+            return None
+
+    @staticmethod
+    def near(patterns: Sequence[str], alphabets: Sequence[str]) -> Automaton | None:
+        """An automaton for near misses: accepting index ``2 * i`` where part of the text matches
+        pattern ``i`` (RE2's ``search``), ``2 * i + 1`` where one edit to the text (a character
+        left out, replaced by one of ``alphabets[i]``, or one of them added) makes it a full
+        match. None where a pattern is one ``build`` refuses."""
+        if len(patterns) > MAX_RULES:
+            return None
+        nfa = _NFA()
+        starts = []
+        try:
+            anyc = nfa.cls(ANY)
+            for i, (pattern, alphabet) in enumerate(zip(patterns, alphabets, strict=True)):
+                parsed = _parse(pattern)
+                # Search: anything, the pattern, anything.
+                head, body, tail = nfa.new(), nfa.new(), nfa.new()
+                nfa.edges[head].append((anyc, head))
+                nfa.eps[head].append(body)
+                nfa.eps[nfa.seq(parsed, body)].append(tail)
+                nfa.edges[tail].append((anyc, tail))
+                nfa.accept[tail] = 2 * i
+                starts.append(head)
+                # One edit: the pattern's states twice, the copy reached by the one edit allowed.
+                lo = len(nfa.eps)
+                start = nfa.new()
+                end = nfa.seq(parsed, start)
+                off = len(nfa.eps) - lo
+                for _ in range(off):
+                    nfa.new()
+                allowed = set(alphabet)
+                for s in range(lo, lo + off):
+                    nfa.eps[s + off] = [t + off for t in nfa.eps[s]]
+                    nfa.edges[s + off] = [(c, t + off) for c, t in nfa.edges[s]]
+                    edited = [(anyc, s + off)]  # a character of the text left out
+                    for c, t in nfa.edges[s]:
+                        if _holds_any(nfa, c, allowed):
+                            edited.append((anyc, t + off))  # replaced by one the pattern reads here
+                            nfa.eps[s].append(t + off)  # one the pattern reads here, added
+                    nfa.edges[s] += edited
+                nfa.accept[end + off] = 2 * i + 1
+                starts.append(start)
             return Automaton(nfa, starts)
         except (Unsupported, re.error, RecursionError, OverflowError, re2.error):
             return None
@@ -208,10 +274,21 @@ class Automaton:
         return hit
 
     def _in(self, cls: int, ch: str) -> bool:
+        lit = self._lits[cls]
+        if lit is not None:
+            return lit == ch
         key = (cls, ch)
         hit = self._member.get(key)
         if hit is None:
-            hit = self._member[key] = self._compiled[cls].fullmatch(ch) is not None
+            hit = self._member[key] = self._compiled[cls].fullmatch(ch) is not None  # type: ignore[union-attr]
+        return hit
+
+    def live(self, state: int, alphabet: str) -> str:
+        """The characters of ``alphabet`` (in its order) after which ``state`` is not dead."""
+        key = (state, alphabet)
+        hit = self._live.get(key)
+        if hit is None:
+            hit = self._live[key] = "".join(c for c in alphabet if self._step_char(state, c) != self.dead)
         return hit
 
     def _step_char(self, state: int, ch: str) -> int:

@@ -9,16 +9,20 @@ module adds the trail that led there.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import re2
 
+from shardplan.core.automaton import Automaton, Unsupported
 from shardplan.core.leaves import Decision, Leaf
+from shardplan.core.matching import RuleSet
 from shardplan.core.plan import Plan, Rule, RuleKind
 
 _EDIT_CHARS = "_/-.0123456789"
 MAX_EDIT_PATH = 300  # one-character edits are tried on paths up to this long (bounded work)
+NEAR_RULES = 256  # unused rules up to this many get their near misses from one automaton walk
 
 _DIGITS = str.maketrans("0123456789", "0000000000")
 
@@ -57,8 +61,9 @@ def _full(pattern: str, text: str) -> bool:
     return _regex(pattern).fullmatch(text) is not None
 
 
-def near_miss(pattern: str, path: str) -> str:
-    """How ``pattern`` could match ``path`` after a small change, or ''."""
+def near_miss(pattern: str, path: str, auto: Automaton | None = None) -> str:
+    """How ``pattern`` could match ``path`` after a small change, or ''. ``auto`` (the
+    pattern's own automaton) narrows the one-character edits tried to those that can match."""
     rx = _regex(pattern)
     if rx.fullmatch(path):
         return ""
@@ -75,15 +80,51 @@ def near_miss(pattern: str, path: str) -> str:
         )
     if len(path) > MAX_EDIT_PATH:
         return ""
-    alphabet = sorted(set(_EDIT_CHARS) | {c for c in pattern if c.isalnum()})
-    for i in range(len(path) + 1):
-        for kind, edited in _edits(path, i, alphabet):
-            if rx.fullmatch(edited):
-                return f"it would match '{edited}', the path with {kind}: check the rule's spelling"
+    alphabet = _alphabet(pattern)
+    found = _first_edit(auto, path, alphabet) if auto is not None else None
+    if found is None or not rx.fullmatch(found[1]):  # none, or RE2 disagrees: RE2 decides
+        found = next((e for i in range(len(path) + 1) for e in _edits(path, i, alphabet) if rx.fullmatch(e[1])), None)
+    if found is not None:
+        return f"it would match '{found[1]}', the path with {found[0]}: check the rule's spelling"
     return ""
 
 
-def _edits(path: str, i: int, alphabet: list[str]):
+def _alphabet(pattern: str) -> str:
+    """The characters a one-character edit may put in: separators, digits, the pattern's own."""
+    return "".join(sorted(set(_EDIT_CHARS) | {c for c in pattern if c.isalnum()}))
+
+
+def _first_edit(auto: Automaton, path: str, alphabet: str) -> tuple[str, str] | None:
+    """The first edit in ``_edits``' order whose result ``auto`` accepts, trying only what can
+    match: an edit comes at or before the first character the pattern cannot continue with
+    (the prefix before it is unchanged), and only a character that keeps the pattern alive is
+    put in. A few dozen automaton steps instead of thousands of RE2 matches."""
+    dead = auto.dead
+    before = [auto.start]  # the state after path[:i], while alive
+    for ch in path:
+        state = auto.step(before[-1], ch)
+        if state == dead:
+            break
+        before.append(state)
+
+    def accepts(state: int, j: int) -> bool:
+        return state != dead and bool(auto.hits(auto.step(state, path[j:])))
+
+    for i, state in enumerate(before):
+        live = auto.live(state, alphabet)
+        if i < len(path):
+            if accepts(state, i + 1):
+                return f"its '{path[i]}' at column {i + 1} left out", path[:i] + path[i + 1 :]
+            for c in live:
+                if c != path[i] and accepts(auto.step(state, c), i + 1):
+                    return f"'{c}' for its '{path[i]}' at column {i + 1}", path[:i] + c + path[i + 1 :]
+        for c in live:
+            if accepts(auto.step(state, c), i):
+                return f"'{c}' added at column {i + 1}", path[:i] + c + path[i:]
+    return None
+
+
+def _edits(path: str, i: int, alphabet: str):
     if i < len(path):
         yield f"its '{path[i]}' at column {i + 1} left out", path[:i] + path[i + 1 :]
         for c in alphabet:
@@ -112,6 +153,63 @@ def nearest(pattern: str, paths: list[str]) -> str:
         if hint:
             return f"{p}: {hint}"
     return ""
+
+
+def first_hits(auto: Automaton, paths: Iterable[str]) -> dict[int, str]:
+    """For each accepting index of the near automaton, the first of ``paths`` that reaches it
+    (one-edit indices only on paths ``near_miss`` would edit). Read key by key, as the shared
+    resolution walks a tree, so both give the same answer."""
+    out: dict[int, str] = {}
+    step, hits, start = auto.step, auto.hits, auto.start
+    for path in paths:
+        state = start
+        for j, k in enumerate(path.split("/")):
+            state = step(state, f"/{k}" if j else k)
+        record(out, hits(state), path)
+    return out
+
+
+def record(out: dict[int, str], hits: tuple[int, ...], path: str) -> None:
+    """Note ``path`` as the first for each index in ``hits`` that has none yet."""
+    for h in hits:
+        if h not in out and (h % 2 == 0 or len(path) <= MAX_EDIT_PATH):
+            out[h] = path
+
+
+def near_misses(
+    ruleset: RuleSet, unused: Sequence[int], walk: Callable[[Automaton], dict[int, str]]
+) -> dict[int, str] | None:
+    """The near miss of each unused rule, by index (absent where none is found): the first path
+    (in leaf order) that it matches in part, else the first that one edit would make it match.
+
+    ``walk(auto)`` runs the near automaton (``Automaton.near`` over the unused rules) over every
+    path of the model: accepting index -> first path (``first_hits``, or the same on a shared
+    tree). The automata are built once per plan. None where the rules are too many or a regex
+    is one the automaton does not model: the caller samples paths instead (``nearest``).
+    """
+    if len(unused) > NEAR_RULES:
+        return None
+    patterns = [ruleset.rules[i].pattern for i in unused]
+    auto = ruleset.cached(("near", tuple(unused)), lambda: Automaton.near(patterns, [_alphabet(p) for p in patterns]))
+    if auto is None:
+        return None
+    try:
+        first = walk(auto)
+    except (Unsupported, RecursionError):
+        return None
+    out: dict[int, str] = {}
+    for n, (i, pattern) in enumerate(zip(unused, patterns, strict=True)):
+        path = first.get(2 * n)
+        if path is not None:  # a search match: the hint needs no edits
+            out[i] = f"{path}: {near_miss(pattern, path)}"
+            continue
+        path = first.get(2 * n + 1)
+        if path is not None:
+            own = ruleset.cached(("one", pattern), partial(Automaton.build, [pattern]))
+            hint = near_miss(pattern, path, own)
+            if hint:
+                out[i] = f"{path}: {hint}"
+    return out
 
 
 def explain(plan: Plan, leaf: Leaf, decision: Decision) -> Explanation:

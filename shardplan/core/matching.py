@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import re2
@@ -41,6 +41,7 @@ class RuleSet(Generic[R]):
         self.rules: tuple[R, ...] = tuple(rules)
         self.blind = all(digit_blind(r.pattern) for r in rules)
         self._automaton: object = _UNBUILT
+        self._cache: dict[object, Any] = {}  # what later stages build from the rules alone (see cached)
         # One RE2 set has a memory budget (thousands of rules exceed it: "failed to compile
         # Set"); rules are compiled in chunks, halved until each fits.
         self._sets: list[tuple[int, Any]] = []
@@ -73,6 +74,13 @@ class RuleSet(Generic[R]):
         if self._automaton is _UNBUILT:
             self._automaton = Automaton.build([r.pattern for r in self.rules])
         return self._automaton  # type: ignore[return-value]
+
+    def cached(self, key: object, build: Callable[[], Any]) -> Any:
+        """``build()``, once per rule set and ``key``: work that depends only on the rules
+        (the near-miss automata of ``shardplan.core.explain``) is done once per plan."""
+        if key not in self._cache:
+            self._cache[key] = build()
+        return self._cache[key]
 
     def key(self, path: str) -> str:
         """What a match can depend on: the path, with digits zeroed when every rule is digit-blind."""

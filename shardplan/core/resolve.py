@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from shardplan.core.explain import nearest
+from shardplan.core.automaton import Automaton
+from shardplan.core.explain import first_hits, near_misses, nearest
 from shardplan.core.format import fmt_bytes, fmt_shape
 from shardplan.core.leaves import Decision, How, Leaf, Resolution, Role
 from shardplan.core.meshes import closest
@@ -27,8 +28,8 @@ from shardplan.core.spec import REPLICATED, Spec
 from shardplan.errors import Diagnostic, PlanCheckError, error, warning
 
 DEFAULT_REPLICATED_THRESHOLD = 64 * 2**20  # bytes; a larger replicated tensor is warned about
-MAX_NEAR_MISSES = 20  # unused rules per kind whose near miss is searched for
-SAMPLE = 5000  # distinct match keys (paths) a near miss is searched among
+MAX_NEAR_MISSES = 20  # unused rules per kind whose near miss is searched for, where sampled
+SAMPLE = 5000  # distinct match keys (paths) a sampled near miss is searched among
 
 
 class _Resolver:
@@ -81,12 +82,12 @@ class _Resolver:
         for i, axes in enumerate(spec.dims):
             n = math.prod(self.mesh[a] for a in axes) if axes else 1
             if leaf.shape[i] % n:
-                sizes = " x ".join(f"{a}={self.mesh[a]}" for a in axes)
+                sizes = " x ".join(f"{a}={self.mesh[a]}" for a in axes) + (f" = {n}" if len(axes) > 1 else "")
                 self.diags.append(
                     error(
                         "indivisible",
                         f"{leaf.path} has shape {fmt_shape(leaf.shape)}: dim {i} ({leaf.shape[i]}) "
-                        f"is not divisible by {sizes} ({n}) from {what}",
+                        f"is not divisible by {sizes} from {what}",
                         f"split dim {i} over axes whose sizes divide {leaf.shape[i]}, leave it whole (_), "
                         "or change the mesh",
                         span=span,
@@ -322,10 +323,20 @@ class _Resolver:
         )
 
     # -- rule usage warnings -------------------------------------------------------------
-    def usage(self, kind: RuleKind, what: str, sample: Callable[[], list[str]] | None = None) -> None:
-        """Unused and shadowed rules of one kind. Near misses are searched among the paths of the
-        first distinct match keys (``sample`` gives them where the memo holds fewer)."""
-        rules = self.plan.rule_sets[kind].rules
+    def usage(
+        self,
+        kind: RuleKind,
+        what: str,
+        sample: Callable[[], list[str]] | None = None,
+        walk: Callable[[Automaton], dict[int, str]] | None = None,
+    ) -> None:
+        """Unused and shadowed rules of one kind. An unused rule's near miss comes from one
+        automaton run over every path (``explain.near_misses``; ``walk`` runs it over a shared
+        tree, by default it reads the distinct match keys' paths). Where the automaton does not
+        model the rules, near misses are searched among the paths of the first distinct match
+        keys (``sample`` gives them where the memo holds fewer), for the first few rules."""
+        ruleset = self.plan.rule_sets[kind]
+        rules = ruleset.rules
         matched = [0] * len(rules)
         decided = [0] * len(rules)
         first_path: dict[int, str] = {}
@@ -339,14 +350,16 @@ class _Resolver:
                     shadowed_by.setdefault(i, win)
             if win >= 0:
                 decided[win] += count
-        paths: list[str] | None = None
-        searched = 0  # near misses for the first few unused rules only: bounded work for huge plans
+        unused = [i for i in range(len(rules)) if not matched[i]]
+        seen = self.seen[kind]
+        hints = near_misses(ruleset, unused, walk or (lambda auto: first_hits(auto, (p for _, p in seen.values()))))
+        if hints is None:  # sampled: near misses for the first few unused rules only (bounded work)
+            paths = sample() if sample is not None else [p for _, p in list(seen.values())[:SAMPLE]]
+            found = {i: nearest(rules[i].pattern, paths) for i in unused[:MAX_NEAR_MISSES]} if paths else {}
+            hints = {i: near for i, near in found.items() if near}
         for i, r in enumerate(rules):
             if not matched[i]:
-                if paths is None:
-                    paths = sample() if sample is not None else [p for _, p in list(self.seen[kind].values())[:SAMPLE]]
-                near = nearest(r.pattern, paths) if paths and searched < MAX_NEAR_MISSES else ""
-                searched += 1
+                near = hints.get(i, "")
                 self.diags.append(
                     warning(
                         "unused-rule",

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from shardplan.core.automaton import Automaton, Unsupported
+from shardplan.core.explain import record
 from shardplan.core.leaves import Decision, Decisions, Leaf, Node, Resolution, leaves_of, paths
 from shardplan.core.plan import Plan
 from shardplan.core.resolve import (
@@ -224,6 +225,29 @@ def first_keys(tree: Tree, key: Callable[[str], str], limit: int) -> list[str]:
     return list(out.values())
 
 
+def tree_hits(auto: Automaton, tree: Tree) -> dict[int, str]:
+    """``explain.first_hits`` on a shared tree: for each accepting index of the near automaton,
+    the first leaf path (in leaf order) that reaches it, each (subtree, state) walked once (again
+    only from a shorter path: a long path gets no one-edit hint)."""
+    out: dict[int, str] = {}
+    walked: dict[tuple[int, int], int] = {}  # (subtree, state) -> the shortest path it was walked from
+
+    def walk(node: Tree, state: int, path: str) -> None:
+        if type(node) is Leaf:
+            record(out, auto.hits(state), path)
+            return
+        assert type(node) is Node
+        mark = (id(node), state)
+        if walked.get(mark, len(path) + 1) <= len(path):
+            return
+        walked[mark] = len(path)
+        for k, child in zip(node.keys, node.children, strict=True):
+            walk(child, auto.step(state, f"/{k}" if path else k), f"{path}/{k}" if path else k)
+
+    walk(tree, auto.start, "")
+    return out
+
+
 def _module_hits(plan: Plan, tree: Tree) -> set[int]:
     """``_prefix_hits`` on a shared tree: the act rules that some internal node's path matches,
     each (subtree, automaton state) walked once."""
@@ -321,7 +345,12 @@ def _shared(
     pdec = Decisions(pflat, lambda: paths(params), {})
     odec = Decisions(oflat, (lambda: paths(opt_state)) if opt_state is not None else list, w.cuts)
     if report_params:
-        r.usage("param", "param", lambda: first_keys(params, plan.rule_sets["param"].key, SAMPLE))
+        r.usage(
+            "param",
+            "param",
+            lambda: first_keys(params, plan.rule_sets["param"].key, SAMPLE),
+            lambda auto: tree_hits(auto, params),
+        )
         if plan.acts:
             r.diags += act_usage(plan, _module_hits(plan, params))
         r.axis_usage(w.leaves)
@@ -332,7 +361,12 @@ def _shared(
     if (
         oflat and opt_state is not None
     ):  # as leaf by leaf: an empty optimizer state (optax's EmptyState) has no usage to check
-        r.usage("opt", "optimizer-state leaf", lambda: first_keys(opt_state, plan.rule_sets["opt"].key, SAMPLE))
+        r.usage(
+            "opt",
+            "optimizer-state leaf",
+            lambda: first_keys(opt_state, plan.rule_sets["opt"].key, SAMPLE),
+            lambda auto: tree_hits(auto, opt_state),
+        )
     if w.passes:
         r.big_replicated(list(pdec if report_params else ()) + list(odec))
     r.flush()
