@@ -59,6 +59,7 @@ CODES: dict[str, Code] = {
         _e("bad-extends", "check", "`extends` naming a file that is not a `.splan` plan file"),
         _e("extends-too-deep", "check", "a chain of `extends` more than 32 files deep"),
         _e("cannot-read", "check", "a plan, base or shapes file that cannot be read"),
+        _e("unknown-axis-type", "check", "a mesh or mesh axis typed other than `explicit` or `auto`"),
         # a plan against shapes and devices
         _e("spec-too-long", "check", "against a model: a spec longer than the array's rank"),
         _e("indivisible", "check", "against a model or batch: a dimension not divisible by its axes' sizes"),
@@ -107,6 +108,8 @@ CODES: dict[str, Code] = {
         _e("loss-not-scalar", "apply", "the loss function does not return a float scalar"),
         _e("kernel-not-compilable", "apply", "exact mode: a custom kernel (Pallas, cuDNN) XLA:CPU cannot compile"),
         _e("sharding-mismatch", "apply", "a live array placed other than the plan says (`verify`)"),
+        _e("needs-explicit-axes", "apply", "the model's code types arrays by mesh axes the plan's mesh has as `auto`"),
+        _e("sharding-type", "apply", "JAX's sharding type check rejects an operation in the model or loss"),
         _e("not-a-checkpoint", "apply", "a checkpoint directory that is missing, not a directory, or empty"),
         _e("corrupt-checkpoint", "apply", "a checkpoint step shardplan wrote whose files are damaged (file named)"),
         _e("foreign-checkpoint", "apply", "a step folder not written by shardplan (another tool's, or stray)"),

@@ -19,6 +19,10 @@ from shardplan.errors import Diagnostic, PlanCheckError, Span, error
 MAX_DEVICES = 2**24  # 16.7M: beyond any machine built; a larger mesh or device count is a typo
 RuleKind = Literal["param", "opt", "input", "act"]
 LINKS = ("ici", "dcn")  # what a mesh axis's collectives cross: fast links in a host/slice, or the network
+# A mesh axis's type (JAX's AxisType): "auto", XLA propagates shardings; "explicit", shardings are
+# part of array types (sharding in types: out_sharding=, jax.sharding.reshard in model code).
+AXIS_TYPES = ("auto", "explicit")
+AxisTypeName = Literal["auto", "explicit"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,11 @@ class Plan:
     cache: Spec | None = None  # the ``cache`` statement: a generation cache's layout
     cache_span: Span | None = None
     acts: tuple[Rule, ...] = ()  # ``act`` rules: module outputs constrained, by module path
+    # Axis types, kept by axis name so a mesh given on the command line keeps them: the type a
+    # file gives every axis (``mesh explicit ...``), and each axis's own (``model = 2 : explicit``).
+    mesh_type: AxisTypeName = "auto"
+    axis_type_of: tuple[tuple[str, AxisTypeName], ...] = ()
+    mesh_type_span: Span | None = None
 
     @property
     def text(self) -> str:
@@ -107,6 +116,19 @@ class Plan:
     @property
     def axis_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.mesh)
+
+    def axis_type(self, name: str) -> AxisTypeName:
+        """The type of mesh axis ``name``: its own, else the mesh's, else auto."""
+        return dict(self.axis_type_of).get(name, self.mesh_type)
+
+    @property
+    def axis_types(self) -> tuple[AxisTypeName, ...]:
+        """Per mesh axis, in order, its type ("auto" or "explicit")."""
+        return tuple(self.axis_type(a.name) for a in self.mesh)
+
+    @property
+    def explicit_axes(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.mesh if self.axis_type(a.name) == "explicit")
 
     @property
     def batch_dim0_axes(self) -> tuple[str, ...]:

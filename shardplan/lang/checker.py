@@ -7,12 +7,13 @@ are kept on the plan.
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import re2
 
 from shardplan.core.backends import NAMES as BACKENDS
 from shardplan.core.meshes import MeshSizes, closest, size_problems
-from shardplan.core.plan import LINKS, MAX_DEVICES, AxisRule, MeshAxis, Plan, Rule, RuleKind
+from shardplan.core.plan import AXIS_TYPES, LINKS, MAX_DEVICES, AxisRule, AxisTypeName, MeshAxis, Plan, Rule, RuleKind
 from shardplan.core.spec import Spec
 from shardplan.errors import Diagnostic, PlanCheckError, Span, error, warning
 from shardplan.lang import syntax as ast
@@ -120,7 +121,36 @@ class _Checker:
                     "(the network between hosts or slices)",
                     a.link_span or a.span,
                 )
+        if node.type is not None:
+            self.axis_type(node.type, node.type_span or node.span, "the mesh")
+        for a in node.axes:
+            if a.type is not None:
+                self.axis_type(a.type, a.type_span or a.span, f"mesh axis '{a.name}'")
         return tuple(MeshAxis(a.name, a.size, a.span, a.link if a.link in LINKS else "ici") for a in node.axes)
+
+    def axis_type(self, kind: str, span: Span, what: str) -> None:
+        if kind in AXIS_TYPES:
+            return
+        if kind.lower() == "manual":
+            hint = (
+                "a plan's mesh axes are auto or explicit; manual axes are what shard_map makes inside its "
+                "body (backend shard_map runs the step that way by itself)"
+            )
+        else:
+            near = closest(kind, AXIS_TYPES)
+            hint = (near + " " if near else "") + (
+                "write explicit (shardings are part of array types: models that pass out_sharding= or call "
+                "jax.sharding.reshard) or auto (the default)"
+            )
+        self.err("unknown-axis-type", f"unknown axis type '{kind}' for {what}", hint, span)
+
+    def axis_types(self, node: ast.MeshNode | None) -> tuple[AxisTypeName, tuple[tuple[str, AxisTypeName], ...]]:
+        """The mesh's type and each axis's own, where written and valid."""
+        if node is None:
+            return "auto", ()
+        mesh_type = cast(AxisTypeName, node.type) if node.type in AXIS_TYPES else "auto"
+        own = tuple((a.name, cast(AxisTypeName, a.type)) for a in node.axes if a.type in AXIS_TYPES)
+        return mesh_type, own
 
     # -- specs --------------------------------------------------------------------------
     def spec(self, node: ast.SpecNode, axis_names: tuple[str, ...], where: str = "") -> Spec:
@@ -297,6 +327,7 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
         c.err(
             "no-mesh",
             "the plan declares no mesh",
+    mesh_type, axis_type_of = c.axis_types(mesh_node)
             "add a mesh statement, e.g. mesh data = *, or give one on the command line (--mesh data=8)",
             Span(m0.file, 1, 1, 1, 2),
         )
@@ -359,3 +390,6 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
         cache=cache,
         cache_span=cache_node.span if cache_node else None,
     )
+        mesh_type=mesh_type,
+        axis_type_of=axis_type_of,
+        mesh_type_span=mesh_node.type_span if mesh_node is not None else None,

@@ -46,10 +46,12 @@ def _statement(s: syntax.Statement) -> _Stmt:
         return _Stmt(f'extends "{s.path}"', "", "")
     if isinstance(s, syntax.MeshNode):
         axes = [
-            f"{a.name} = {'*' if a.size is None else a.size}" + (f" @{a.link}" if a.link is not None else "")
+            f"{a.name} = {'*' if a.size is None else a.size}"
+            + (f" @{a.link}" if a.link is not None else "")
+            + (f" : {a.type}" if a.type is not None else "")
             for a in s.axes
         ]
-        return _Stmt("mesh " + ", ".join(axes), "", "")
+        return _Stmt("mesh " + (f"{s.type} " if s.type is not None else "") + ", ".join(axes), "", "")
     if isinstance(s, syntax.BackendNode):
         return _Stmt(f"backend {s.name}", "", "")
     if isinstance(s, syntax.BatchNode):

@@ -12,6 +12,7 @@ from lark import Lark, Token, Transformer, v_args
 
 from shardplan.errors import PlanSyntaxError, Span, error
 from shardplan.lang import syntax
+from shardplan.core.plan import AXIS_TYPES
 
 # Common mistakes, recognised with Lark's match_examples: label -> (examples, hint).
 _EXAMPLES: dict[str, tuple[list[str], str]] = {
@@ -94,7 +95,14 @@ class _ToAst(Transformer):
 
     def mesh_axis(self, meta, c):
         name, size = c[0], c[1]
-        link = c[2] if len(c) > 2 else None
+    def axis_link(self, meta, c):
+        return ("link", c[0])
+
+    def axis_kind(self, meta, c):
+        return ("kind", c[0])
+
+        tags = dict(c[2:])  # ``@dcn`` and ``: explicit``, each optional
+        link, kind = tags.get("link"), tags.get("kind")
         value = None if size.type == "STAR" else int(size)
         return syntax.MeshAxisNode(
             str(name),
@@ -105,8 +113,20 @@ class _ToAst(Transformer):
             _tok_span(self.file, link) if link is not None else None,
         )
 
+            str(kind) if kind is not None else None,
+            _tok_span(self.file, kind) if kind is not None else None,
     def mesh_stmt(self, meta, c):
-        return syntax.MeshNode(tuple(c), self._s(meta))
+        kind = c[0] if isinstance(c[0], Token) else None
+        axes = tuple(c[1:] if kind is not None else c)
+        return syntax.MeshNode(
+            axes,
+            self._s(meta),
+            str(kind) if kind is not None else None,
+            _tok_span(self.file, kind) if kind is not None else None,
+        )
+    def mesh_type(self, meta, c):
+        return c[0]
+
 
     def backend_stmt(self, meta, c):
         return syntax.BackendNode(str(c[0]), self._s(meta))
@@ -243,6 +263,11 @@ def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) ->
         hint = "close the string with '\"' before the end of the line"
     source_line = lines[line - 1] if 0 < line <= len(lines) else ""
     span = Span(file, line, col, line, col + width)
+    if isinstance(exc, lark.exceptions.UnexpectedToken) and str(exc.token) in AXIS_TYPES:
+        hint = (
+            f"an axis's type follows a colon after its size (model = 2 : {exc.token}), or 'mesh' for every axis "
+            f"(mesh {exc.token} data = *, model = 2)"
+        )
     return PlanSyntaxError([error("syntax", message, hint, span=span, source_line=source_line)])
 
 

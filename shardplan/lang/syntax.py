@@ -48,12 +48,16 @@ class MeshAxisNode:
     name_span: Span
     link: str | None = None  # "@ici" / "@dcn" as written
     link_span: Span | None = None
+    type: str | None = None  # ``model = 2 : explicit``: the axis type as written
+    type_span: Span | None = None
 
 
 @dataclass(frozen=True)
 class MeshNode:
     axes: tuple[MeshAxisNode, ...]
     span: Span
+    type: str | None = None  # ``mesh explicit data = *``: every axis's type, as written
+    type_span: Span | None = None
 
 
 @dataclass(frozen=True)

@@ -1385,10 +1385,14 @@ def _fits(shape: tuple[int, ...], dims: Dims, ctx: _Ctx) -> bool:
     return len(dims) <= len(shape) and all(shape[i] % ctx.split(d) == 0 for i, d in enumerate(dims) if d)
 
 
-def _abstract_mesh(mesh: dict[str, int]) -> Any:
+def _abstract_mesh(mesh: dict[str, int], plan: Any = None) -> Any:
+    """The mesh the step is traced under: each axis typed as the plan says (auto without one)."""
     from jax.sharding import AbstractMesh, AxisType
 
-    return AbstractMesh(tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh))
+    from shardplan.runtime.mesh import jax_axis_types
+
+    kinds = jax_axis_types(plan, tuple(mesh)) if plan is not None else (AxisType.Auto,) * len(mesh)
+    return AbstractMesh(tuple(mesh.values()), tuple(mesh), axis_types=kinds)
 
 
 def analyze(
@@ -1418,10 +1422,10 @@ def analyze(
     assert opt is not None
     batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
     inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
-    acts = Activations(plan, _abstract_mesh(mesh), "auto")
+    acts = Activations(plan, _abstract_mesh(mesh, plan), "auto")
     loss_fn = acts.wrap(loss_fn)
     with cudnn_traceable():
-        check_loss(loss_fn, abs_model, batch_abs, where="--step")
+        check_loss(loss_fn, abs_model, batch_abs, where="--step", plan=plan)
         step = pure_step(loss_fn, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
         with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
             closed = jax.make_jaxpr(step)(nnx.state(abs_model), nnx.state(abs_opt), batch_abs)
@@ -1561,7 +1565,7 @@ def analyze_shard_map(
     params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
     batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
     inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
-    wrapped = Activations(plan, _abstract_mesh(mesh), "shard_map").wrap(loss_fn, mesh_context=True)
+    wrapped = Activations(plan, _abstract_mesh(mesh, plan), "shard_map").wrap(loss_fn, mesh_context=True)
     gm, state = nnx.split(abs_model)
     flat, ptree = jax.tree_util.tree_flatten(state)
     bflat, btree = jax.tree_util.tree_flatten(batch_abs)

@@ -17,7 +17,7 @@ from shardplan.runtime.distributed import require_joined
 AxisTypes = Literal["auto", "explicit"]
 
 
-def make_mesh(plan: Plan, devices: Sequence | None = None, axis_types: AxisTypes = "auto") -> Mesh:
+def make_mesh(plan: Plan, devices: Sequence | None = None, axis_types: AxisTypes | None = None) -> Mesh:
     """Build the plan's ``Mesh`` over ``devices`` (default: all devices, every process).
 
     A ``*`` axis takes the remaining devices. The device order is ``jax.make_mesh``'s,
@@ -27,8 +27,10 @@ def make_mesh(plan: Plan, devices: Sequence | None = None, axis_types: AxisTypes
     Args:
         plan: a checked plan.
         devices: the devices to use; all of ``jax.devices()`` by default.
-        axis_types: ``"auto"`` (XLA propagates shardings; the default) or ``"explicit"``
-            (shardings are part of array types, ``jax.make_mesh``'s default in this JAX).
+        axis_types: ``"auto"`` (XLA propagates shardings) or ``"explicit"`` (shardings are
+            part of array types, ``jax.make_mesh``'s default in this JAX) for every axis; by
+            default each axis's type from the plan (``mesh explicit ...``, ``model = 2 : explicit``;
+            auto where the plan says nothing).
 
     Raises:
         PlanCheckError: the mesh does not fit the devices.
@@ -37,7 +39,7 @@ def make_mesh(plan: Plan, devices: Sequence | None = None, axis_types: AxisTypes
         require_joined()  # one of several processes that did not join: never N silent copies
     devs = list(jax.devices() if devices is None else devices)
     shape = plan.mesh_shape(len(devs))
-    if axis_types not in ("auto", "explicit"):
+    if axis_types is not None and axis_types not in ("auto", "explicit"):
         raise as_error(
             [
                 error(
@@ -48,14 +50,27 @@ def make_mesh(plan: Plan, devices: Sequence | None = None, axis_types: AxisTypes
                 )
             ]
         )
-    kind = AxisType.Auto if axis_types == "auto" else AxisType.Explicit
     names, sizes = tuple(shape), tuple(shape.values())
+    kinds = jax_axis_types(plan, names, axis_types)
     if jax.process_count() > 1 and devices is None:
-        return _multi_process_mesh(names, sizes, kind, devs)
-    return jax.make_mesh(sizes, names, axis_types=(kind,) * len(names), devices=devs)
+        return _multi_process_mesh(names, sizes, kinds, devs)
+    return jax.make_mesh(sizes, names, axis_types=kinds, devices=devs)
 
 
-def _multi_process_mesh(names, sizes, kind, devs) -> Mesh:
+def jax_axis_types(plan: Plan, names: Sequence[str], override: AxisTypes | None = None) -> tuple[AxisType, ...]:
+    """JAX's AxisType of each of ``names``: ``override`` for all, else the plan's per axis."""
+    return tuple(_KINDS[override or plan.axis_type(n)] for n in names)
+
+
+_KINDS = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+
+
+def has_explicit_axes(mesh) -> bool:
+    """Whether ``mesh`` (concrete or abstract) has an Explicit axis."""
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()) or ())
+
+
+def _multi_process_mesh(names, sizes, kinds, devs) -> Mesh:
     """Across processes: trailing (model) axes inside a process where their sizes allow, the
     leading (data) axes across processes. Each axis of size s is split s = outer x inner,
     filling a process's devices from the last axis; mesh index = outer * inner_size + inner."""
@@ -83,7 +98,7 @@ def _multi_process_mesh(names, sizes, kind, devs) -> Mesh:
     k = len(sizes)
     order = [ax for pair in zip(range(k), range(k, 2 * k)) for ax in pair]  # (o0, i0, o1, i1, ...)
     arr = grid.transpose(order).reshape(sizes)
-    return Mesh(arr, names, axis_types=(kind,) * len(names))
+    return Mesh(arr, names, axis_types=kinds)
 
 
 def mesh_shape_of(mesh: Mesh) -> dict[str, int]:

@@ -48,6 +48,11 @@ _ELEMENTWISE = {
     "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient",
     "sub", "tan", "tanh", "xor", "optimization_barrier", "name",
 }  # fmt: skip
+# Equation params that carry an output sharding when traced under explicit mesh axes.
+_SHARDING_PARAMS = ("sharding", "out_sharding")
+# Layout changes of values typed by mesh axes (``jax.sharding.reshard``; ``sharding_cast`` and
+# ``mesh_cast`` in other jax releases): a reshard to the layout they name, as a constraint is.
+_RESHARDS = {"reshard", "sharding_cast", "mesh_cast"}
 # Linear in all operands together: a sum of partial sums is a partial sum.
 # ``name`` is ``checkpoint_name``: an identity tagging a value for a remat policy.
 _LINEAR_ALL = {"add", "add_any", "sub", "neg", "convert_element_type", "copy", "copy_p", "reduce_precision", "name"}
@@ -326,7 +331,10 @@ class Partitioner:
     def bind(self, eqn: Any, xs: list, **changes) -> list | None:
         if self.dry:
             return None
-        params = {**eqn.params, **changes}
+        # Inside shard_map every axis is manual: an output sharding traced under explicit axes
+        # (dot_general's out_sharding, broadcast_in_dim's and iota's sharding) names a global layout
+        # the local op cannot take; the layout is this partitioner's (see ``typed``).
+        params = {**eqn.params, **{k: None for k in _SHARDING_PARAMS if eqn.params.get(k) is not None}, **changes}
         try:
             res = eqn.primitive.bind(*xs, **params)
         except Exception as e:
@@ -345,12 +353,27 @@ class Partitioner:
             return self.elementwise(eqn, ins)
         if name != "sharding_constraint":  # rules that carry a pending sum on: not a shared one
             ins = [self.resolve(v) if v.shared and v.partial else v for v in ins]
+        if name in _RESHARDS:
+            return self.op_sharding_constraint(eqn, ins)
         rule = getattr(self, "op_" + name.replace("-", "_"), None)
         if rule is not None:
             got = rule(eqn, ins)
             if got is not None:
-                return got
-        return self.fallback(eqn, ins, f"no local rule for {name}" if rule is None else "operands' layout")
+                return self.typed(eqn, got)
+        why = f"no local rule for {name}" if rule is None else "operands' layout"
+        return self.typed(eqn, self.fallback(eqn, ins, why))
+
+    def typed(self, eqn: Any, outs: list[V]) -> list[V]:
+        """Outputs an op was told to give a sharding (``out_sharding=`` under explicit axes: a
+        matmul's, a ``jnp.zeros``'s broadcast) laid out as told, as the auto backend's XLA lays out
+        values typed by explicit axes; a pending sum is reduced (scattered where the type splits)."""
+        if not any(eqn.params.get(k) is not None for k in _SHARDING_PARAMS):
+            return outs
+        out = []
+        for v, var in zip(outs, eqn.outvars, strict=True):
+            target = typed_dims(var.aval, v.dims, self.mesh)
+            out.append(self.to(v, target) if target is not None and self.fits(v.shape, target) else v)
+        return out
 
     def fallback(self, eqn: Any, ins: list[V], why: str) -> list[V]:
         """Operands whole (sums done, splits gathered), the op run as traced: replicated outputs."""
@@ -968,6 +991,24 @@ def constraint_target(eqn: Any, dims: Dims) -> Dims | None:
         else:
             target.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
     return tuple(target)
+
+
+def typed_dims(aval: Any, dims: Dims, mesh: dict[str, int]) -> Dims | None:
+    """The layout an aval's sharding type names over the explicit axes of ``mesh`` (a dim whose
+    type names none keeps ``dims``); None when the aval is not typed by explicit axes."""
+    sharding = getattr(aval, "sharding", None)
+    explicit = set(getattr(getattr(sharding, "mesh", None), "explicit_axes", ()) or ()) & set(mesh)
+    spec = getattr(sharding, "spec", None)
+    if not explicit or spec is None or len(dims) != len(getattr(aval, "shape", ())):
+        return None
+    typed = []
+    for i in range(len(dims)):
+        entry = spec[i] if i < len(spec) else None
+        named = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        typed.append(tuple(a for a in named if a in explicit))
+    used = {a for d in typed for a in d}
+    # Explicit axes where the type says; an auto axis keeps its split where the type leaves room.
+    return tuple(t + tuple(a for a in cur if a not in explicit and a not in used) for t, cur in zip(typed, dims))
 
 
 def permuted(out: Dims, perm) -> Dims:

@@ -6,6 +6,7 @@ shard input batches. Both backends start from the :class:`Placement` made here.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardplan.core.plan import Plan
 from shardplan.errors import PlanApplyError, error
 from shardplan.runtime import specs
-from shardplan.runtime.mesh import AxisTypes, make_mesh, mesh_shape_of
+from shardplan.runtime.mesh import AxisTypes, has_explicit_axes, make_mesh, mesh_shape_of
 from shardplan.runtime.model import abstract_model_and_optimizer
 from shardplan.runtime.specs import Resolved
 
@@ -75,7 +76,7 @@ class Placement:
             nnx.update(obj, jax.tree.unflatten(treedef, pinned))
 
 
-def _ensure_mesh(plan: Plan, mesh: Mesh | None, axis_types: AxisTypes) -> Mesh:
+def _ensure_mesh(plan: Plan, mesh: Mesh | None, axis_types: AxisTypes | None) -> Mesh:
     if mesh is None:
         return make_mesh(plan, axis_types=axis_types)
     missing = [a for a in plan.axis_names if a not in mesh.axis_names]
@@ -126,7 +127,12 @@ def place(plan: Plan, tree: Any, mesh: Mesh, *, params: Any = None) -> Any:
 
 
 def shard_model(
-    plan: Plan, model: Any, optimizer: Any = None, *, mesh: Mesh | None = None, axis_types: AxisTypes = "auto"
+    plan: Plan,
+    model: Any,
+    optimizer: Any = None,
+    *,
+    mesh: Mesh | None = None,
+    axis_types: AxisTypes | None = None,
 ) -> Placement:
     """Place an existing NNX model (and ``nnx.Optimizer``) per the plan, in place.
 
@@ -153,7 +159,7 @@ def init_sharded(
     *,
     wrt=nnx.Param,
     mesh: Mesh | None = None,
-    axis_types: AxisTypes = "auto",
+    axis_types: AxisTypes | None = None,
 ) -> tuple[Any, Any, Placement]:
     """Build a model (and its ``nnx.Optimizer``) directly sharded: no device ever holds a
     whole array that the plan shards.
@@ -168,6 +174,9 @@ def init_sharded(
         tx: an optax transformation; when given, an ``nnx.Optimizer`` is built too.
         wrt: the optimizer's variable filter.
         mesh: the mesh (default: ``make_mesh(plan, axis_types=axis_types)``).
+        axis_types: every axis ``"auto"`` or ``"explicit"``; by default each as the plan says.
+            Under explicit axes the factory runs with the mesh as the mesh context, so model code
+            may call ``jax.sharding.get_abstract_mesh()`` and pass ``out_sharding=`` as it builds.
 
     Returns:
         (model, optimizer or None, placement)
@@ -180,8 +189,9 @@ def init_sharded(
 
     # Eager sharding off: annotated variables would otherwise need a mesh with their
     # *logical* names; placement comes from the plan's out_shardings instead.
-    abs_model, abs_opt = abstract_model_and_optimizer(factory, tx, wrt=wrt, path="factory")
-    with nnx.use_eager_sharding(False):
+    with mesh_context(mesh):
+        abs_model, abs_opt = abstract_model_and_optimizer(factory, tx, wrt=wrt, path="factory")
+    with nnx.use_eager_sharding(False), mesh_context(mesh):
         placement = resolve_model(plan, abs_model, abs_opt, mesh=mesh)
         gm, _ = nnx.split(abs_model)
         go = nnx.split(abs_opt)[0] if abs_opt is not None else None
@@ -196,6 +206,12 @@ def init_sharded(
     model = nnx.merge(gm, sm)
     optimizer = nnx.merge(go, so) if go is not None else None
     return model, optimizer, placement
+
+
+def mesh_context(mesh: Mesh) -> contextlib.AbstractContextManager:
+    """``jax.set_mesh(mesh)`` when ``mesh`` has explicit axes (model code typed by them reads the
+    mesh from the context); nothing otherwise, as before axis types existed."""
+    return jax.set_mesh(mesh) if has_explicit_axes(mesh) else contextlib.nullcontext()
 
 
 def shard_batch(plan: Plan, batch: Any, mesh: Mesh) -> Any:

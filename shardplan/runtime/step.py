@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import re
 import traceback
 import warnings
@@ -10,6 +11,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax._src.core import ShardingTypeError  # not exported in jax 0.10: the sharding type checker's error
 
 from shardplan.core import backends as backends_registry
 from shardplan.core import hlo
@@ -61,7 +63,7 @@ class TrainStep:
         self.fn = backends.get(name).build(placement, wrapped, model, optimizer)
 
     def _check_loss(self, model, batch) -> None:
-        check_loss(self.activations.wrap(self.loss_fn, mesh_context=True), model, batch)
+        check_loss(self.activations.wrap(self.loss_fn, mesh_context=True), model, batch, plan=self.placement.plan)
         self._checked = True
 
     def place(self, batch: Any) -> Any:
@@ -123,8 +125,82 @@ def axis_mismatch(e: BaseException, frame: str = "") -> Diagnostic | None:
     )
 
 
-def check_loss(loss_fn: Any, model: Any, batch: Any, *, where: str = "loss_fn") -> None:
+# JAX's refusal of a PartitionSpec naming an axis that is not Explicit (jnp.zeros(out_sharding=),
+# reshard, einsum(out_sharding=), .at[].get(out_sharding=)), as worded in jax 0.10.
+_NOT_EXPLICIT = re.compile(
+    r"PartitionSpec passed to (\S+) cannot contain axis names that are of type Auto or Manual\. "
+    r"Got PartitionSpec: (.+?) with axis name: (\S+) of type: AxisType\.Auto"
+)
+
+
+def explicit_mesh_line(plan: Any, axes: tuple[str, ...] = ()) -> str:
+    """The plan's ``mesh`` statement with ``axes`` (every axis when empty) typed explicit."""
+    if plan is None or not plan.mesh:
+        return "mesh explicit data = *"
+    every = not axes or set(axes) >= set(plan.axis_names)
+
+    def size(a) -> str:
+        return ("*" if a.size is None else str(a.size)) + ("" if a.link == "ici" else f" @{a.link}")
+
+    if every:
+        return "mesh explicit " + ", ".join(f"{a.name} = {size(a)}" for a in plan.mesh)
+    typed = set(axes) | set(plan.explicit_axes)
+    return "mesh " + ", ".join(f"{a.name} = {size(a)}{' : explicit' if a.name in typed else ''}" for a in plan.mesh)
+
+
+def _where_plan_says(plan: Any) -> str:
+    if plan is None or plan.mesh_span is None:
+        return ""
+    return f" (the plan's mesh line is {plan.mesh_span.file}:{plan.mesh_span.line})"
+
+
+def needs_explicit(e: BaseException, frame: str, plan: Any) -> Diagnostic | None:
+    """The diagnostic for a model that types arrays by mesh axes (``out_sharding=P("data")``,
+    ``reshard``) while the plan's mesh has those axes as auto."""
+    m = _NOT_EXPLICIT.search(str(e))
+    if m is None:
+        return None
+    op, spec, axis = m.group(1), m.group(2), m.group(3)
+    where = f" at {frame}" if frame else ""
+    every = "every axis" if plan is not None and not plan.explicit_axes else f"axis '{axis}'"
+    return error(
+        "needs-explicit-axes",
+        f"the model passes {spec} to {op}{where}, which needs mesh axis '{axis}' to be explicit "
+        f"(sharding in types), but the plan's mesh has it as auto",
+        f"type the plan's mesh axes explicit: write `{explicit_mesh_line(plan)}`{_where_plan_says(plan)}; "
+        f"`{explicit_mesh_line(plan, (axis,))}` types {every if every == 'every axis' else 'that axis'} only",
+        path=frame or "model",
+    )
+
+
+def _source_text(frame: str) -> str:
+    file, _, line = frame.rpartition(":")
+    return linecache.getline(file, int(line)).strip() if file and line.isdigit() else ""
+
+
+def sharding_type(e: BaseException, frame: str, plan: Any) -> Diagnostic | None:
+    """The diagnostic for an operation JAX's sharding type checker rejects (``ShardingTypeError``):
+    the user's line, and JAX's own advice kept whole."""
+    if not isinstance(e, ShardingTypeError):
+        return None
+    text = _source_text(frame)
+    where = f" at {frame}" + (f" ({text})" if text else "") if frame else ""
+    axes = ", ".join(plan.explicit_axes) if plan is not None and plan.explicit_axes else "explicit"
+    return error(
+        "sharding-type",
+        f"JAX's sharding type check rejects an operation{where}: {e}",
+        "follow JAX's advice above in the model or loss: give the operation its output sharding "
+        "(out_sharding=), or jax.sharding.reshard its operands first (an integer-label cross-entropy over "
+        "logits split on the vocabulary: reshard the logits to P(<batch axes>, None, None) before it); "
+        f"or type the axes involved auto in the plan (mesh axes {axes} are explicit now)",
+        path=frame or "loss_fn",
+    )
+
+
+def check_loss(loss_fn: Any, model: Any, batch: Any, *, where: str = "loss_fn", plan: Any = None) -> None:
     """The loss must trace on the model and batch (abstractly: nothing runs) and return a float scalar.
+
+    ``plan``: the plan the step runs under, named in the hints of sharding-type errors.
 
     Raises:
         PlanApplyError: it fails (naming the innermost frame of the user's code), or returns no scalar.
@@ -135,9 +211,9 @@ def check_loss(loss_fn: Any, model: Any, batch: Any, *, where: str = "loss_fn") 
         raise
     except Exception as e:  # the user's code: show their error and their frame, not ours
         frame = user_frame(e.__traceback__)
-        mismatch = axis_mismatch(e, frame)
-        if mismatch is not None:
-            raise as_error([mismatch]) from None
+        known = axis_mismatch(e, frame) or needs_explicit(e, frame, plan) or sharding_type(e, frame, plan)
+        if known is not None:
+            raise as_error([known]) from None
         raise as_error(
             [
                 error(

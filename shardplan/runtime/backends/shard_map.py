@@ -25,6 +25,7 @@ from shardplan.core.leaves import records
 from shardplan.core.lowering import Collective, Lowering, lower
 from shardplan.errors import PlanApplyError, error
 from shardplan.runtime import partition, specs
+from shardplan.runtime.mesh import has_explicit_axes
 from shardplan.runtime.placement import Placement, replicated
 
 LossFn = Callable[[Any, Any], jax.Array]
@@ -74,6 +75,15 @@ def local_grads(lowering: Lowering, loss_fn: LossFn, gm) -> Callable:
         return loss, jax.tree_util.tree_unflatten(treedef, out)
 
     return fn
+
+
+def typed_like(x: Any, explicit: bool) -> jax.ShapeDtypeStruct:
+    """The abstract value the gradient program is traced over. Under explicit axes it keeps
+    ``x``'s sharding type, so the model's sharding-typed code sees the types the auto backend's
+    step sees (the partitioner reads them as layouts and runs untyped per-device code)."""
+    if explicit:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.typeof(x).sharding)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _dims(dims, rank: int) -> partition.Dims:
@@ -132,6 +142,7 @@ class ShardMapStep:
         pspecs, bspecs = [_pspec(d) for d in param_dims], [_pspec(d) for d in batch_dims]
         record = partition.Record()
         gm, go, loss_fn, mesh_shape = self.gm, self.go, self.loss_fn, p.mesh_shape
+        explicit = has_explicit_axes(p.mesh)
 
         def step(sm, so, batch):
             flat, ptree = jax.tree_util.tree_flatten(sm)
@@ -142,8 +153,8 @@ class ShardMapStep:
                     nnx.merge(gm, jax.tree_util.tree_unflatten(ptree, fp)), jax.tree_util.tree_unflatten(btree, fb)
                 )
 
-            abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
-            babstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in bflat]
+            abstract = [typed_like(x, explicit) for x in flat]
+            babstract = [typed_like(x, explicit) for x in bflat]
             closed = jax.make_jaxpr(jax.value_and_grad(loss_of))(abstract, babstract)
             fn = jax.shard_map(
                 partition.local_step(closed, mesh_shape, param_dims, batch_dims, record),
