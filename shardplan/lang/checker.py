@@ -318,6 +318,7 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
     cache_node = c.nearest(ast.CacheNode)
 
     mesh = c.mesh(mesh_node)
+    mesh_type, axis_type_of = c.axis_types(mesh_node)
     if mesh_override is not None:
         written = {a.name: a.link for a in mesh}  # links tagged in the file carry over by name
         mesh = tuple(MeshAxis(n, s, None, written.get(n, "ici")) for n, s in mesh_override.items())
@@ -327,7 +328,6 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
         c.err(
             "no-mesh",
             "the plan declares no mesh",
-    mesh_type, axis_type_of = c.axis_types(mesh_node)
             "add a mesh statement, e.g. mesh data = *, or give one on the command line (--mesh data=8)",
             Span(m0.file, 1, 1, 1, 2),
         )
@@ -389,7 +389,7 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
         mesh_source_line=c.line(mesh_node.span) if mesh_node else "",
         cache=cache,
         cache_span=cache_node.span if cache_node else None,
-    )
         mesh_type=mesh_type,
         axis_type_of=axis_type_of,
         mesh_type_span=mesh_node.type_span if mesh_node is not None else None,
+    )

@@ -10,9 +10,9 @@ from typing import Any
 import lark
 from lark import Lark, Token, Transformer, v_args
 
+from shardplan.core.plan import AXIS_TYPES
 from shardplan.errors import PlanSyntaxError, Span, error
 from shardplan.lang import syntax
-from shardplan.core.plan import AXIS_TYPES
 
 # Common mistakes, recognised with Lark's match_examples: label -> (examples, hint).
 _EXAMPLES: dict[str, tuple[list[str], str]] = {
@@ -93,14 +93,14 @@ class _ToAst(Transformer):
     def extends_stmt(self, meta, c):
         return syntax.Extends(c[0][1:-1], self._s(meta))
 
-    def mesh_axis(self, meta, c):
-        name, size = c[0], c[1]
     def axis_link(self, meta, c):
         return ("link", c[0])
 
     def axis_kind(self, meta, c):
         return ("kind", c[0])
 
+    def mesh_axis(self, meta, c):
+        name, size = c[0], c[1]
         tags = dict(c[2:])  # ``@dcn`` and ``: explicit``, each optional
         link, kind = tags.get("link"), tags.get("kind")
         value = None if size.type == "STAR" else int(size)
@@ -111,10 +111,13 @@ class _ToAst(Transformer):
             _tok_span(self.file, name),
             str(link) if link is not None else None,
             _tok_span(self.file, link) if link is not None else None,
-        )
-
             str(kind) if kind is not None else None,
             _tok_span(self.file, kind) if kind is not None else None,
+        )
+
+    def mesh_type(self, meta, c):
+        return c[0]
+
     def mesh_stmt(self, meta, c):
         kind = c[0] if isinstance(c[0], Token) else None
         axes = tuple(c[1:] if kind is not None else c)
@@ -124,9 +127,6 @@ class _ToAst(Transformer):
             str(kind) if kind is not None else None,
             _tok_span(self.file, kind) if kind is not None else None,
         )
-    def mesh_type(self, meta, c):
-        return c[0]
-
 
     def backend_stmt(self, meta, c):
         return syntax.BackendNode(str(c[0]), self._s(meta))
@@ -259,15 +259,15 @@ def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) ->
         width = 1
         message = "unexpected end of file"
     hint = _EXAMPLES[label][1] if label else "see docs/language.md for the statements a plan may contain"
-    if isinstance(exc, lark.exceptions.UnexpectedCharacters) and text[exc.pos_in_stream or 0 :][:1] == '"':
-        hint = "close the string with '\"' before the end of the line"
-    source_line = lines[line - 1] if 0 < line <= len(lines) else ""
-    span = Span(file, line, col, line, col + width)
     if isinstance(exc, lark.exceptions.UnexpectedToken) and str(exc.token) in AXIS_TYPES:
         hint = (
             f"an axis's type follows a colon after its size (model = 2 : {exc.token}), or 'mesh' for every axis "
             f"(mesh {exc.token} data = *, model = 2)"
         )
+    if isinstance(exc, lark.exceptions.UnexpectedCharacters) and text[exc.pos_in_stream or 0 :][:1] == '"':
+        hint = "close the string with '\"' before the end of the line"
+    source_line = lines[line - 1] if 0 < line <= len(lines) else ""
+    span = Span(file, line, col, line, col + width)
     return PlanSyntaxError([error("syntax", message, hint, span=span, source_line=source_line)])
 
 
