@@ -238,3 +238,70 @@ def test_split_over_size_one_axes_is_still_replicated_for_the_warning():
     leaves = [Leaf("big", (1024, 1024), "float32", 4)]
     res = resolve_leaves(plan, {"d": 8, "m": 1}, leaves, replicated_threshold=2**20)
     assert only(res.warnings, "large-replicated").path == "big"
+
+
+def _experts(layers: int, experts: int) -> dict:
+    x = jax.ShapeDtypeStruct((8, 16), np.float32)
+    return {"blocks": {str(i): {"attn": {"kernel": x}, "experts": {str(e): {"up": {"kernel": x}, "up_bias": x}
+                                                                      for e in range(experts)}}
+                       for i in range(layers)}}
+
+
+MISSPELT = ('mesh d = *\nparam "blocks/\\d+/experts/(9|10)/up/kernal" (_, d)\n'
+            'param "experts/3/up/kernel" (_, d)\nparam "blocks/\\d+/expert/\\d+/up_bias" replicated\n'
+            'param "blocks/\\d+/attn/kernel" (_, d)\ndefault replicated\n')
+
+
+def test_unused_rule_hint_names_the_nearest_path_of_its_own_expert():
+    """Three misspelt rules, each told the path it nearly matches: expert 10 (not expert 0) for
+    a rule naming experts 9 and 10, the same leaf by leaf and on the shared tree."""
+    from shardplan.core.shared import resolve_tree
+
+    plan = shardplan.loads(MISSPELT, "m.splan")
+    params = _experts(12, 16)
+    leaves = sp_tree.flatten(params)[0]
+    for res in (resolve_leaves(plan, {"d": 8}, leaves), resolve_tree(plan, {"d": 8}, sp_tree.shared(params))):
+        msgs = [w.message for w in res.warnings if w.code == "unused-rule"]
+        assert msgs == [
+            'param rule "blocks/\\d+/experts/(9|10)/up/kernal" matches no param; near miss: blocks/0/experts/10/up/'
+            "kernel: it would match 'blocks/0/experts/10/up/kernal', the path with 'a' for its 'e' at column 28: "
+            "check the rule's spelling",
+            'param rule "experts/3/up/kernel" matches no param; near miss: blocks/0/experts/3/up/kernel: it matches '
+            "'experts/3/up/kernel', but the path starts with 'blocks/0/': write '.*/experts/3/up/kernel'",
+            'param rule "blocks/\\d+/expert/\\d+/up_bias" matches no param; near miss: blocks/0/experts/0/up_bias: it '
+            "would match 'blocks/0/expert/0/up_bias', the path with its 's' at column 16 left out: check the rule's "
+            "spelling",
+        ]
+
+
+def test_near_miss_work_does_not_grow_with_the_model(monkeypatch):
+    """The near-miss search for 30 misspelt rules makes a few RE2 evaluations per rule, the same
+    number at 20 and at 200 layers (the sampled search made thousands per rule)."""
+    from shardplan.core import explain
+
+    calls = [0]
+
+    class Counting:
+        def __init__(self, rx):
+            self.rx = rx
+
+        def fullmatch(self, text):
+            calls[0] += 1
+            return self.rx.fullmatch(text)
+
+        def search(self, text):
+            calls[0] += 1
+            return self.rx.search(text)
+
+    real = explain._regex
+    monkeypatch.setattr(explain, "_regex", lambda p: Counting(real(p)))
+    rules = "".join(f'param "blocks/\\d+/experts/{e}/up/kernal" (_, d)\n' for e in range(30))
+    plan_text = "mesh d = *\n" + rules + "default replicated\n"
+    counts = []
+    for layers in (20, 200):
+        calls[0] = 0
+        res = shardplan.resolve(shardplan.loads(plan_text, "m.splan"), _experts(layers, 32), mesh={"d": 8})
+        hints = [w for w in res.warnings if w.code == "unused-rule" and "it would match" in w.message]
+        assert len(hints) == 30
+        counts.append(calls[0])
+    assert counts[0] == counts[1] <= 30 * 8, counts

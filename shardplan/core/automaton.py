@@ -174,6 +174,7 @@ class Automaton:
 
     def __init__(self, nfa: _NFA, starts: list[int]):
         self._nfa = nfa
+        self._starts = starts
         self._sets: list[frozenset[int]] = []
         self._ids: dict[frozenset[int], int] = {}
         self._trans: dict[tuple[int, str], int] = {}
@@ -246,6 +247,23 @@ class Automaton:
             return Automaton(nfa, starts)
         except (Unsupported, re.error, RecursionError, OverflowError, re2.error):
             return None
+
+    def reverse(self) -> Automaton:
+        """The automaton of the reversed texts (every edge turned around): which suffixes can
+        still end a match. For a one-pattern automaton."""
+        nfa = self._nfa
+        rev = _NFA()
+        rev.classes, rev.class_ids, rev.lits = nfa.classes, nfa.class_ids, nfa.lits
+        rev.eps = [[] for _ in nfa.eps]
+        rev.edges = [[] for _ in nfa.edges]
+        for s, targets in enumerate(nfa.eps):
+            for t in targets:
+                rev.eps[t].append(s)
+        for s, edges in enumerate(nfa.edges):
+            for c, t in edges:
+                rev.edges[t].append((c, s))
+        rev.accept = {s: 0 for s in self._starts}
+        return Automaton(rev, list(nfa.accept))
 
     def _closure(self, states) -> frozenset[int]:
         """The epsilon closure, kept to the states that matter for what follows (those that

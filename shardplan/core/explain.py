@@ -61,9 +61,10 @@ def _full(pattern: str, text: str) -> bool:
     return _regex(pattern).fullmatch(text) is not None
 
 
-def near_miss(pattern: str, path: str, auto: Automaton | None = None) -> str:
+def near_miss(pattern: str, path: str, auto: tuple[Automaton, Automaton] | None = None) -> str:
     """How ``pattern`` could match ``path`` after a small change, or ''. ``auto`` (the
-    pattern's own automaton) narrows the one-character edits tried to those that can match."""
+    pattern's own automaton and its reverse) narrows the one-character edits tried to those
+    that can match."""
     rx = _regex(pattern)
     if rx.fullmatch(path):
         return ""
@@ -94,12 +95,21 @@ def _alphabet(pattern: str) -> str:
     return "".join(sorted(set(_EDIT_CHARS) | {c for c in pattern if c.isalnum()}))
 
 
-def _first_edit(auto: Automaton, path: str, alphabet: str) -> tuple[str, str] | None:
-    """The first edit in ``_edits``' order whose result ``auto`` accepts, trying only what can
-    match: an edit comes at or before the first character the pattern cannot continue with
-    (the prefix before it is unchanged), and only a character that keeps the pattern alive is
-    put in. A few dozen automaton steps instead of thousands of RE2 matches."""
+def _first_edit(autos: tuple[Automaton, Automaton], path: str, alphabet: str) -> tuple[str, str] | None:
+    """The first edit in ``_edits``' order whose result the automaton accepts, trying only what
+    can match: an edit comes at or before the first character the pattern cannot continue with
+    (the prefix before it is unchanged), after the last one the reversed pattern cannot (the
+    same for the suffix), and puts in only a character that keeps the pattern alive. A few
+    automaton steps instead of thousands of RE2 matches."""
+    auto, rev = autos
     dead = auto.dead
+    first = 0  # path[first:] can end a match (path[first - 1:] cannot)
+    state = rev.start
+    for j in range(len(path) - 1, -1, -1):
+        state = rev.step(state, path[j])
+        if state == rev.dead:
+            first = j + 1
+            break
     before = [auto.start]  # the state after path[:i], while alive
     for ch in path:
         state = auto.step(before[-1], ch)
@@ -110,7 +120,8 @@ def _first_edit(auto: Automaton, path: str, alphabet: str) -> tuple[str, str] | 
     def accepts(state: int, j: int) -> bool:
         return state != dead and bool(auto.hits(auto.step(state, path[j:])))
 
-    for i, state in enumerate(before):
+    for i in range(max(first - 1, 0), len(before)):
+        state = before[i]
         live = auto.live(state, alphabet)
         if i < len(path):
             if accepts(state, i + 1):
@@ -205,11 +216,17 @@ def near_misses(
             continue
         path = first.get(2 * n + 1)
         if path is not None:
-            own = ruleset.cached(("one", pattern), partial(Automaton.build, [pattern]))
+            own = ruleset.cached(("one", pattern), partial(_own, pattern))
             hint = near_miss(pattern, path, own)
             if hint:
                 out[i] = f"{path}: {hint}"
     return out
+
+
+def _own(pattern: str) -> tuple[Automaton, Automaton] | None:
+    """One pattern's automaton and its reverse (``_first_edit``), or None where refused."""
+    auto = Automaton.build([pattern])
+    return (auto, auto.reverse()) if auto is not None else None
 
 
 def explain(plan: Plan, leaf: Leaf, decision: Decision) -> Explanation:
