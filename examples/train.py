@@ -187,7 +187,8 @@ def main(argv=None) -> int:
         print_diagnostics(Console(stderr=True), e.diagnostics)
         return 1
     # One progress bar and one summary, from process 0; other processes print prefixed lines.
-    console = Console(quiet=jax.process_index() != 0)
+    # Wide tables when piped or logged, as the shardplan command prints them (rich assumes 80 columns).
+    console = Console(quiet=jax.process_index() != 0, width=None if sys.stdout.isatty() else 160)
     tag = f"[process {jax.process_index()}/{jax.process_count()}] " if jax.process_count() > 1 else ""
     try:
         mesh_arg = shardplan.parse_mesh_arg(args.mesh) if args.mesh else None

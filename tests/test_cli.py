@@ -99,11 +99,12 @@ def test_bad_shapes_file(tmp_path):
 
 def test_bad_model_argument():
     r = run("check", PLANS / "dp.splan", "--model", f"{ROOT / 'examples' / 'models.py'}:nope", "--devices", 8)
-    assert r.returncode == 1 and "has no callable 'nope'" in r.stderr
+    assert r.returncode == 2 and "has no callable 'nope'" in r.stderr  # a malformed flag: a usage error
 
 
 def test_plan_only_check():
     r = run("check", PLANS / "gpt_tp.splan", "--devices", 8)
     assert r.returncode == 0 and "ok" in r.stdout
     r = run("check", PLANS / "gpt_tp.splan", "--mesh", "data=4,model=4", "--devices", 8)
-    assert r.returncode == 1 and "needs 16 devices; 8 are available" in r.stderr
+    assert r.returncode == 2 and "--mesh: error[mesh-devices]" in r.stderr  # two flags that contradict
+    assert "needs 16 devices; 8 are available" in r.stderr

@@ -129,8 +129,8 @@ def _emitted(plan_name, backend, tmp_path):
     path.write_text(emit.emit(plan, params, opt, low, backend))
     spec = importlib.util.spec_from_file_location(f"emitted_{backend}_{plan_name[:-6]}", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # as an import would (its dataclasses look their module up)
-    spec.loader.exec_module(module)
+    spec.loader.exec_module(module)  # importlib's recipe without registering it in sys.modules: loads too
+    assert spec.name not in sys.modules
     return module, path
 
 

@@ -394,16 +394,18 @@ def test_check_step_names_backend_and_mode_in_text_and_json():
     r = cli(*args, "--compile")
     assert r.returncode == 0, r.stderr
     assert "backend auto, exact mode (XLA's compiled program)" in r.stdout and "reduce-scatter" in r.stdout
-    assert "the gather-whole lowering (shardplan lower's module, from specs" in r.stdout
+    assert "gather-whole" not in r.stdout, "the step's own collectives only, not the emitted module's"
     doc = json.loads(cli(*args, "--format", "json").stdout)
     assert doc["step_cost"]["mode"] == "fast" and doc["step_cost"]["backend"] == "auto"
     assert doc["communication"]["backend"] == "gather-whole lowering"
     assert doc["step_cost"]["communication_per_device"]["by_kind"]["reduce-scatter"] > 0
 
 
-def test_without_a_step_check_says_the_table_is_not_the_auto_backends():
+def test_without_a_step_check_shows_state_and_says_how_to_cost_the_step():
     r = cli(PLANS / "gpt_tp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8)
-    assert r.returncode == 0 and "runs on the auto backend, which does not gather every param whole" in r.stdout
+    assert r.returncode == 0 and "per device: params 50.62 KiB" in r.stdout
+    assert "communication per step (backend auto): name the step to cost it, --step" in r.stdout
+    assert "all-gather" not in r.stdout, "no table of collectives the backend does not run"
 
 
 # -- bad input ----------------------------------------------------------------------------------

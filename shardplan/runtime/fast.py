@@ -171,6 +171,10 @@ class _Propagator:
         self.slices: dict[Any, Dims] = {}
         self.free: dict[Any, Dims] = dict(free or {})
         self.constant: set[Any] = set()  # values computed from literals alone (XLA keeps them whole)
+        # A value holding a pending sum -> (op, source) of the equation that made it: the collective
+        # that completes the sum is that op's (a gradient's all-reduce belongs to the model line whose
+        # matmul's transpose made it, not to the optimizer's read of it).
+        self.sum_origin: dict[Any, tuple[str, str]] = {}
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] = set()  # outputs of the last run jaxpr that are broadcasts
@@ -217,11 +221,16 @@ class _Propagator:
                     scatter.append(a)
                     dims[i].append(a)
         rest = tuple(a for a in sorted(v.partial) if a not in scatter)
+        origin = self.sum_origin.get(var)
+        reader_source = self.ctx.source
+        if origin is not None:  # the sum is the op's that made it, at its line
+            why, self.ctx.source = origin[0], origin[1] or reader_source
         if scatter:
             self.ctx.add("reduce-scatter", tuple(scatter), self.ctx.local(v), mult, why)
         out = Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims))
         if rest:
             self.ctx.add("all-reduce", rest, self.ctx.local(out), mult, why)
+        self.ctx.source = reader_source
         self.ctx.cache[key] = out
         return out
 
@@ -313,6 +322,7 @@ class _Propagator:
             inner, self.peak = self.peak, outer_peak
             virtual = {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)}
             self.traffic(frame, eqn, outs, virtual, mult)
+            self._sum_origins(eqn, outs)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
                 if var not in fused and var not in self.aliased and var not in virtual:
@@ -451,6 +461,25 @@ class _Propagator:
         _spread(jaxpr, self.wants, None if self.ignore_constraints else "seed")
         if self.free:
             _spread(jaxpr, self.free, "stop")
+
+    def _sum_origins(self, eqn: Any, outs: list[Val]) -> None:
+        """Where each output's pending sum was made: carried through from an input that has one, from
+        a call's body, else this equation."""
+        carried = next((self.sum_origin[x] for x in eqn.invars if not hasattr(x, "val") and x in self.sum_origin), None)
+        sub = _subjaxpr(eqn)
+        body = getattr(sub, "jaxpr", sub)
+        for i, (var, val) in enumerate(zip(eqn.outvars, outs, strict=True)):
+            if not val.partial:
+                continue
+            inner = body.outvars[i] if body is not None and i < len(body.outvars) else None
+            self.sum_origin[var] = (
+                self.sum_origin.get(inner)
+                or carried
+                or (
+                    eqn.primitive.name,
+                    self.ctx.source,
+                )
+            )
 
     def eqn(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         name = eqn.primitive.name

@@ -131,6 +131,8 @@ def cmd_check(args, out: Console, err: Console) -> int:
         args.plan, model=args.model, shapes=args.shapes, optimizer=args.optimizer, cache=not args.no_cache, **options
     )
     _guards(args, first)
+    if args.locked:  # a guard that passed says so: silence would read as "not checked"
+        err.print(f"the layout matches {args.locked}", markup=False, highlight=False)
     others = [api.check(p, leaves=first.leaves, **options) for p in args.vs or []]
     results = [first] + others
     for r in results:
@@ -158,7 +160,8 @@ def cmd_check(args, out: Console, err: Console) -> int:
             report.print_text(
                 out, first.plan, first.resolution, expand=args.expand, show_opt=args.show_opt, budget=budget
             )
-            report.print_communication(out, first.plan, first.resolution, note=costs is None)
+            if costs is None:
+                report.print_step_hint(out, first.plan)
         if costs is not None:
             report.print_step_cost(out, first.plan.name or args.plan, costs[0], times[0] if times else None)
         if others:
@@ -553,7 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="adam",
         help="optimizer state to account for (default adam; 'recorded': the shapes file's)",
     )
-    c.add_argument("--format", choices=("text", "json"), default="text")
+    c.add_argument(
+        "--format", choices=("text", "json"), default="text", help="text tables (default) or one JSON document"
+    )
     c.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     c.add_argument("--device-memory", help="per-device memory budget, e.g. 80GB or 16GiB")
     c.add_argument("--replicated-threshold", help="warn for replicated tensors above this (default 64MiB)")
@@ -561,7 +566,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--show-opt", action="store_true", help="list optimizer-state leaves too")
     st = c.add_argument_group("the training step (what a step costs)")
     st.add_argument("--step", metavar="FILE:LOSS_FN", help="loss_fn(model, batch) -> scalar, as for train_step")
-    st.add_argument("--batch", action="append", help="input shapes: 'tokens=int32[256,4096],labels=int32[256,4096]'")
+    st.add_argument(
+        "--batch",
+        action="append",
+        help="input shapes: 'tokens=int32[256,4096],labels=int32[256,4096]' (repeatable; NAME=256x4096:int32 "
+        "also read)",
+    )
     st.add_argument(
         "--compile",
         action="store_true",
@@ -607,7 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("before", help="a .splan file, or a checkpoint directory (its stored plan and mesh)")
     df.add_argument("after", help="a .splan file")
     model_args(df)
-    df.add_argument("--format", choices=("text", "json"), default="text")
+    df.add_argument(
+        "--format", choices=("text", "json"), default="text", help="text tables (default) or one JSON document"
+    )
     df.add_argument("--expand", action="store_true", help="one row per layer instead of grouping x N")
     df.set_defaults(func=cmd_diff)
 
@@ -621,7 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("plan")
     ex.add_argument("path", help="the array's path, e.g. blocks/0/attn/query/kernel")
     model_args(ex)
-    ex.add_argument("--format", choices=("text", "json"), default="text")
+    ex.add_argument("--format", choices=("text", "json"), default="text", help="text (default) or one JSON document")
     ex.set_defaults(func=cmd_explain)
 
     ls = sub.add_parser(
@@ -672,7 +684,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY")
     v.add_argument("--mesh", help="axis sizes replacing the plan's mesh")
     v.add_argument("--optimizer", choices=optimizers.NAMES, default="adam")
-    v.add_argument("--batch", action="append", help="an input leaf to place, NAME=8x16:int32 (repeatable)")
+    v.add_argument(
+        "--batch",
+        action="append",
+        help="input shapes to place: 'tokens=int32[8,16]' (repeatable; NAME=8x16:int32 also read)",
+    )
     v.add_argument("--simulate-devices", type=_count, help="simulated CPU devices (e.g. 8)")
     v.add_argument("--axis-types", choices=("auto", "explicit"), default="auto")
     v.add_argument("--expand", action="store_true", help="one row per layer")
@@ -692,7 +708,9 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--mesh", help="axis sizes replacing the plan's mesh")
     lo.add_argument("--devices", type=_count, help="device count for a '*' axis (default: local devices)")
     lo.add_argument("--optimizer", choices=[n for n in optimizers.NAMES if n != "none"], default="adamw")
-    lo.add_argument("--batch", action="append", help="an input leaf NAME=16x16:int32 (repeatable)")
+    lo.add_argument(
+        "--batch", action="append", help="input shapes: 'tokens=int32[16,16]' (repeatable; NAME=16x16:int32 also read)"
+    )
     lo.add_argument(
         "--report",
         action="store_true",

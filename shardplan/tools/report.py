@@ -69,30 +69,15 @@ def _how(d: Decision) -> str:
     }[d.how]
 
 
-LOWERING_TITLE = (
-    "communication per training step, per device: the gather-whole lowering (shardplan lower's module, from specs "
-    "alone; the shard_map backend partitions the computation: --step for its collectives)"
-)
-
-
-def print_communication(console: Console, plan: Plan, res: Resolution, *, note: bool = True) -> None:
-    comm = communication(plan, res)
-    console.print(LOWERING_TITLE, markup=False, highlight=False)
-    table = Table(header_style="bold")
-    for col in ("collective", "mesh axes", "bytes"):
-        table.add_column(col, justify="right" if col == "bytes" else "left")
-    for kind, by in comm["by_axis"].items():
-        for axes, n in sorted(by.items()):
-            table.add_row(kind, axes, fmt_bytes(n))
-    if not any(comm["by_axis"].values()):
-        table.add_row("none", "-", "0 B")
-    console.print(table)
-    if note:
-        console.print(
-            f"[dim]this plan runs on the {plan.backend} backend, which does not gather every param whole: the "
-            "table above is not its communication. Name the step (--step FILE:LOSS_FN --batch ...) for it "
-            "(exact for shard_map), and add --compile for what XLA compiles for the whole mesh.[/]"
-        )
+def print_step_hint(console: Console, plan: Plan) -> None:
+    """Without a step, what check cannot know (the backend's collectives) and the one way to get it."""
+    console.print(
+        f"communication per step (backend {plan.backend}): name the step to cost it, "
+        "--step FILE:LOSS_FN --batch 'tokens=int32[B,T],...' (fast mode, from the step's jaxpr; "
+        "add --compile for XLA's compiled program)",
+        markup=False,
+        highlight=False,
+    )
 
 
 def print_step_cost(
@@ -133,7 +118,7 @@ def print_step_cost(
     for col in ("collective", "axes", "bytes", "op", "source", "moves (rule)"):
         top.add_column(col, justify="right" if col == "bytes" else "left")
     for c in sorted(cost.communication, key=lambda c: -c.bytes)[:limit]:
-        source = os.path.basename(c.source) if c.source else ""
+        source = os.path.basename(c.source) if c.source else "none (library code)"
         moves = f"{c.moves} ({_short(c.rule)})" if c.rule else c.moves
         top.add_row(c.kind, ",".join(c.axes), fmt_bytes(c.bytes), escape(c.op), escape(source), escape(moves))
     console.print(top)
@@ -182,14 +167,9 @@ def print_comparison(
         ("other state", lambda p, r: summary(r)["state_bytes_per_device"]),
         ("optimizer state", lambda p, r: summary(r)["opt_bytes_per_device"]),
         ("total", lambda p, r: summary(r)["total_bytes_per_device"]),
-        ("all-reduce / step", lambda p, r: communication(p, r)["totals"]["all-reduce"]),
-        ("all-gather / step", lambda p, r: communication(p, r)["totals"]["all-gather"]),
-        ("reduce-scatter / step", lambda p, r: communication(p, r)["totals"]["reduce-scatter"]),
     ]
     for name, fn in rows:
-        table.add_row(
-            name + " (shard_map lowering)" if "/ step" in name else name, *[fmt_bytes(fn(p, r)) for p, r in results]
-        )
+        table.add_row(name, *[fmt_bytes(fn(p, r)) for p, r in results])
     if costs is not None:
         c0 = costs[0]
         label = f"{c0.backend}, {c0.mode}" if all(c.backend == c0.backend for c in costs) else "each plan's backend"
@@ -227,8 +207,12 @@ def print_text(
         f"[bold]plan[/] {escape(plan.name or plan.files[0])}  [bold]mesh[/] {mesh}  [bold]backend[/] {plan.backend}"
     )
     roles = ("param", "state", "opt") if show_opt else ("param", "state")
-    table = Table(show_lines=False, header_style="bold")
-    for col in ("param path", "global shape", "dtype", "spec", "shard / device", "bytes / device", "rule"):
+    table = Table(
+        show_lines=False,
+        header_style="bold",
+        caption="x N: N arrays of one shape, spec and rule in one row; bytes are each array's (--expand: one row each)",
+    )
+    for col in ("param path", "global shape", "dtype", "spec", "shard / device", "bytes / device, each", "rule"):
         table.add_column(col, justify="right" if col.startswith("bytes") else "left")
     for row in group([d for d in res.decisions if d.role in roles], expand):
         d = row.first
@@ -343,8 +327,12 @@ def print_diff(console: Console, d, before: str, after: str, *, expand: bool = F
         per_path: dict[str, list] = {}
         for m in d.moves:
             per_path.setdefault(m.path, []).append(m)
-        table = Table(header_style="bold", title=f"{len(d.changed)} of {len(ra.decisions)} leaves change placement")
-        for col in ("path", "global shape", "before", "after", "bytes / device", "reshard / device"):
+        table = Table(
+            header_style="bold",
+            title=f"{len(d.changed)} of {len(ra.decisions)} leaves change placement",
+            caption="x N: N arrays in one row; bytes and reshard are the row's total (--expand: one row each)",
+        )
+        for col in ("path", "global shape", "before", "after", "bytes / device, row total", "reshard, row total"):
             table.add_column(col, justify="right" if col.startswith(("bytes", "reshard")) else "left")
         for path, n, a, b, paths in _pair_groups(d.changed, expand):
             moved: dict[str, int] = {}
