@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for IDEs and type che
     from shardplan.runtime import generate as generate
     from shardplan.runtime.checkpoint import Checkpointer as Checkpointer
     from shardplan.runtime.devices import simulate as simulate_devices
+    from shardplan.runtime.generate import GenerationAdapter as GenerationAdapter
     from shardplan.runtime.generate import GenerationConfig as GenerationConfig
     from shardplan.runtime.generate import Generator as Generator
     from shardplan.runtime.live import live_leaves as live_leaves
@@ -70,6 +71,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "generate": ("shardplan.runtime.generate", None),
     "Checkpointer": ("shardplan.runtime.checkpoint", "Checkpointer"),
     "simulate_devices": ("shardplan.runtime.devices", "simulate"),
+    "GenerationAdapter": ("shardplan.runtime.generate", "GenerationAdapter"),
     "GenerationConfig": ("shardplan.runtime.generate", "GenerationConfig"),
     "Generator": ("shardplan.runtime.generate", "Generator"),
     "live_leaves": ("shardplan.runtime.live", "live_leaves"),
@@ -115,6 +117,7 @@ __all__ = [
     "Checkpointer",
     "Decision",
     "Diagnostic",
+    "GenerationAdapter",
     "GenerationConfig",
     "Generator",
     "LaunchError",

@@ -11,10 +11,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from examples import models
 import shardplan
-from tests.helpers import PLANS, ROOT
-from shardplan.runtime.generate import GenerationConfig, Generator
+from examples import models
+from shardplan.runtime.generate import GenerationAdapter, GenerationConfig, Generator
+from tests.fixtures import gen_models
+from tests.helpers import FIXTURES, PLANS, ROOT
 
 CFG = models.GPTConfig(max_len=64)
 LENGTHS = (3, 5, 8, 11, 16)  # 5 prompt lengths over 2 buckets
@@ -78,8 +79,8 @@ def test_kv_cache_is_sharded_by_the_plan():
     assert gen.cache_spec == P("data", None, "model", None)  # batch over data, heads over model
     tokens = jax.device_put(np.ones((8, 8), np.int32), gen.batch_sharding_2d)
     lengths = jax.device_put(np.full(8, 8, np.int32), gen.batch_sharding)
-    _, cache = gen._prefill(nnx.state(model), tokens, lengths, jax.random.key(0))
-    leaf = cache["0"]["k"]
+    _, cache = gen._prefill(nnx.state(model), tokens, lengths, jax.random.key(0), gen._cache_def(8))
+    leaf = cache[0]  # the cache's leaves, in tree order: layer 0's k first
     assert leaf.shape == (8, 64, 4, 8) and leaf.sharding.spec == P("data", None, "model", None)
     assert {s.data.shape for s in leaf.addressable_shards} == {(2, 64, 2, 8)}
     dp_model, dp = placed("dp.splan")
@@ -227,3 +228,159 @@ def test_the_plan_says_how_the_cache_is_laid_out(tmp_path):
         shardplan.loads("mesh d = *\ncache (d)\ncache (d)\n")
     with pytest.raises(shardplan.ShardPlanError, match="unknown-axis|lacks"):
         shardplan.loads("mesh d = *\ncache (e)\n")
+
+
+# -- a model with its own call and cache, through an adapter ---------------------------------------
+# CounterLM (tests/fixtures/gen_models.py) is called as model(tokens, cache) and keeps one position
+# counter for the batch: its cache path needs left padding. It cannot be called as model(tokens).
+COUNTER_CACHE = GenerationAdapter(
+    init_cache=lambda model, batch, max_len: model.new_cache(batch, max_len),
+    prefill=lambda model, tokens, cache: (model(tokens, cache), cache),  # written in place
+    decode=lambda model, token, cache, position: (model(token, cache), cache),
+    padding="left",
+)
+COUNTER_PLAIN = GenerationAdapter(forward=lambda model, tokens: model(tokens, model.new_cache(*tokens.shape)),
+                                  padding="left")
+COUNTER_CONFIG = GenerationConfig(max_len=16, buckets=(4, 8), max_new_tokens=6)
+# Two calls: prompts of lengths 3 and 7 mixed in one batch (bucket 8), then 2 and 4 (bucket 4).
+COUNTER_BATCHES = [[[int(t) for t in np.random.default_rng(10 * c + i).integers(1, 48, size=n)]
+                    for i, n in enumerate(lengths)]
+                   for c, lengths in enumerate([(3, 7, 7, 3, 7, 3, 3, 7), (2, 4, 4, 2, 2, 4, 4, 2)])]
+
+
+@pytest.fixture(scope="module")
+def counter_greedy():
+    """Greedy on one device with no shardplan: the model fed the unpadded prompts (those of one
+    length together), then one token at a time through its own cache."""
+    model = gen_models.counter_lm(0)
+    call = nnx.jit(lambda m, tokens, cache: m(tokens, cache))
+    out = {}
+    for batch in COUNTER_BATCHES:
+        for length in sorted({len(p) for p in batch}):
+            rows = [p for p in batch if len(p) == length]
+            cache = model.new_cache(len(rows), 16)
+            logits = call(model, jnp.asarray(rows, jnp.int32), cache)
+            steps = []
+            for _ in range(COUNTER_CONFIG.max_new_tokens):
+                steps.append(np.asarray(jnp.argmax(logits[:, -1], axis=-1)))
+                logits = call(model, jnp.asarray(steps[-1][:, None], jnp.int32), cache)
+            for j, p in enumerate(rows):
+                out[tuple(p)] = [int(s[j]) for s in steps]
+    return out
+
+
+@pytest.mark.parametrize("adapter", [COUNTER_CACHE, COUNTER_PLAIN], ids=["cache", "plain"])
+def test_a_model_with_its_own_cache_generates_through_an_adapter(adapter, counter_greedy):
+    model, _, placement = shardplan.init_sharded(shardplan.load(FIXTURES / "gen_tp.splan"), gen_models.counter_lm,
+                                                 None)
+    gen = Generator(placement, model, COUNTER_CONFIG, adapter=adapter)
+    assert gen.mode == adapter.mode
+    compiles: dict = {}
+    for batch in COUNTER_BATCHES:
+        out = gen.generate(batch)
+        assert out.tokens == [counter_greedy[tuple(p)] for p in batch]
+        for name, n in out.compiles.items():
+            compiles[name] = compiles.get(name, 0) + n
+    ours = {k: v for k, v in compiles.items() if "shardplan_" in k}
+    if adapter.mode == "cache":
+        assert ours == {"jit(shardplan_prefill)": 2, "jit(shardplan_decode)": 1}  # per bucket; once
+    else:
+        assert ours == {"jit(shardplan_forward)": 2}
+
+
+def test_an_adapters_cache_is_placed_leaf_by_leaf(tmp_path):
+    """Inferred: k/v over data (batch) and model (kv heads, as wk/wv split), each row's start over
+    data, the counter whole. A cache statement lays out the k/v; the smaller leaves keep the rule."""
+    plan = shardplan.load(FIXTURES / "gen_tp.splan")
+    model, _, placement = shardplan.init_sharded(plan, gen_models.counter_lm, None)
+    gen = Generator(placement, model, COUNTER_CONFIG, adapter=COUNTER_CACHE)
+    tokens = jax.device_put(np.ones((8, 8), np.int32), gen.batch_sharding_2d)
+    last = jax.device_put(np.full(8, 8, np.int32), gen.batch_sharding)
+    _, leaves = gen._prefill(nnx.state(model), tokens, last, jax.random.key(0), gen._cache_def(8))
+    placed = {(x.shape, x.sharding.spec) for x in leaves}
+    assert placed == {((), P()), ((8,), P("data")), ((8, 16, 2, 8), P("data", None, "model", None))}
+    assert {s.data.shape for x in leaves if x.ndim == 4 for s in x.addressable_shards} == {(2, 16, 1, 8)}
+    assert gen.cache_spec == P("data", None, "model", None) and gen.cache_origin.startswith("inferred")
+    p = tmp_path / "served.splan"
+    p.write_text(f'extends "{FIXTURES / "gen_tp.splan"}"\ncache (data, _, _, _)\n')
+    model, _, placement = shardplan.init_sharded(shardplan.load(p), gen_models.counter_lm, None)
+    stated = Generator(placement, model, COUNTER_CONFIG, adapter=COUNTER_CACHE)
+    assert sorted(map(str, stated.cache_specs)) == sorted(map(str, [P()] + [P("data")] * 5))
+    assert "cache statement (" in stated.cache_origin
+
+
+def test_per_row_positions_through_an_adapter():
+    """Right padding: each row at its own position (the Llama's dict cache, called its own way)."""
+    max_len = 32
+
+    def prefill(model, tokens, cache):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        return model(tokens, positions, jnp.arange(max_len)[None, None, :] <= positions[:, :, None], cache)
+
+    def decode(model, token, cache, position):
+        return model(token, position[:, None], jnp.arange(max_len)[None, None, :] <= position[:, None, None], cache)
+
+    adapter = GenerationAdapter(init_cache=lambda m, b, n: m.init_cache(b, n), prefill=prefill, decode=decode)
+    plan = shardplan.load(PLANS / "llama_tp.splan")
+    model, _, placement = shardplan.init_sharded(plan, lambda: models.llama_tiny_cached(0), None)
+    batch = [[int(t) for t in np.random.default_rng(i).integers(1, 64, size=n)] for i, n in enumerate((3, 8, 5, 2) * 2)]
+    out = Generator(placement, model, GenerationConfig(max_len, (8,), 6), adapter=adapter).generate(batch)
+    reference = llama_reference(models.llama_tiny)
+    assert all(reference(p, toks) for p, toks in zip(batch, out.tokens))
+    assert {k: v for k, v in out.compiles.items() if "shardplan_" in k} == {"jit(shardplan_prefill)": 1,
+                                                                           "jit(shardplan_decode)": 1}
+
+
+def _three(a, b, c):
+    return a
+
+
+@pytest.mark.parametrize("make, path, says", [
+    (lambda: GenerationAdapter(), "adapter", "has no callables"),
+    (lambda: GenerationAdapter(init_cache=_three), "adapter", "lacks prefill, decode"),
+    (lambda: GenerationAdapter(forward=lambda m, t: t, decode=COUNTER_CACHE.decode), "adapter",
+     "gives forward (the plain path) and decode (the cache path)"),
+    (lambda: GenerationAdapter(forward=lambda model: model), "adapter.forward",
+     "cannot be called as forward(model, tokens)"),
+    (lambda: GenerationAdapter(forward="model.__call__"), "adapter.forward", "is a str, not a function"),
+    (lambda: GenerationAdapter(forward=lambda m, t: t, padding="center"), "adapter.padding",
+     "neither 'left' nor 'right'"),
+])
+def test_a_malformed_adapter_is_refused_when_it_is_made(make, path, says):
+    with pytest.raises(shardplan.ArgumentError) as info:
+        make()
+    assert info.value.diagnostics[0].path == path and says in str(info.value)
+    assert shardplan.GenerationAdapter is GenerationAdapter  # the public name
+
+
+@pytest.mark.parametrize("adapter, path, says", [
+    ({"forward": COUNTER_PLAIN.forward}, "adapter", "adapter is a dict, not a shardplan.GenerationAdapter"),
+    (GenerationAdapter(forward=lambda model, tokens: model(tokens)), "adapter.forward",
+     "calling the adapter's forward(model, tokens) failed: TypeError"),
+    (GenerationAdapter(forward=lambda model, tokens: model(tokens, model.new_cache(*tokens.shape))[:, -1]),
+     "adapter.forward", "returned logits (2, 48), not (2, 2, vocab)"),
+    (GenerationAdapter(init_cache=COUNTER_CACHE.init_cache, prefill=COUNTER_CACHE.prefill,
+                       decode=lambda model, token, cache, position: model(token, cache)),
+     "adapter.decode", "the adapter's decode returned an array (2, 1, 48), not (logits, cache)"),
+    (GenerationAdapter(init_cache=COUNTER_CACHE.init_cache, decode=COUNTER_CACHE.decode,
+                       prefill=lambda model, tokens, cache: (model(tokens, cache), model.new_cache(2, 4))),
+     "adapter.prefill", "changed a cache array from (2, 16, 2, 8) float32 to (2, 4, 2, 8) float32"),
+    (GenerationAdapter(init_cache=COUNTER_CACHE.init_cache, decode=COUNTER_CACHE.decode,
+                       prefill=lambda model, tokens, cache: (model(tokens, cache), {"k": cache.k[0][...]})),
+     "adapter.prefill", "the cache the adapter's prefill returned is not shaped like init_cache's"),
+])
+def test_an_adapter_that_does_not_fit_the_model_is_named_before_any_compile(adapter, path, says):
+    model, _, placement = shardplan.init_sharded(shardplan.load(PLANS / "dp.splan"), gen_models.counter_lm, None)
+    before = dict(shardplan.runtime.generate.COMPILES)
+    with pytest.raises(shardplan.ArgumentError) as info:
+        Generator(placement, model, COUNTER_CONFIG, adapter=adapter)
+    assert info.value.diagnostics[0].path == path and says in str(info.value), str(info.value)
+    assert dict(shardplan.runtime.generate.COMPILES) == before
+
+
+def test_without_an_adapter_the_refusal_says_to_pass_one():
+    model, _, placement = shardplan.init_sharded(shardplan.load(PLANS / "dp.splan"), gen_models.counter_lm, None)
+    with pytest.raises(shardplan.PlanApplyError) as info:
+        Generator(placement, model, COUNTER_CONFIG)
+    assert info.value.diagnostics[0].code == "not-a-causal-lm"
+    assert "cannot be called as model(tokens)" in str(info.value) and "adapter=GenerationAdapter(" in str(info.value)
