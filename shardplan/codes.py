@@ -47,7 +47,11 @@ CODES: dict[str, Code] = {
         _e("axis-size", "check", "a mesh size ≤ 0"),
         _e("two-inferred-sizes", "check", "more than one `*`"),
         _e("invalid-regex", "check", "a regex that does not compile"),
-        _e("unsupported-regex", "check", "a regex that uses lookaround, backreferences or huge repetition counts"),
+        _e(
+            "unsupported-regex",
+            "check",
+            "a regex with lookaround, backreferences, huge repetition counts or groups nested over 100 deep",
+        ),
         _e("duplicate-statement", "check", "`mesh`, `batch`, `extends`, ... twice in one file"),
         _e("two-ellipses", "check", "a spec with more than one `...`"),
         _e("misplaced-ellipsis", "check", "`...` in a `batch`, `input` or `axis` statement"),

@@ -158,7 +158,7 @@ def test_indivisible_dimension_names_param_shape_and_axes():
 def test_multi_axis_indivisible():
     plan = shardplan.loads('mesh a = 2, b = 4\nparam ".*" ((a, b))')
     d = only(diags_of(resolve_leaves, plan, {"a": 2, "b": 4}, [Leaf("w", (12,), "float32", 4)]), "indivisible")
-    assert "a=2 x b=4 (8)" in d.message
+    assert "a=2 x b=4 = 8" in d.message
 
 
 def test_unmatched_param_without_catch_all():

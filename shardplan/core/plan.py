@@ -165,7 +165,12 @@ class Plan:
             )
         known = math.prod(a.size for a in self.mesh if a.size is not None)
         star = [a for a in self.mesh if a.size is None]
-        where: dict[str, Any] = dict(span=self.mesh_span, source_line=self.mesh_source_line)
+        # A mesh from the command line or the API (with_mesh) has no span: the flag is the location.
+        where: dict[str, Any] = (
+            dict(span=self.mesh_span, source_line=self.mesh_source_line)
+            if self.mesh_span is not None
+            else dict(path="--mesh")
+        )
         written = ", ".join(f"{a.name}={a.size if a.size is not None else '*'}" for a in self.mesh)
         if known > MAX_DEVICES:
             raise PlanCheckError(

@@ -206,6 +206,15 @@ class _Checker:
     # -- regexes ------------------------------------------------------------------------
     def regex(self, r: ast.RuleNode) -> bool:
         ps = r.pattern_span
+        depth = _depth(r.pattern)
+        if depth > MAX_REGEX_DEPTH:  # Python's regex parser recurses per group: its stack sets no fixed limit
+            self.err(
+                "unsupported-regex",
+                f"regex nested too deeply ({depth} levels of groups; at most {MAX_REGEX_DEPTH})",
+                "rewrite with fewer nested groups (a few levels say the same thing)",
+                ps,
+            )
+            return False
         try:
             re.compile(r.pattern)
         except re.error as e:
@@ -393,3 +402,23 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
         axis_type_of=axis_type_of,
         mesh_type_span=mesh_node.type_span if mesh_node is not None else None,
     )
+
+
+MAX_REGEX_DEPTH = 100
+
+
+def _depth(pattern: str) -> int:
+    """The deepest nesting of unescaped parentheses in a regex."""
+    depth = deepest = 0
+    escaped = False
+    for ch in pattern:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth = max(depth - 1, 0)
+    return deepest

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -231,6 +233,8 @@ def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) ->
     line = max(getattr(exc, "line", 1) or 1, 1)
     col = max(getattr(exc, "column", 1) or 1, 1)
     label = _label(exc)
+    # The parser stopped inside a statement (it could not have ended there): a ')' or ',' missing.
+    mid_statement = isinstance(exc, lark.exceptions.UnexpectedToken) and "$END" not in (exc.accepts or exc.expected)
     if isinstance(exc, lark.exceptions.UnexpectedToken):
         tok = exc.token
         if tok.type == "$END":
@@ -264,11 +268,49 @@ def _syntax_error(text: str, file: str, exc: lark.exceptions.UnexpectedInput) ->
             f"an axis's type follows a colon after its size (model = 2 : {exc.token}), or 'mesh' for every axis "
             f"(mesh {exc.token} data = *, model = 2)"
         )
+    misspelt = _misspelt_keyword(lines[line - 1] if 0 < line <= len(lines) else "", col)
+    if misspelt is not None:  # `params "x" ...`: the lexer read `param` and then choked on `s`
+        word, start, keyword = misspelt
+        message = f"unknown statement '{word}'; did you mean '{keyword}'?"
+        col, width, hint = start, len(word), f"statements start with a keyword: {', '.join(_keywords())}"
+    elif mid_statement and (line, col) != (ended := _end_of_previous_statement(lines, line, col)):
+        # The statement ran out on an earlier line (a missing ')' or ','): point at where it stopped.
+        line, col = ended
+        width = 1
+        message = f"line {line} ends before its statement is complete; {message.split('; ', 1)[-1]}"
     if isinstance(exc, lark.exceptions.UnexpectedCharacters) and text[exc.pos_in_stream or 0 :][:1] == '"':
         hint = "close the string with '\"' before the end of the line"
     source_line = lines[line - 1] if 0 < line <= len(lines) else ""
     span = Span(file, line, col, line, col + width)
     return PlanSyntaxError([error("syntax", message, hint, span=span, source_line=source_line)])
+
+
+@functools.cache
+def _keywords() -> tuple[str, ...]:
+    """The words a statement starts with, read from the grammar (``param_stmt: "param" ...``)."""
+    return tuple(re.findall(r'^\w+_stmt: "(\w+)"', _grammar_text(), re.M))
+
+
+def _misspelt_keyword(line: str, col: int) -> tuple[str, int, str] | None:
+    """(word, its 1-based column, the keyword meant) when the error falls in the line's first word
+    and that word is not a keyword but close to one."""
+    m = re.match(r"\s*([A-Za-z_]\w*)", line)
+    if m is None or not m.start(1) < col <= m.end(1) + 1 or m.group(1) in _keywords():
+        return None
+    near = difflib.get_close_matches(m.group(1), _keywords(), n=1, cutoff=0.6)
+    return (m.group(1), m.start(1) + 1, near[0]) if near else None
+
+
+def _end_of_previous_statement(lines: list[str], line: int, col: int) -> tuple[int, int]:
+    """Where the text before (line, col) ends: (line, col) itself when something precedes it on its
+    line, else just past the last code character of the nearest earlier line with code."""
+    if lines[line - 1][: col - 1].strip() if 0 < line <= len(lines) else False:
+        return line, col
+    for n in range(min(line, len(lines) + 1) - 1, 0, -1):
+        code = lines[n - 1].split("#", 1)[0].rstrip() if '"' not in lines[n - 1] else lines[n - 1].rstrip()
+        if code:
+            return n, len(code) + 1
+    return line, col
 
 
 def parse(text: str, file: str = "<string>") -> syntax.Module:
