@@ -271,8 +271,10 @@ def counter_greedy():
 
 @pytest.mark.parametrize("adapter", [COUNTER_CACHE, COUNTER_PLAIN], ids=["cache", "plain"])
 def test_a_model_with_its_own_cache_generates_through_an_adapter(adapter, counter_greedy):
-    model, _, placement = shardplan.init_sharded(shardplan.load(FIXTURES / "gen_tp.splan"), gen_models.counter_lm,
-                                                 None)
+    """The model also constrains its batch over `data` with a bare PartitionSpec (as models written
+    for a mesh do): it runs only under the plan's mesh as the mesh context."""
+    plan = shardplan.load(FIXTURES / "gen_tp.splan")
+    model, _, placement = shardplan.init_sharded(plan, gen_models.counter_lm_on_mesh, None)
     gen = Generator(placement, model, COUNTER_CONFIG, adapter=adapter)
     assert gen.mode == adapter.mode
     compiles: dict = {}
@@ -358,13 +360,13 @@ def test_a_malformed_adapter_is_refused_when_it_is_made(make, path, says):
     (GenerationAdapter(forward=lambda model, tokens: model(tokens)), "adapter.forward",
      "calling the adapter's forward(model, tokens) failed: TypeError"),
     (GenerationAdapter(forward=lambda model, tokens: model(tokens, model.new_cache(*tokens.shape))[:, -1]),
-     "adapter.forward", "returned logits (2, 48), not (2, 2, vocab)"),
+     "adapter.forward", "returned logits (8, 48), not (8, 2, vocab)"),
     (GenerationAdapter(init_cache=COUNTER_CACHE.init_cache, prefill=COUNTER_CACHE.prefill,
                        decode=lambda model, token, cache, position: model(token, cache)),
-     "adapter.decode", "the adapter's decode returned an array (2, 1, 48), not (logits, cache)"),
+     "adapter.decode", "the adapter's decode returned an array (8, 1, 48), not (logits, cache)"),
     (GenerationAdapter(init_cache=COUNTER_CACHE.init_cache, decode=COUNTER_CACHE.decode,
-                       prefill=lambda model, tokens, cache: (model(tokens, cache), model.new_cache(2, 4))),
-     "adapter.prefill", "changed a cache array from (2, 16, 2, 8) float32 to (2, 4, 2, 8) float32"),
+                       prefill=lambda model, tokens, cache: (model(tokens, cache), model.new_cache(len(tokens), 4))),
+     "adapter.prefill", "changed a cache array from (8, 16, 2, 8) float32 to (8, 4, 2, 8) float32"),
     (GenerationAdapter(init_cache=COUNTER_CACHE.init_cache, decode=COUNTER_CACHE.decode,
                        prefill=lambda model, tokens, cache: (model(tokens, cache), {"k": cache.k[0][...]})),
      "adapter.prefill", "the cache the adapter's prefill returned is not shaped like init_cache's"),

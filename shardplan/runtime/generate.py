@@ -331,11 +331,12 @@ def _take_apart(cache: Any) -> tuple[CacheDef, list]:
     return (gd, treedef), leaves
 
 
-def check_adapter(model: Any, adapter: GenerationAdapter, max_len: int, mesh) -> None:
+def check_adapter(model: Any, adapter: GenerationAdapter, max_len: int, mesh, batch: int) -> None:
     """Trace each of the adapter's calls once with ``jax.eval_shape`` (nothing compiles) and check
-    what it returns: logits (batch, time, vocab), and a cache shaped like ``init_cache``'s."""
+    what it returns: logits (batch, time, vocab), and a cache shaped like ``init_cache``'s.
+    ``batch``: the rows traced (the batch shard count, so model code may split them)."""
     gm, state = nnx.split(model)
-    b = 2
+    b = batch
 
     def traced(name: str, fn: Callable, *args):
         try:
@@ -375,7 +376,7 @@ def check_adapter(model: Any, adapter: GenerationAdapter, max_len: int, mesh) ->
         out = traced("forward", lambda s, t: forward(nnx.merge(gm, s), t), tokens)
         logits_ok("forward", out, ((b, 2),))
         return
-    cdef, leaves = _init_shapes(model, adapter, max_len, b)
+    cdef, leaves = _init_shapes(model, adapter, max_len, b, mesh)
     prefill, decode = adapter.prefill, adapter.decode
     assert prefill is not None and decode is not None
 
@@ -425,9 +426,10 @@ def _described(out: Any) -> str:
     return f"an array {tuple(shape)}" if shape is not None else f"a {type(out).__name__}"
 
 
-def _init_shapes(model: Any, adapter: GenerationAdapter, max_len: int, batch: int) -> tuple[CacheDef, list]:
+def _init_shapes(model: Any, adapter: GenerationAdapter, max_len: int, batch: int, mesh) -> tuple[CacheDef, list]:
     try:
-        cdef, leaves = cache_def(model, adapter, batch, max_len)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            cdef, leaves = cache_def(model, adapter, batch, max_len)
     except Exception as e:
         raise ArgumentError(
             [
@@ -482,15 +484,15 @@ def _entry(axes: Sequence[str]) -> Any:
     return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def _batch_dim(small: Any, large: Any) -> int | None:
-    """The dim of a cache leaf that is 2 at batch 2 and 3 at batch 3 (none: not per row)."""
-    return next((i for i, (a, b) in enumerate(zip(small.shape, large.shape)) if (a, b) == (2, 3)), None)
+def _batch_dim(small: Any, large: Any, n: int) -> int | None:
+    """The dim of a cache leaf that is n at batch n and 2n at batch 2n (none: not per row)."""
+    return next((i for i, (a, b) in enumerate(zip(small.shape, large.shape)) if (a, b) == (n, 2 * n)), None)
 
 
 def cache_layout(
-    placement: Placement, small: Sequence, large: Sequence, max_len: int, cache_spec: P | None
+    placement: Placement, small: Sequence, large: Sequence, n: int, max_len: int, cache_spec: P | None
 ) -> tuple[list[P], str]:
-    """A PartitionSpec per cache leaf (module docstring), from the leaves at batch 2 and 3, and
+    """A PartitionSpec per cache leaf (module docstring), from the leaves at batch n and 2n, and
     where the layout comes from."""
     plan = placement.plan
     explicit: Callable[[int], P | None] | None = None
@@ -512,7 +514,7 @@ def cache_layout(
     batch = _entry(plan.batch_dim0_axes)
     out = []
     for a, b in zip(small, large):
-        rank, dim = len(a.shape), _batch_dim(a, b)
+        rank, dim = len(a.shape), _batch_dim(a, b, n)
         spec_ = explicit(rank) if explicit is not None else None
         if spec_ is None and explicit is None and rank == 4 and dim == 0 and a.shape[1] == max_len:
             spec_ = cache_spec_for(placement, a.shape[2], a.shape[3])
@@ -633,21 +635,22 @@ class Generator:
         self.model = model
         self.cache_dtype = cache_dtype
         mesh = placement.mesh
+        self.batch_axes = tuple(placement.plan.batch_dim0_axes)
         if adapter is None:
             self.mode = convention(model, config.max_len, cache_dtype, cache_layout_given=cache_spec is not None)
             self.adapter = builtin_adapter(self.mode, config.max_len, cache_dtype)
         else:
             self.adapter = _as_adapter(adapter)
             self.mode = self.adapter.mode
-            check_adapter(model, self.adapter, config.max_len, mesh)
+            check_adapter(model, self.adapter, config.max_len, mesh, self._shards())
         self.padding: Padding = self.adapter.padding
-        self.batch_axes = tuple(placement.plan.batch_dim0_axes)
         batch_entry = _entry(self.batch_axes)
         self.cache_specs: list[P] = []
         if self.mode == "cache":
-            _, small = _init_shapes(model, self.adapter, config.max_len, 2)
-            _, large = _init_shapes(model, self.adapter, config.max_len, 3)
-            self.cache_specs, self.cache_origin = cache_layout(placement, small, large, config.max_len, cache_spec)
+            n = self._shards()
+            _, small = _init_shapes(model, self.adapter, config.max_len, n, mesh)
+            _, large = _init_shapes(model, self.adapter, config.max_len, 2 * n, mesh)
+            self.cache_specs, self.cache_origin = cache_layout(placement, small, large, n, config.max_len, cache_spec)
             top = max(len(x.shape) for x in small)
             self.cache_spec = next(s for s, x in zip(self.cache_specs, small) if len(x.shape) == top)
         else:
@@ -667,9 +670,15 @@ class Generator:
                 self._forward_fn(), out_shardings=(self.batch_sharding, self.batch_sharding_2d), donate_argnums=(1,)
             )
 
+    def _shards(self) -> int:
+        """How many blocks the plan cuts the batch into."""
+        return math.prod(self.placement.mesh_shape[a] for a in self.batch_axes)
+
     def _cache_def(self, batch: int) -> CacheDef:
         if batch not in self._cache_defs:
-            self._cache_defs[batch] = cache_def(self.model, self.adapter, batch, self.config.max_len)[0]
+            self._cache_defs[batch] = _init_shapes(
+                self.model, self.adapter, self.config.max_len, batch, self.placement.mesh
+            )[0]
         return self._cache_defs[batch]
 
     def _under_mesh(self):
@@ -748,7 +757,7 @@ class Generator:
                         path=f"prompts[{i}]",
                     )
                 )
-        n = math.prod(self.placement.mesh_shape[a] for a in self.batch_axes)
+        n = self._shards()
         if len(prompts) % n:
             diags.append(
                 error(
