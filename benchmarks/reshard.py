@@ -80,9 +80,9 @@ def run(quick: bool) -> dict:
 
 def _diff_70b(quick: bool) -> dict:
     """`shardplan diff` from cached Llama-2-70B shapes (80 layers), a whole CLI run, best of 3."""
-    import shardplan
     from flax import nnx
 
+    import shardplan
     from examples import models
 
     name = "gpt_small" if quick else "llama2_70b"

@@ -10,6 +10,7 @@ devices unless --devices 0 (the real devices).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import sys
@@ -67,8 +68,8 @@ def pinned_residual(loss_fn, mesh):
     rules under the mesh for models that constrain logical names."""
     import jax
     from flax import linen as nn
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     rules = [("activation_batch", "data"), ("activation_length", None), ("activation_embed", None)]
 
@@ -94,36 +95,59 @@ def pinned_residual(loss_fn, mesh):
 def _step_setup(plan_name: str, backend: str, cfg, batch: int, devices=None, hand=False):
     import jax
     import numpy as np
-    import optax
     from flax import nnx
 
-    from examples import models
     import shardplan
     from examples import train as example
 
-    plan = shardplan.load(ROOT / "plans" / plan_name)
-    if devices is not None:
-        plan = shardplan.with_mesh(plan, {a: 1 for a in plan.axis_names})
-    mesh = shardplan.make_mesh(plan, devices=devices)
-    family = models.Llama if isinstance(cfg, models.LlamaConfig) else models.GPT
-    model, optimizer, placement = shardplan.init_sharded(plan, lambda: family(cfg, nnx.Rngs(0)),
-                                                         optax.adamw(1e-3), mesh=mesh)
+    plan, mesh, placement, template = _initial(plan_name, cfg, devices is not None and len(devices) == 1)
+    # Each variant trains its own copy (the steps donate their state); one init serves them all.
+    model, optimizer = (nnx.merge(nnx.graphdef(x), jax.device_put(nnx.state(x), sh, may_alias=False))
+                        for x, sh in zip(template, (placement.model_shardings(), placement.opt_shardings())))
     data = example.synthetic_batch(np.random.default_rng(0), cfg.vocab, batch, cfg.max_len)
     step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend=backend)
     if not hand:
         placed = step.place(data)
         return lambda: step.fn(nnx.state(model), nnx.state(optimizer), placed), step, model, optimizer, data
-    # By hand: the same pure step, NamedShardings built from the spec trees directly.
-    from shardplan.runtime.backends.auto import pure_step
-
+    # By hand: the plain NNX step, NamedShardings built from the spec trees directly.
     sh_m, sh_o = placement.model_shardings(), placement.opt_shardings()
     loss = pinned_residual(example.lm_loss, mesh) if plan_name in PINNED else example.lm_loss
-    fn = jax.jit(pure_step(loss, nnx.graphdef(model), nnx.graphdef(optimizer)),
+    gm, go = nnx.graphdef(model), nnx.graphdef(optimizer)
+
+    def pure_step(sm, so, batch):
+        m, o = nnx.merge(gm, sm), nnx.merge(go, so)
+        value, grads = nnx.value_and_grad(loss)(m, batch)
+        o.update(m, grads)
+        return nnx.state(m), nnx.state(o), value
+
+    fn = jax.jit(pure_step,
                  out_shardings=(sh_m, sh_o, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())),
                  donate_argnums=(0, 1))
     batch_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*plan.batch.dims[0][:1] or (None,)))
     placed = jax.device_put(data, batch_sh)
     return lambda: fn(nnx.state(model), nnx.state(optimizer), placed), fn, model, optimizer, data
+
+
+@functools.cache
+def _initial(plan_name: str, cfg, one_device: bool):
+    """The plan, its mesh (8 devices, or 1 with every axis of size 1), its placement and the model
+    and AdamW optimizer built under it by `shardplan.init_sharded`, once per (plan, config, mesh):
+    each init compiles (seconds even for the tiny models), and the variants start from one state."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import shardplan
+    from examples import models
+
+    plan = shardplan.load(ROOT / "plans" / plan_name)
+    if one_device:
+        plan = shardplan.with_mesh(plan, {a: 1 for a in plan.axis_names})
+    mesh = shardplan.make_mesh(plan, devices=jax.devices()[:1] if one_device else None)
+    family = models.Llama if isinstance(cfg, models.LlamaConfig) else models.GPT
+    model, optimizer, placement = shardplan.init_sharded(plan, lambda: family(cfg, nnx.Rngs(0)),
+                                                         optax.adamw(1e-3), mesh=mesh)
+    return plan, mesh, placement, (model, optimizer)
 
 
 def _time_steps(setups: list, steps: int, repeat: int) -> list[float]:
@@ -156,23 +180,28 @@ def _peak_checked(plan: str) -> bool:
     return "fsdp" in plan or "2d" in plan
 
 
-def bench_steps(quick: bool) -> dict:
-    import jax
-
+def _gpt_config(quick: bool):
     from examples import models
 
-    cfg = models.TINY if quick else models.GPTConfig(vocab=256, d_model=128, n_heads=8, d_ff=512, n_layers=4,
-                                                     max_len=64)
-    steps, repeat = (2, 1) if quick else (10, 5)
+    return models.TINY if quick else models.GPTConfig(vocab=256, d_model=128, n_heads=8, d_ff=512, n_layers=4,
+                                                      max_len=64)
+
+
+def bench_steps(quick: bool) -> dict:
+    from examples import models
+
+    cfg = _gpt_config(quick)
+    steps, repeat = (1, 1) if quick else (10, 5)
     llama = models.LLAMA_TINY if quick else models.LLAMA_SMALL
     llama_scan = models.LlamaConfig(**{**llama.__dict__, "scan_layers": True})
-    # Quick mode (CI) proves each measurement runs: one plan of each kind of row.
-    gpt_plans = ("dp.splan", "gpt_2d.splan") if quick else ("dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan")
-    pairs = [("gpt", cfg, p) for p in gpt_plans]
-    pairs += [("llama", llama, p) for p in (("llama_tp.splan",) if quick else ("dp.splan", "fsdp.splan",
-                                                                              "llama_tp.splan"))]
-    pairs += [("llama scanned", llama_scan, p) for p in ("fsdp_any_rank.splan",) + (() if quick else
-                                                                                     ("llama_scan_2d.splan",))]
+    # Quick mode (CI) proves each measurement runs, once: one row, of the kind whose every branch
+    # runs (a pinned residual by hand, peaks measured).
+    if quick:
+        pairs = [("gpt", cfg, "gpt_2d.splan")]
+    else:
+        pairs = [("gpt", cfg, p) for p in ("dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan")]
+        pairs += [("llama", llama, p) for p in ("dp.splan", "fsdp.splan", "llama_tp.splan")]
+        pairs += [("llama scanned", llama_scan, p) for p in ("fsdp_any_rank.splan", "llama_scan_2d.splan")]
     rows = []
     for family, c, plan in pairs:
         setups = [_step_setup(plan, "auto", c, 32), _step_setup(plan, "auto", c, 32, hand=True),
@@ -187,19 +216,35 @@ def bench_steps(quick: bool) -> dict:
                      "shard_map_ms": 1e3 * t_sm, "auto_vs_hand": t_auto / t_hand, "shard_map_vs_auto": t_sm / t_auto,
                      "auto_peak": mem["auto"], "shard_map_peak": mem["shard_map"],
                      "peak_ratio": mem["shard_map"] / mem["auto"] if mem["auto"] else None})
-    # The Llama under FSDP (scanned layers, each param split over `data`): the partitioned step's
-    # peak vs the gather-whole lowering it replaced; one sequence per device (weights dominate, as
-    # in large models) and the step rows' batch 32 (activations weigh more).
+    return {"plans": rows, "config": cfg.__dict__, "llama_config": llama.__dict__}
+
+
+def bench_fsdp_llama(quick: bool) -> dict:
+    """The Llama under FSDP (scanned layers, each param split over `data`): the partitioned step's
+    peak vs the gather-whole lowering it replaced; one sequence per device (weights dominate, as
+    in large models) and the step rows' batch 32 (activations weigh more). Quick mode compiles
+    the full run's model at batch 8 (the row its check reads; the tiny Llama's weights are too
+    small to dominate: 0.52x there)."""
+    from examples import models
     from shardplan.runtime.backends import shard_map as sm_backend
 
-    fsdp_llama = {}
+    llama_scan = models.LlamaConfig(**{**models.LLAMA_SMALL.__dict__, "scan_layers": True})
+    out = {}
     for batch in (8,) if quick else (8, 32):
         _, step, model, optimizer, data = _step_setup("fsdp_any_rank.splan", "shard_map", llama_scan, batch)
         placed = step.place(data)
         whole = sm_backend.gather_whole_step(step.placement, example_loss(), model, optimizer, placed)
         whole_peak = _peak(whole.lower(nnx_state(model), nnx_state(optimizer), placed).compile())
         part = _peak(step.lower(model, optimizer, data).compile())
-        fsdp_llama[str(batch)] = {"partitioned_peak": part, "gather_whole_peak": whole_peak, "ratio": part / whole_peak}
+        out[str(batch)] = {"partitioned_peak": part, "gather_whole_peak": whole_peak, "ratio": part / whole_peak}
+    return out
+
+
+def bench_scaling(quick: bool) -> list[dict]:
+    """The data-parallel step on 8 devices vs 1, by global batch size."""
+    import jax
+
+    cfg, (steps, repeat) = _gpt_config(quick), ((1, 1) if quick else (10, 5))
     scaling = []
     for batch in ((8,) if quick else (8, 32, 128, 512)):
         big = batch >= 512
@@ -207,8 +252,7 @@ def bench_steps(quick: bool) -> dict:
                               _step_setup("dp.splan", "auto", cfg, batch, devices=jax.devices()[:1])],
                              3 if big else steps, 2 if big else repeat)
         scaling.append({"batch": batch, "ms_8": 1e3 * t8, "ms_1": 1e3 * t1, "speedup_8_vs_1": t1 / t8})
-    return {"plans": rows, "scaling": scaling, "config": cfg.__dict__, "llama_config": llama.__dict__,
-            "fsdp_llama": fsdp_llama}
+    return scaling
 
 
 def _peak(compiled) -> int:
@@ -236,17 +280,19 @@ def bench_cost_model(quick: bool) -> list[dict]:
     import optax
     from flax import nnx
 
-    from examples import models
     import shardplan
+    from examples import models
     from examples import train as example
     from shardplan.core import cost, hlo
 
     rows = []
     base = models.TINY if quick else models.SMALL
-    for plan_name in ("dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan", "gpt_logical.splan"):
+    # Quick: a 2-D plan (every kind of collective) and the logical one (the annotated model).
+    names = ("dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan", "gpt_logical.splan")
+    for plan_name in names[3:] if quick else names:
         plan = shardplan.load(ROOT / "plans" / plan_name)
         cfg = base.__class__(**{**base.__dict__, "annotate": "logical" in plan_name})
-        build = lambda cfg=cfg: models.GPT(cfg, nnx.Rngs(0))  # noqa: E731
+        build = lambda cfg=cfg: models.GPT(cfg, nnx.Rngs(0))
         model, optimizer, placement = shardplan.init_sharded(plan, build, optax.adam(1e-3))
         predicted_state = placement.params.bytes_per_device() + placement.opt.bytes_per_device()
         predicted_comm = cost.communication(plan, placement.params)["totals"]
@@ -283,14 +329,14 @@ def bench_generation(quick: bool) -> dict:
     import numpy as np
     from flax import nnx
 
-    from examples import models
     import shardplan
+    from examples import models
     from shardplan import GenerationConfig, Generator
 
     cfg = models.GPTConfig(max_len=64)
     plan = shardplan.load(ROOT / "plans" / "gpt_tp.splan")
     model, _, placement = shardplan.init_sharded(plan, lambda: models.GPT(cfg, nnx.Rngs(0)), None)
-    new = 8 if quick else 32
+    new = 3 if quick else 32  # quick: a prefill, then decode steps (and 5 naive compiles, not 10)
     rng = np.random.default_rng(0)
     lengths = (3, 5) if quick else (3, 5, 8, 11, 16)
     batches = [[list(map(int, rng.integers(1, cfg.vocab, size=n))) for _ in range(8)] for n in lengths]
@@ -306,7 +352,7 @@ def bench_generation(quick: bool) -> dict:
     t_naive = _naive_generation_s(model, batches, new)
     tokens = len(batches) * 8 * new
     return {"tokens": tokens, "padded_tok_s": tokens / t_padded, "naive_tok_s": tokens / t_naive,
-            "speedup": t_naive / t_padded, "prompt_lengths": list(lengths), "compiles": compiles,
+            "speedup": t_naive / t_padded, "prompt_lengths": list(lengths), "new_tokens": new, "compiles": compiles,
             "llama": _bench_generation_paths(batches, new)}
 
 
@@ -333,14 +379,15 @@ def _bench_generation_paths(batches, new: int) -> dict:
     the plain path; `llama_tiny_cached` the cache path) under plans/llama_tp.splan, against the
     naive loop (a new shape, and compile, per length). Compile time included in every rate."""
 
-    from examples import models
     import shardplan
+    from examples import models
     from shardplan import GenerationConfig, Generator
 
     plan = shardplan.load(ROOT / "plans" / "llama_tp.splan")
-    out = {}
+    out, models_ = {}, {}
     for name, factory in (("plain", models.llama_tiny), ("cache", models.llama_tiny_cached)):
         model, _, placement = shardplan.init_sharded(plan, lambda f=factory: f(0), None)
+        models_[name] = model
         gen = Generator(placement, model, GenerationConfig(max_len=16 + new, buckets=(8, 16), max_new_tokens=new))
         assert gen.mode == name
         compiles: dict[str, int] = {}
@@ -350,8 +397,7 @@ def _bench_generation_paths(batches, new: int) -> dict:
                 compiles[k] = compiles.get(k, 0) + n
         out[f"{name}_s"] = time.perf_counter() - t
         out[f"{name}_compiles"] = {k: v for k, v in compiles.items() if "shardplan_" in k}
-    model, _, placement = shardplan.init_sharded(plan, lambda: models.llama_tiny(0), None)
-    naive_s = _naive_generation_s(model, batches, new)
+    naive_s = _naive_generation_s(models_["plain"], batches, new)  # generating leaves the params as they were
     tokens = len(batches) * 8 * new
     return {"tokens": tokens, "naive_tok_s": tokens / naive_s,
             **{f"{k}_tok_s": tokens / out[f"{k}_s"] for k in ("plain", "cache")},
@@ -372,7 +418,7 @@ def bench_step_cost(quick: bool) -> dict:
     every plan in plans/ x both model families (GPT, Llama)."""
     import shardplan
 
-    plans = ["dp.splan", "gpt_tp.splan"] if quick else sorted(p.name for p in (ROOT / "plans").glob("*.splan"))
+    plans = ["gpt_tp.splan"] if quick else sorted(p.name for p in (ROOT / "plans").glob("*.splan"))
     seq = 16 if quick else 32
     batch = [f"tokens=int32[32,{seq}],labels=int32[32,{seq}]"]
     rows = []
@@ -401,9 +447,9 @@ def bench_step_cost_scale(quick: bool) -> dict:
     1.5B-param model (full runs only)."""
     import subprocess
 
-    import shardplan
     from flax import nnx
 
+    import shardplan
     from examples import models
 
     model = "llama2_70b" if not quick else "gpt_small"
@@ -425,7 +471,8 @@ def bench_step_cost_scale(quick: bool) -> dict:
     seq = 4096 if not quick else 32
     cost = shardplan.api.analyze(ROOT / "plans" / "gpt_tp.splan", model=f"{ROOT / 'examples' / 'models.py'}:{model}",
                                  step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", mode="fast", mesh=mesh,
-                                 batch=[f"tokens=int32[{mesh['data'] * 4},{seq}],labels=int32[{mesh['data'] * 4},{seq}]"])
+                                 batch=[f"tokens=int32[{mesh['data'] * 4},{seq}],"
+                                        f"labels=int32[{mesh['data'] * 4},{seq}]"])
     t_fast = time.perf_counter() - t
     out = {"model": model, "mesh": mesh, "eval_shape_s": t_eval, "fast_s": t_fast, "ratio": t_fast / t_eval,
            "eval_shape_quiet_s": t_eval_quiet,
@@ -466,144 +513,195 @@ def bench_shape_cache(quick: bool) -> dict:
 
 
 # -- the runner -------------------------------------------------------------------------------
-def _check(name, value, target, op, fmt="{:.2f}x") -> dict:
-    met = value >= target if op == ">=" else value <= target
+def _bench_resolution(quick: bool) -> dict:
+    from benchmarks import resolution
+
+    return resolution.run(quick)
+
+
+def _bench_reshard(quick: bool) -> dict:
+    from benchmarks import reshard
+
+    return reshard.run(quick)
+
+
+def _bench_lsp(quick: bool) -> dict:
+    from benchmarks import lsp
+
+    return lsp.run(quick)
+
+
+# Every section, in the order it runs and is written: (name, what it measures, function(quick)).
+# Its figures go to res[name].
+SECTIONS = [
+    ("resolution", "1. resolution", _bench_resolution),
+    ("apply", "2. apply", bench_apply),
+    ("steps", "3. training steps", bench_steps),
+    ("fsdp_llama", "3. FSDP Llama peak", bench_fsdp_llama),
+    ("scaling", "3. 8 devices vs 1", bench_scaling),
+    ("cost", "4. cost model", bench_cost_model),
+    ("generation", "5. generation", bench_generation),
+    ("step_cost", "6. step cost", bench_step_cost),
+    ("step_cost_scale", "6. step cost at scale", bench_step_cost_scale),
+    ("reshard", "7. reshard", _bench_reshard),
+    ("shape_cache", "8. shapes cache", bench_shape_cache),
+    ("lsp", "9. language server", _bench_lsp),
+]
+
+
+def _check(name, value, target, op, fmt="{:.2f}x", timing=False) -> dict:
+    """One target. ``timing``: the figure is a time or a rate, so it depends on the machine and
+    its load (quick mode's sizes are too small for it to mean anything); every other figure
+    (bytes, counts, errors against a compiled program) is deterministic."""
+    met = value >= target if op == ">=" else value <= target if op == "<=" else value < target
     return {"measurement": name, "value": fmt.format(value), "target": f"{op} {fmt.format(target)}",
-            "met": "yes" if met else "NO (missed)"}
+            "met": "yes" if met else "NO (missed)", "timing": timing}
+
+
+def checks(res: dict) -> list[dict]:
+    """The targets of the sections in ``res`` (those that ran), in the table's order."""
+    out = []
+    if "resolution" in res:
+        r = res["resolution"]
+        out += [_check(f"resolve {r['leaves']:,} leaves, {r['rules']} rules: speed-up vs naive re loop",
+                       r["speedup_vs_naive"], 10.0, ">=", timing=True),
+                _check("resolve: time / floor (plain path walk)", r["ratio_to_floor"], 3.0, "<=", timing=True)]
+        out += [_check(*t, timing=True) for t in r.get("targets", [])]  # rows benchmarks/resolution.py adds
+    if "apply" in res:
+        a = res["apply"]
+        out.append(_check(f"apply {a['bytes'] / 2**30:.2f} GiB, {a['leaves']} leaves: shardplan / device_put",
+                          a["ratio"], 1.05, "<=", timing=True))
+    for row in res.get("steps", {}).get("plans", []):
+        out.append(_check(f"step {row['plan']} x {row['model']}: auto / hand-written shardings", row["auto_vs_hand"],
+                          1.05, "<=", timing=True))
+    for row in res.get("cost", []):
+        out.append(_check(f"cost model {row['plan']}: state bytes error", row["state_error"], 0.05, "<=", "{:.2%}"))
+        out.append(_check(f"cost model {row['plan']}: gather-whole lowering, communication bytes error",
+                          row["comm_error"], 0.05, "<=", "{:.2%}"))
+        pp, pc = row["partitioned_predicted"], row["partitioned_compiled"]
+        err = max(abs(pp.get(k, 0) - pc.get(k, 0)) / max(pc.get(k, 0), 1) for k in set(pp) | set(pc))
+        out.append(_check(f"cost model {row['plan']}: partitioned shard_map step, communication bytes error "
+                          "(worst kind)", err, 0.0, "<=", "{:.2%}"))
+    if "generation" in res:
+        g = res["generation"]
+        out.append(_check(f"generation: padded tokens/s vs recompile-per-length ({g['tokens']} tokens)",
+                          g["speedup"], 1.0, ">=", timing=True))
+        for path in ("plain", "cache"):
+            out.append(_check(f"generation, Llama, {path} path: tokens/s vs recompile-per-length",
+                              g["llama"][f"{path}_vs_naive"], 1.0, ">=", timing=True))
+    for row in res.get("step_cost", {}).get("rows", []):
+        name = f"{row['plan']} x {row['model']}"
+        for kind, c in row["comm"].items():
+            out.append(_check(f"fast vs exact {name}: {kind} bytes error", c["error"], 0.10, "<=", "{:.1%}"))
+        out.append(_check(f"fast vs exact {name}: peak memory error", row["peak_error"], 0.15, "<=", "{:.1%}"))
+        out.append(_check(f"fast vs exact {name}: FLOPs error", row["flops_error"], 0.02, "<=", "{:.2%}"))
+    for row in res.get("steps", {}).get("plans", []):
+        name = f"{row['plan']} x {row['model']}"
+        out.append(_check(f"step time shard_map / auto, {name}", row["shard_map_vs_auto"], 1.15, "<=", timing=True))
+        if _peak_checked(row["plan"]):
+            out.append(_check(f"peak memory shard_map / auto, {name}", row["peak_ratio"], 1.10, "<="))
+    if "fsdp_llama" in res:
+        out.append(_check("peak memory, Llama (scanned) under FSDP, one sequence per device: partitioned "
+                          "shard_map step / gather-whole step", res["fsdp_llama"]["8"]["ratio"], 0.5, "<"))
+    if "step_cost_scale" in res:
+        sc = res["step_cost_scale"]
+        out.append(_check(f"fast mode {sc['model']} full step / nnx.eval_shape of the model", sc["ratio"], 2.0, "<=",
+                          timing=True))
+    for row in res.get("reshard", {}).get("rows", []):
+        out.append(_check(f"reshard {row['before']} -> {row['after']} x {row['model']}: predicted vs compiled bytes",
+                          row["error"], 0.05, "<=", "{:.1%}"))
+    if "shape_cache" in res:
+        sc8 = res["shape_cache"]
+        out.append(_check(f"re-check {sc8['model']} through the shapes cache (first {sc8['first_s']:.1f} s), seconds",
+                          sc8["cached_s"], 1.0, "<=", "{:.2f} s", timing=True))
+    if "lsp" in res:
+        ls = res["lsp"]
+        out.append(_check(f"language server: diagnostics after an edit, 40 rules x {ls['leaves']:,} cached leaves "
+                          f"(slowest of {ls['edits']}), seconds", ls["edit_max_s"], 0.2, "<=", "{:.3f} s",
+                          timing=True))
+    if "reshard" in res:
+        d70 = res["reshard"]["diff_70b"]
+        out.append(_check(f"shardplan diff {d70['model']} ({d70['leaves']} params) from cached shapes, seconds",
+                          d70["seconds"], 1.0, "<=", "{:.2f} s", timing=True))
+    return out
 
 
 def main(argv=None) -> int:
+    names = [name for name, _, _ in SECTIONS]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes; only proves every measurement runs")
     p.add_argument("--devices", type=int, default=8, help="simulated CPU devices (0: the real devices)")
     p.add_argument("--write", action="store_true", help="write docs/benchmarks.md and .png (default on full runs)")
     p.add_argument("--json", help="also write every figure and check (JSON) here")
+    p.add_argument("--only", help=f"comma-separated sections to run (default: all): {', '.join(names)}")
     args = p.parse_args(argv)
+    only = names if args.only is None else args.only.split(",")
+    unknown = sorted(set(only) - set(names))
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(unknown)}: choose from {', '.join(names)}")
+    if args.write and set(only) != set(names):
+        p.error("--write writes every section: run them all (leave out --only)")
     _setup(args.devices)
 
     import jax
     from rich.console import Console
     from rich.table import Table
 
-    from benchmarks import resolution
-
     console = Console()
     console.print(f"shardplan benchmarks ({'quick' if args.quick else 'full'}) on {jax.device_count()} "
-                  f"{jax.devices()[0].platform} devices, {os.cpu_count()} cores, {platform.processor() or platform.machine()}")
-    t0 = time.perf_counter()
-    res = {"resolution": resolution.run(args.quick)}
-    console.print(f"1. resolution done ({time.perf_counter() - t0:.0f} s)")
-    res["apply"] = bench_apply(args.quick)
-    console.print(f"2. apply done ({time.perf_counter() - t0:.0f} s)")
-    res["steps"] = bench_steps(args.quick)
-    console.print(f"3. training steps done ({time.perf_counter() - t0:.0f} s)")
-    res["cost"] = bench_cost_model(args.quick)
-    console.print(f"4. cost model done ({time.perf_counter() - t0:.0f} s)")
-    res["generation"] = bench_generation(args.quick)
-    console.print(f"5. generation done ({time.perf_counter() - t0:.0f} s)")
-    res["step_cost"] = bench_step_cost(args.quick)
-    res["step_cost_scale"] = bench_step_cost_scale(args.quick)
-    console.print(f"6. step cost done ({time.perf_counter() - t0:.0f} s)")
-    from benchmarks import reshard
-
-    res["reshard"] = reshard.run(args.quick)
-    console.print(f"7. reshard done ({time.perf_counter() - t0:.0f} s)")
-    res["shape_cache"] = bench_shape_cache(args.quick)
-    console.print(f"8. shapes cache done ({time.perf_counter() - t0:.0f} s)")
-    from benchmarks import lsp
-
-    res["lsp"] = lsp.run(args.quick)
-    console.print(f"9. language server done ({time.perf_counter() - t0:.0f} s)")
-
-    r = res["resolution"]
-    checks = [
-        _check(f"resolve {r['leaves']:,} leaves, {r['rules']} rules: speed-up vs naive re loop", r["speedup_vs_naive"],
-               10.0, ">="),
-        _check("resolve: time / floor (plain path walk)", r["ratio_to_floor"], 3.0, "<="),
-        _check(f"apply {res['apply']['bytes'] / 2**30:.2f} GiB, {res['apply']['leaves']} leaves: shardplan / device_put",
-               res["apply"]["ratio"], 1.05, "<="),
-    ]
-    for row in res["steps"]["plans"]:
-        checks.append(_check(f"step {row['plan']} x {row['model']}: auto / hand-written shardings", row["auto_vs_hand"],
-                             1.05, "<="))
-    for row in res["cost"]:
-        checks.append(_check(f"cost model {row['plan']}: state bytes error", row["state_error"], 0.05, "<=",
-                             "{:.2%}"))
-        checks.append(_check(f"cost model {row['plan']}: gather-whole lowering, communication bytes error",
-                             row["comm_error"], 0.05, "<=", "{:.2%}"))
-        pp, pc = row["partitioned_predicted"], row["partitioned_compiled"]
-        err = max(abs(pp.get(k, 0) - pc.get(k, 0)) / max(pc.get(k, 0), 1) for k in set(pp) | set(pc))
-        checks.append(_check(f"cost model {row['plan']}: partitioned shard_map step, communication bytes error "
-                             "(worst kind)", err, 0.0, "<=", "{:.2%}"))
-    g = res["generation"]
-    checks.append(_check(f"generation: padded tokens/s vs recompile-per-length ({g['tokens']} tokens)",
-                         g["speedup"], 1.0, ">="))
-    for path in ("plain", "cache"):
-        checks.append(_check(f"generation, Llama, {path} path: tokens/s vs recompile-per-length",
-                             g["llama"][f"{path}_vs_naive"], 1.0, ">="))
-    for row in res["step_cost"]["rows"]:
-        name = f"{row['plan']} x {row['model']}"
-        for kind, c in row["comm"].items():
-            checks.append(_check(f"fast vs exact {name}: {kind} bytes error", c["error"], 0.10, "<=", "{:.1%}"))
-        checks.append(_check(f"fast vs exact {name}: peak memory error", row["peak_error"], 0.15, "<=", "{:.1%}"))
-        checks.append(_check(f"fast vs exact {name}: FLOPs error", row["flops_error"], 0.02, "<=", "{:.2%}"))
-    for row in res["steps"]["plans"]:
-        name = f"{row['plan']} x {row['model']}"
-        checks.append(_check(f"step time shard_map / auto, {name}", row["shard_map_vs_auto"], 1.15, "<="))
-        if _peak_checked(row["plan"]):
-            checks.append(_check(f"peak memory shard_map / auto, {name}", row["peak_ratio"], 1.10, "<="))
-    fl = res["steps"]["fsdp_llama"]["8"]
-    checks.append(_check("peak memory, Llama (scanned) under FSDP, one sequence per device: partitioned "
-                         "shard_map step / gather-whole step", fl["ratio"], 0.5, "<"))
-    sc = res["step_cost_scale"]
-    checks.append(_check(f"fast mode {sc['model']} full step / nnx.eval_shape of the model", sc["ratio"], 2.0, "<="))
-    for row in res["reshard"]["rows"]:
-        checks.append(_check(f"reshard {row['before']} -> {row['after']} x {row['model']}: predicted vs compiled bytes",
-                             row["error"], 0.05, "<=", "{:.1%}"))
-    sc8 = res["shape_cache"]
-    checks.append(_check(f"re-check {sc8['model']} through the shapes cache (first {sc8['first_s']:.1f} s), seconds",
-                         sc8["cached_s"], 1.0, "<=", "{:.2f} s"))
-    ls = res["lsp"]
-    checks.append(_check(f"language server: diagnostics after an edit, 40 rules x {ls['leaves']:,} cached leaves (slowest of "
-                         f"{ls['edits']}), seconds", ls["edit_max_s"], 0.2, "<=", "{:.3f} s"))
-    d70 = res["reshard"]["diff_70b"]
-    checks.append(_check(f"shardplan diff {d70['model']} ({d70['leaves']} params) from cached shapes, seconds",
-                         d70["seconds"], 1.0, "<=", "{:.2f} s"))
+                  f"{jax.devices()[0].platform} devices, {os.cpu_count()} cores, "
+                  f"{platform.processor() or platform.machine()}")
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    res: dict = {}
+    for name, title, bench in SECTIONS:
+        if name in only:
+            t, cpu = time.perf_counter(), time.process_time()
+            res[name] = bench(args.quick)
+            # CPU seconds of this process (its threads; not child processes) beside the wall time: a
+            # shared machine shows as wall time well above it.
+            console.print(f"{title} done in {time.perf_counter() - t:.0f} s (CPU {time.process_time() - cpu:.0f} s; "
+                          f"{time.perf_counter() - t0:.0f} s in all)")
+    checks_ = checks(res)
 
     table = Table(title="shardplan vs plain JAX", header_style="bold")
     for col in ("measurement", "value", "target", "met"):
         table.add_column(col)
-    for c in checks:
+    for c in checks_:
         table.add_row(c["measurement"], c["value"], c["target"], c["met"])
     console.print(table)
     info = Table(title="reported (no target)", header_style="bold")
     for col in ("measurement", "value"):
         info.add_column(col)
-    info.add_row("resolve: shardplan / naive / floor seconds",
-                 f"{r['shardplan_s']:.3f} / {r['naive_s']:.3f} / {r['floor_s']:.3f}")
-    info.add_row("resolve, garbage collector running: shardplan / naive seconds",
-                 f"{r['shardplan_gc_s']:.3f} / {r['naive_gc_s']:.3f} ({r['speedup_vs_naive_gc']:.1f}x)")
-    for row in res["steps"]["plans"]:
+    if "resolution" in res:
+        r = res["resolution"]
+        info.add_row("resolve: shardplan / naive / floor seconds",
+                     f"{r['shardplan_s']:.3f} / {r['naive_s']:.3f} / {r['floor_s']:.3f}")
+        info.add_row("resolve, garbage collector running: shardplan / naive seconds",
+                     f"{r['shardplan_gc_s']:.3f} / {r['naive_gc_s']:.3f} ({r['speedup_vs_naive_gc']:.1f}x)")
+    for row in res.get("steps", {}).get("plans", []):
         info.add_row(f"step {row['plan']} x {row['model']}: auto / hand / shard_map ms",
                      f"{row['auto_ms']:.1f} / {row['hand_ms']:.1f} / {row['shard_map_ms']:.1f} "
                      f"(shard_map / auto {row['shard_map_vs_auto']:.2f}x)")
-    for row in res["steps"]["scaling"]:
+    for row in res.get("scaling", []):
         info.add_row(f"dp step, batch {row['batch']}: 8 devices vs 1", f"{row['ms_8']:.1f} ms vs {row['ms_1']:.1f} ms "
                      f"(speed-up {row['speedup_8_vs_1']:.2f}x)")
-    info.add_row("generation tokens/s: padded / naive", f"{g['padded_tok_s']:.0f} / {g['naive_tok_s']:.0f}")
+    if "generation" in res:
+        g = res["generation"]
+        info.add_row("generation tokens/s: padded / naive", f"{g['padded_tok_s']:.0f} / {g['naive_tok_s']:.0f}")
     console.print(info)
-    missed = [c["measurement"] for c in checks if c["met"] != "yes"]
-    console.print(f"{len(checks) - len(missed)} of {len(checks)} targets met" +
+    missed = [c["measurement"] for c in checks_ if c["met"] != "yes"]
+    console.print(f"{len(checks_) - len(missed)} of {len(checks_)} targets met" +
                   (f"; missed: {'; '.join(missed)}" if missed else ""))
-    console.print(f"total {time.perf_counter() - t0:.0f} s")
+    console.print(f"total {time.perf_counter() - t0:.0f} s (CPU {time.process_time() - cpu0:.0f} s)")
     if args.json:
         import json
 
-        Path(args.json).write_text(json.dumps({"results": res, "checks": checks}, default=str))
-    if args.write or not args.quick:
+        Path(args.json).write_text(json.dumps({"results": res, "checks": checks_}, default=str))
+    if args.write or (not args.quick and args.only is None):
         from benchmarks import write
 
-        write.markdown(ROOT / "docs" / "benchmarks.md", res, checks, " ".join(["python -m benchmarks", *(argv or sys.argv[1:])]))
+        command = " ".join(["python -m benchmarks", *(argv or sys.argv[1:])])
+        write.markdown(ROOT / "docs" / "benchmarks.md", res, checks_, command)
         write.plot(ROOT / "docs" / "benchmarks.png", res)
         console.print("wrote docs/benchmarks.md and docs/benchmarks.png")
     return 0

@@ -31,7 +31,8 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         "",
         "## 1. Plan resolution",
         f"A {r['rules']}-rule plan against a synthetic 64-expert MoE state ({r['params']:,} params with Adam "
-        f"mu/nu: {r['leaves']:,} leaves, `ShapeDtypeStruct`s). shardplan: `shardplan.resolve_model(plan, params, opt_state)` "
+        f"mu/nu: {r['leaves']:,} leaves, `ShapeDtypeStruct`s). shardplan: "
+        "`shardplan.resolve_model(plan, params, opt_state)` "
         "(each distinct subtree decided once: JAX's C++ flatten without paths, equal subtrees found by structure "
         "and leaf shapes, rule matches told apart by a prefix automaton over the rules, optimizer state "
         "mirrored by walking it beside the params; per-leaf records with paths built on first read). Naive: "
@@ -65,7 +66,7 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
     lines += [f"| {x['plan']} | {x['model']} | {x['auto_ms']:.1f} | {x['hand_ms']:.1f} | {x['shard_map_ms']:.1f} | "
               f"{x['auto_vs_hand']:.2f} | {x['shard_map_vs_auto']:.2f} | {x['auto_peak'] / 1e6:.2f} | "
               f"{x['shard_map_peak'] / 1e6:.2f} |" for x in res["steps"]["plans"]]
-    fl = res["steps"]["fsdp_llama"]
+    fl = res["fsdp_llama"]
     lines += [
         "",
         f"The Llama rows use {_cfg(res['steps']['llama_config'])}; 'llama scanned' the same with its layers "
@@ -76,7 +77,8 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         "embedding's output, `axis` rules for the Llama's logical names); their hand-written counterpart adds the "
         "same sharding constraint by hand (`pinned_residual` in benchmarks/run.py). Left free, XLA carried the "
         "embedding's width split (`data`) through every layer and moved activations: the auto step ran 2.2x "
-        "(gpt_2d) and 2.7x (llama_scan_2d) slower (measured on 2026-11-30 before the plans pinned it). The shard_map backend partitions the step's computation itself "
+        "(gpt_2d) and 2.7x (llama_scan_2d) slower (measured on 2026-11-30 before the plans pinned it). "
+        "The shard_map backend partitions the step's computation itself "
         "(`shardplan/runtime/partition.py`): matmuls run on local shards (Megatron column/row parallel "
         "under the TP plans, with the activation's all-reduce after a row-parallel matmul), FSDP weights "
         "are gathered at the op that uses them, and its collectives equal the prediction "
@@ -87,7 +89,7 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         + ". Unscanned, XLA:CPU merges a weight's forward and backward gathers (CSE), so gathered weights "
         "stay alive from the forward to the backward pass, on both backends.",
         "",
-        "Data parallel, 8 devices vs 1, by global batch size. " + _crossover(res["steps"]["scaling"]) +
+        "Data parallel, 8 devices vs 1, by global batch size. " + _crossover(res["scaling"]) +
         f" All on this machine's {os.cpu_count()} CPU cores: XLA runs each simulated device on its own thread, "
         "so 8 devices can use every core where 1 device's step mostly uses one; the figures show where the "
         "gradient all-reduce and per-device overhead stop dominating, not what accelerators would do.",
@@ -96,7 +98,7 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         "|---|---|---|---|",
     ]
     lines += [f"| {x['batch']} | {x['ms_8']:.1f} | {x['ms_1']:.1f} | {x['speedup_8_vs_1']:.2f}x |"
-              for x in res["steps"]["scaling"]]
+              for x in res["scaling"]]
     lines += [
         "",
         "![8 vs 1 devices](benchmarks.png)",
@@ -172,7 +174,7 @@ def _reshard(res: dict) -> list[str]:
         "|---|---|---|---|---|---|",
     ]
     for row in r["rows"]:
-        fmt = lambda d: "; ".join(f"{k} {v:,}" for k, v in d.items()) or "none"  # noqa: E731
+        fmt = lambda d: "; ".join(f"{k} {v:,}" for k, v in d.items()) or "none"
         out.append(f"| {row['before']} -> {row['after']} | {row['model']} | {row['changed']} | {fmt(row['predicted'])} "
                    f"| {fmt(row['compiled'])} | {row['error']:.1%} |")
     d = r["diff_70b"]
@@ -259,7 +261,7 @@ def plot(path: Path, res: dict) -> None:
     except ImportError:
         print("matplotlib is not installed (pip install '.[bench]'): no plot written")
         return
-    rows = res["steps"]["scaling"]
+    rows = res["scaling"]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     batches = [x["batch"] for x in rows]
     ax.plot(batches, [x["speedup_8_vs_1"] for x in rows], marker="o", label="8 devices / 1 device")

@@ -7,16 +7,41 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT
 
 
-def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
+def quick(tmp_path, *sections: str) -> tuple[dict, list[dict]]:
+    """`python -m benchmarks --quick --only SECTIONS`: its figures and its checks. Every
+    deterministic target (bytes, counts, errors against a compiled program) is met in quick mode
+    too; a timing target ("timing": true) may miss at quick mode's sizes."""
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--json", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "benchmarks", "--quick", "--only", ",".join(sections), "--json", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
-    res, checks = doc["results"], doc["checks"]
+    assert set(doc["results"]) == set(sections)
+    checks = doc["checks"]
+    assert all(c["met"] in ("yes", "NO (missed)") and isinstance(c["timing"], bool) for c in checks)
+    assert [c["measurement"] for c in checks if not c["timing"] and c["met"] != "yes"] == []
+    return doc["results"], checks
+
+
+def test_quick_sections_cover_every_section():
+    """The quick tests below run every section of the benchmark between them."""
+    from benchmarks import run
+
+    assert {name for name, _, _ in run.SECTIONS} == {s for group in QUICK_GROUPS for s in group}
+
+
+# Each group well under a minute on 2 cores (one subprocess each, jax imported anew).
+QUICK_GROUPS = [("resolution", "apply", "steps"), ("fsdp_llama", "scaling"), ("cost",), ("generation",),
+                ("step_cost", "step_cost_scale", "reshard", "shape_cache", "lsp")]
+
+
+def test_benchmarks_quick_resolution_apply_and_steps(tmp_path):
+    res, checks = quick(tmp_path, *QUICK_GROUPS[0])
     # Resolution: shardplan decides every param exactly as the naive first-match loop does.
     assert res["resolution"]["agree_with_naive"] == 1.0
     assert res["resolution"]["leaves"] > res["resolution"]["params"] > 0
@@ -24,42 +49,63 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
         assert 0 < res["resolution"][key] < 60
     # Placement moved every byte it says it did.
     assert res["apply"]["bytes"] == res["apply"]["leaves"] * 64 * 256 * 4 and res["apply"]["ratio"] > 0
-    # Steps: every plan timed on every variant.
-    plans = {(row["plan"], row["model"]) for row in res["steps"]["plans"]}
-    assert {p for p, m in plans if m == "gpt"} == {"dp.splan", "gpt_2d.splan"}
-    assert {m for _, m in plans} == {"gpt", "llama", "llama scanned"}
-    for row in res["steps"]["plans"]:
-        assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("auto_ms", "hand_ms", "shard_map_ms"))
-        if "fsdp" in row["plan"] or "2d" in row["plan"]:  # the rows whose peaks are checked
-            assert row["auto_peak"] > 0 and row["shard_map_peak"] > 0
-    fl = res["steps"]["fsdp_llama"]
-    assert set(fl) == {"8"} and all(0 < x["ratio"] for x in fl.values())
-    # Both lowerings' communication is exact against the compiled HLO, on every plan: the
-    # gather-whole module's (specs only) and the partitioned step's (its record).
-    assert len(res["cost"]) == 5
+    # Steps: the quick row (a 2-D plan with its residual pinned by hand, peaks measured) on every variant.
+    (row,) = res["steps"]["plans"]
+    assert (row["plan"], row["model"]) == ("gpt_2d.splan", "gpt")
+    assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("auto_ms", "hand_ms", "shard_map_ms"))
+    assert row["auto_peak"] > 0 and row["shard_map_peak"] > 0
+    assert row["peak_ratio"] == row["shard_map_peak"] / row["auto_peak"]
+    # resolve x 2 and the rows resolution.py adds (timings all), apply; per row: auto / hand,
+    # shard_map / auto, peak shard_map / auto
+    timings = 2 + len(res["resolution"].get("targets", [])) + 1 + 2
+    assert [c["timing"] for c in checks] == [True] * timings + [False]
+
+
+def test_benchmarks_quick_fsdp_llama_peak_and_scaling(tmp_path):
+    res, checks = quick(tmp_path, *QUICK_GROUPS[1])
+    (fl,) = res["fsdp_llama"].values()
+    assert list(res["fsdp_llama"]) == ["8"] and fl["ratio"] == fl["partitioned_peak"] / fl["gather_whole_peak"]
+    (sc,) = res["scaling"]
+    assert sc["batch"] == 8 and sc["ms_8"] > 0 and sc["ms_1"] > 0
+    (c,) = checks  # the peak target (scaling reports, without one)
+    assert c["met"] == "yes" and not c["timing"]
+
+
+def test_benchmarks_quick_cost_model(tmp_path):
+    res, checks = quick(tmp_path, *QUICK_GROUPS[2])
+    # Both lowerings' communication is exact against the compiled HLO: the gather-whole module's
+    # (specs only) and the partitioned step's (its record); the state bytes as predicted.
+    assert [row["plan"] for row in res["cost"]] == ["gpt_2d.splan", "gpt_logical.splan"]
     for row in res["cost"]:
-        assert row["measured_comm"] == row["predicted_comm"], row
+        assert row["measured_comm"] == row["predicted_comm"] > 0, row
         assert row["partitioned_predicted"] == row["partitioned_compiled"], row
         assert row["state_error"] < 0.05, row
+    assert len(checks) == 3 * 2 and not any(c["timing"] for c in checks)
+
+
+def test_benchmarks_quick_generation(tmp_path):
+    res, checks = quick(tmp_path, *QUICK_GROUPS[3])
     # Generation: one prefill compile (both quick prompt lengths fall in one bucket), one decode compile.
     g = res["generation"]
     steps = {k: v for k, v in g["compiles"].items() if "shardplan_" in k}
     assert steps == {"jit(shardplan_prefill)": 1, "jit(shardplan_decode)": 1}, g["compiles"]
-    assert g["tokens"] == len(g["prompt_lengths"]) * 8 * 8
+    assert g["tokens"] == len(g["prompt_lengths"]) * 8 * g["new_tokens"] and g["new_tokens"] > 1
     assert g["llama"]["compiles"] == {"plain": {"jit(shardplan_forward)": 1},
                                       "cache": {"jit(shardplan_prefill)": 1, "jit(shardplan_decode)": 1}}
-    # Step cost: fast vs exact for each plan x model family, with the ratios the checks report.
+    assert len(checks) == 3 and all(c["timing"] for c in checks)  # tokens/s: GPT, Llama plain and cache
+
+
+def test_benchmarks_quick_step_cost_reshard_and_tools(tmp_path):
+    res, checks = quick(tmp_path, *QUICK_GROUPS[4])
+    # Step cost: fast vs exact for one plan x each model family, with the ratios the checks report.
     rows = res["step_cost"]["rows"]
-    assert {(r["plan"], r["model"].split("_")[0]) for r in rows} == {
-        (p, f) for p in ("dp.splan", "gpt_tp.splan") for f in ("gpt", "llama")}
+    assert {(r["plan"], r["model"].split("_")[0]) for r in rows} == {("gpt_tp.splan", f) for f in ("gpt", "llama")}
     for r in rows:
         assert r["flops_exact"] > 0 and r["peak_exact"] > 0
         assert r["flops_error"] == abs(r["flops_fast"] - r["flops_exact"]) / r["flops_exact"]
         assert r["comm"]["all-reduce"]["exact"] > 0  # every one of these plans reduces gradients
     scale = res["step_cost_scale"]
     assert scale["eval_shape_s"] > 0 and scale["ratio"] == scale["fast_s"] / scale["eval_shape_s"]
-    # The table's verdicts are computed from these figures, one per check.
-    step_checks = sum(len(r["comm"]) + 2 for r in rows) + 1
     # Reshard: every pair's prediction against its compiled reshard, and the 70B diff's timing.
     reshard = res["reshard"]
     assert len(reshard["rows"]) == 3 and reshard["diff_70b"]["seconds"] > 0
@@ -69,13 +115,19 @@ def test_benchmarks_quick_mode_measures_what_it_claims(tmp_path):
     assert res["shape_cache"]["cached_s"] > 0
     # The language server: every edit answered with its diagnostics (the benchmark asserts which).
     assert res["lsp"]["edits"] == 12 and 0 < res["lsp"]["edit_median_s"] <= res["lsp"]["edit_max_s"] < 60
-    # steps: auto/hand and shard_map/auto per row, peak for FSDP and 2-D rows, the Llama FSDP peak;
-    # cost model: 3 per plan.
-    rows_ = res["steps"]["plans"]
-    peaks = sum("fsdp" in r["plan"] or "2d" in r["plan"] for r in rows_)
-    assert len(rows_) == 4 and peaks == 2
-    assert len(checks) == 3 + 2 * len(rows_) + peaks + 1 + 3 * 5 + 1 + 2 + step_checks + 1 + len(reshard["rows"]) + 1 + 1
-    assert all(c["met"] in ("yes", "NO (missed)") for c in checks)
+    # step cost per row: per kind, peak, FLOPs; the scale ratio; reshard per row and the 70B diff;
+    # shapes cache; language server.
+    step_checks = sum(len(r["comm"]) + 2 for r in rows)
+    assert len(checks) == step_checks + 1 + len(reshard["rows"]) + 1 + 1 + 1
+    assert sum(not c["timing"] for c in checks) == step_checks + len(reshard["rows"])
+
+
+@pytest.mark.parametrize("args, message", [(["--only", "steps,nope"], "unknown section(s) nope"),
+                                           (["--write", "--only", "apply"], "--write writes every section")])
+def test_benchmarks_runner_refuses_what_it_cannot_do(args, message):
+    r = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
 
 
 def test_device_benchmark_quick_mode_measures_and_predicts_side_by_side(tmp_path):
@@ -107,4 +159,7 @@ def test_published_runs_benchmark_costs_each_run_with_both_attentions():
         (run, attention) for run, *_ in published.RUNS for attention in ("flash", "naive")]
     for flash, naive in zip(rows[::2], rows[1::2], strict=True):
         assert 0 < flash["hbm_bytes"] < naive["hbm_bytes"]
-        assert all(0 < x < 10 for x in flash["ratio_tokens_s"] + naive["ratio_tokens_s"])
+        # The runs as configured (flash attention) are predicted within 25% of the published
+        # tokens/s, serial and overlapped alike (README, docs/stepcost.md); naive attention is slower.
+        assert all(0.75 <= x <= 1.25 for x in flash["ratio_tokens_s"]), (flash["run"], flash["ratio_tokens_s"])
+        assert max(naive["ratio_tokens_s"]) < min(flash["ratio_tokens_s"]), (naive["run"], naive["ratio_tokens_s"])

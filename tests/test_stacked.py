@@ -1,7 +1,6 @@
 """Stacked layers (nnx.vmap + nnx.scan): `...` specs address trailing dims whatever the rank; a
 rule written for one layer's array that splits the layer axis is warned about."""
 
-import jax
 import numpy as np
 import optax
 import pytest
@@ -9,32 +8,33 @@ import pytest
 import shardplan
 from examples import models
 from examples import train as example
+from tests import reference
 from tests.helpers import PLANS, ROOT
 
 LLAMA_SCAN = f"{ROOT / 'examples' / 'models.py'}:llama_tiny_scan"
 
 
-def run(plan, devices=None):
-    if devices is not None:
-        plan = shardplan.with_mesh(plan, {a: 1 for a in plan.axis_names})
-    mesh = shardplan.make_mesh(plan, devices=devices)
-    model, optimizer, placement = shardplan.init_sharded(plan, models.llama_tiny_scan,
-                                                         optax.adamw(1e-2, eps=1e-5), mesh=mesh)
-    step = shardplan.train_step(placement, example.lm_loss, model, optimizer)
+TX = optax.adamw(1e-2, eps=1e-5)
+
+
+def batches():
     rng = np.random.default_rng(3)
-    losses = [float(step(model, optimizer, example.synthetic_batch(rng, 64, 16, 16))) for _ in range(5)]
-    params = {leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)}
-    return losses, params, placement
+    return [example.synthetic_batch(rng, 64, 16, 16) for _ in range(5)]
 
 
 def test_a_scanned_model_trains_under_an_ellipsis_plan_equal_to_one_device():
     plan = shardplan.load(PLANS / "fsdp_any_rank.splan")
-    losses, params, placement = run(plan)
+    model, optimizer, placement = shardplan.init_sharded(plan, models.llama_tiny_scan, TX)
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer)
+    losses = [float(step(model, optimizer, b)) for b in batches()]
     by = placement.params.by_path()
     assert str(by["layers/mlp/up/kernel"].spec) == "(_, data, _)"  # the layer axis stays whole
     assert str(by["lm_head/kernel"].spec) == "(data, _)"  # the same rule on a 2-D kernel
-    one_losses, one_params, _ = run(plan, devices=jax.devices()[:1])
+    # The reference: plain NNX + optax on one device, no shardplan in it (tests/reference.py).
+    params = reference.params_of(model)
+    one_losses, one_params = reference.train(models.llama_tiny_scan, TX, example.lm_loss, batches())
     np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+    assert params.keys() == one_params.keys()
     for path in params:
         np.testing.assert_allclose(params[path], one_params[path], rtol=1e-4, atol=5e-6, err_msg=path)
     assert losses[-1] < losses[0]
