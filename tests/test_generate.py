@@ -1,6 +1,7 @@
 """Sharded generation: one decode compile, one prefill per bucket, and token-for-token
 equality with an unpadded, unsharded, cache-free reference."""
 
+import re
 import subprocess
 import sys
 
@@ -386,3 +387,12 @@ def test_without_an_adapter_the_refusal_says_to_pass_one():
         Generator(placement, model, COUNTER_CONFIG)
     assert info.value.diagnostics[0].code == "not-a-causal-lm"
     assert "cannot be called as model(tokens)" in str(info.value) and "adapter=GenerationAdapter(" in str(info.value)
+
+
+def test_the_generation_doc_example_prints_what_the_doc_says():
+    doc = (ROOT / "docs" / "generation.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", doc, re.S)[0]
+    shown = re.findall(r"```text\n(.*?)```", doc, re.S)[0]
+    r = subprocess.run([sys.executable, "-"], input=code, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == shown

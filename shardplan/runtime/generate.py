@@ -536,16 +536,22 @@ def _fits(fn: Callable, *args) -> bool:
         return False
 
 
-def convention(model: Any, max_len: int, dtype=jnp.float32, *, cache_layout_given: bool = False) -> str:
+def convention(
+    model: Any, max_len: int, dtype=jnp.float32, *, cache_layout_given: bool = False, mesh=None, batch: int = 1
+) -> str:
     """``"cache"`` or ``"plain"`` (module docstring), checked with ``jax.eval_shape``: nothing
     compiles. A model that half-follows the cache convention is an error naming what is missing.
+    ``mesh``: the mesh context to trace under; ``batch``: the rows traced.
     """
     gd, state = nnx.split(model)
-    tokens = jax.ShapeDtypeStruct((1, 2), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((batch, 2), jnp.int32)
 
     def run(fn, *args):
         try:
-            return jax.eval_shape(fn, state, *args)
+            if mesh is None:
+                return jax.eval_shape(fn, state, *args)
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return jax.eval_shape(fn, state, *args)
         except Exception as e:  # the model's own error, at trace time
             raise _not_causal_lm(
                 f"calling {type(model).__name__} for generation failed: {type(e).__name__}: {str(e)[:300]}",
@@ -562,21 +568,21 @@ def convention(model: Any, max_len: int, dtype=jnp.float32, *, cache_layout_give
                 "GenerationAdapter(init_cache=..., prefill=..., decode=...) over the model's own cache",
             )
         out = run(lambda s, t: nnx.merge(gd, s)(t), tokens)
-        if not (hasattr(out, "shape") and len(out.shape) == 3 and out.shape[:2] == (1, 2)):
+        if not (hasattr(out, "shape") and len(out.shape) == 3 and out.shape[:2] == (batch, 2)):
             raise _not_causal_lm(
                 f"{type(model).__name__}(tokens) returned {jax.tree.map(lambda x: x.shape, out)}, not logits "
                 "(batch, time, vocab)",
                 "return the logits for every position",
             )
         return "plain"
-    if not callable(init) or not _fits(init, 1, max_len, dtype):
+    if not callable(init) or not _fits(init, batch, max_len, dtype):
         raise _not_causal_lm(
             f"{type(model).__name__}.init_cache does not take (batch, max_len, dtype)",
             "define init_cache(self, batch, max_len, dtype) returning the cache pytree",
         )
-    cache = jax.eval_shape(lambda: init(1, max_len, dtype))
-    positions = jax.ShapeDtypeStruct((1, 2), jnp.int32)
-    mask = jax.ShapeDtypeStruct((1, 2, max_len), jnp.bool_)
+    cache = jax.eval_shape(lambda: init(batch, max_len, dtype))
+    positions = jax.ShapeDtypeStruct((batch, 2), jnp.int32)
+    mask = jax.ShapeDtypeStruct((batch, 2, max_len), jnp.bool_)
     if not _fits(model.__call__, tokens, positions, mask, cache):
         raise _not_causal_lm(
             f"{type(model).__name__} has init_cache, but its __call__ does not take (tokens, positions, mask, cache)",
@@ -637,7 +643,10 @@ class Generator:
         mesh = placement.mesh
         self.batch_axes = tuple(placement.plan.batch_dim0_axes)
         if adapter is None:
-            self.mode = convention(model, config.max_len, cache_dtype, cache_layout_given=cache_spec is not None)
+            given = cache_spec is not None
+            self.mode = convention(
+                model, config.max_len, cache_dtype, cache_layout_given=given, mesh=mesh, batch=self._shards()
+            )
             self.adapter = builtin_adapter(self.mode, config.max_len, cache_dtype)
         else:
             self.adapter = _as_adapter(adapter)
