@@ -267,19 +267,26 @@ def test_exact_flops_of_a_scanned_model_equal_the_unrolled_models(tmp_path):
 
 # -- fast mode against exact mode -----------------------------------------------------------------
 
-@pytest.mark.parametrize("model, plan", [("gpt_tiny", "dp.splan"), ("gpt_tiny", "fsdp.splan"),
-                                         ("gpt_tiny", "gpt_tp.splan"), ("llama_tiny", "llama_tp.splan"),
-                                         ("llama_tiny_scan", "dp.splan")])
+# The sizes docs/stepcost.md's accuracy figures are for (docs/benchmarks.md section 6): the small
+# models, batch 32x32. (The tiny models at batch 16x16 have fast mode's peak up to 18.6% high.)
+DOCUMENTED_BATCH = ["tokens=int32[32,32],labels=int32[32,32]"]
+FLOPS_REL, PEAK_REL = 0.006, 0.03  # docs/stepcost.md: "FLOPs within 0.6% and peak memory within 3%"
+
+
+@pytest.mark.parametrize("model, plan", [("gpt_small", "dp.splan"), ("gpt_small", "fsdp.splan"),
+                                         ("gpt_small", "gpt_tp.splan"), ("llama_small", "llama_tp.splan"),
+                                         ("llama_small_scan", "dp.splan")])
 def test_fast_mode_matches_exact_mode(model, plan):
-    fast, exact = analyze(plan, model, mode="fast"), analyze(plan, model, mode="exact")
+    fast, exact = (analyze(plan, model, mode=m, batch=DOCUMENTED_BATCH) for m in ("fast", "exact"))
     assert fast.mode == "fast" and fast.backend == "auto"
-    assert fast.flops == pytest.approx(exact.flops, rel=0.02)
+    assert fast.flops == pytest.approx(exact.flops, rel=FLOPS_REL)
     for kind, nbytes in exact.bytes_by_kind().items():
         assert fast.bytes_by_kind()[kind] == pytest.approx(nbytes, rel=0.10, abs=64), kind
-    assert fast.memory.peak == pytest.approx(exact.memory.peak, rel=0.5)
+    # Measured -2.0% .. +2.7% on these five.
+    assert fast.memory.peak == pytest.approx(exact.memory.peak, rel=PEAK_REL)
     # Memory traffic: fast mode assumes an accelerator's fusion of elementwise chains; XLA:CPU
-    # stores more (measured 0.82x..0.99x of its program's at these tiny sizes, 0.79x..0.92x at the
-    # benchmarks'; docs/stepcost.md has a GPU's programs).
+    # stores more (measured 0.73x..0.90x of its program's at these sizes; docs/stepcost.md has a
+    # GPU's programs).
     assert fast.hbm_bytes == pytest.approx(exact.hbm_bytes, rel=0.3)
 
 
@@ -290,13 +297,14 @@ def test_fast_mode_follows_xla_through_a_2d_plan_on_a_scanned_model():
     split (forward and backward), its tokens moved onto the table's row axis (collective-permute),
     gathered over the rest of the batch axis, then over the rows; the peak holds the stacked
     gradients split."""
-    fast, exact = analyze("llama_scan_2d.splan", "llama_tiny_scan", mode="fast"), analyze(
-        "llama_scan_2d.splan", "llama_tiny_scan", mode="exact")
+    fast, exact = (analyze("llama_scan_2d.splan", "llama_small_scan", mode=m, batch=DOCUMENTED_BATCH)
+                   for m in ("fast", "exact"))
     f, e = fast.bytes_by_kind(), exact.bytes_by_kind()
     assert f["reduce-scatter"] == e["reduce-scatter"] > 0 and f["all-to-all"] == e["all-to-all"] > 0
     assert f["collective-permute"] == e["collective-permute"] > 0 and f["all-gather"] == e["all-gather"]
     assert f["all-reduce"] == pytest.approx(e["all-reduce"], rel=0.01)
-    assert fast.memory.peak == pytest.approx(exact.memory.peak, rel=0.25)
+    assert fast.flops == pytest.approx(exact.flops, rel=FLOPS_REL)
+    assert fast.memory.peak == pytest.approx(exact.memory.peak, rel=PEAK_REL)  # measured +2.9%
     assert any("lookups in a table split over an axis" in n for n in fast.notes)
 
 
