@@ -37,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=BACKENDS, help="default: the plan's backend")
-    p.add_argument("--axis-types", choices=("auto", "explicit"), default="auto")
+    p.add_argument("--axis-types", choices=("auto", "explicit"),
+                   help="every mesh axis of this type (default: the plan's mesh statement's types)")
     p.add_argument("--simulate-devices", type=int, default=8,
                    help="simulated CPU devices (set before jax loads); 0 uses the real devices")
     p.add_argument("--no-show", action="store_true", help="skip the sharding view")

@@ -340,7 +340,7 @@ def show(
     *,
     mesh: dict[str, int | None] | None = None,
     optimizer: str = "adam",
-    axis_types: str = "auto",
+    axis_types: str | None = None,
     batch: dict | None = None,
 ) -> Shown:
     """Build a model directly sharded per the plan, place a batch, and verify every array

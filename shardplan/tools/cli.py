@@ -690,7 +690,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="input shapes to place: 'tokens=int32[8,16]' (repeatable; NAME=8x16:int32 also read)",
     )
     v.add_argument("--simulate-devices", type=_count, help="simulated CPU devices (e.g. 8)")
-    v.add_argument("--axis-types", choices=("auto", "explicit"), default="auto")
+    v.add_argument(
+        "--axis-types",
+        choices=("auto", "explicit"),
+        help="every mesh axis of this type (default: the types the plan's mesh statement gives)",
+    )
     v.add_argument("--expand", action="store_true", help="one row per layer")
     v.add_argument("--visualize", type=_index, default=4, help="how many arrays to draw (default 4)")
     v.set_defaults(func=cmd_show)
