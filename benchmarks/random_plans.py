@@ -1,0 +1,541 @@
+"""Fast mode against exact mode on plans nobody wrote (shardplan issue 29).
+
+    python -m benchmarks.random_plans [--pairs N] [--seed S] [--json OUT]
+
+Draws N (plan, model) pairs: a model from a pool (tests/fixtures/engine_models.py: a Llama-style
+decoder, a GShard-style top-2 MoE, a decoder that builds its KV cache in the step; the example
+models gpt_tiny, llama_tiny, llama_tiny_scan) and a plan drawn from the model's shapes alone: a
+mesh of 2 or 3 axes over 8 devices in a random order, per param family (leaves grouped by shape,
+dims named by what they equal: d_model, a stacked leading dim, or their size) replicated or split
+on one or two dims over one or two axes, the batch over one or two axes or batch x sequence, and
+sometimes `act` constraints on module outputs. Each pair is costed both ways (auto backend,
+tokens/labels int32[8,16]) and the errors are reported as a distribution over pairs: per
+collective kind |fast - exact| / (the step's total collective bytes in exact mode), peak memory
+and FLOPs relative to exact mode.
+
+The generator is pure and seeded: pair i of seed S is ``draw_pair(S, i)`` whatever N is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "tests" / "fixtures" / "engine_models.py"
+EXAMPLES = ROOT / "examples" / "models.py"
+TRAIN = ROOT / "examples" / "train.py"
+
+# name -> (model FILE.py:FACTORY, loss FILE.py:FN)
+POOL: dict[str, tuple[str, str]] = {
+    "decoder": (f"{ENGINE}:decoder", f"{ENGINE}:decoder_loss"),
+    "moe": (f"{ENGINE}:moe", f"{ENGINE}:moe_loss"),
+    "kv_decoder": (f"{ENGINE}:kv_decoder", f"{ENGINE}:kv_decoder_loss"),
+    "gpt_tiny": (f"{EXAMPLES}:gpt_tiny", f"{TRAIN}:lm_loss"),
+    "llama_tiny": (f"{EXAMPLES}:llama_tiny", f"{TRAIN}:lm_loss"),
+    "llama_tiny_scan": (f"{EXAMPLES}:llama_tiny_scan", f"{TRAIN}:lm_loss"),
+}
+BATCH = (8, 16)
+BATCH_ARG = [f"tokens=int32[{BATCH[0]},{BATCH[1]}],labels=int32[{BATCH[0]},{BATCH[1]}]"]
+DEVICES = 8
+AXIS_NAMES = ("data", "model", "expert", "seq")
+# Axis sizes over 8 devices, in mesh order.
+MESH_SIZES = ((2, 4), (4, 2), (2, 2, 2))
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+TARGETS = {"comm": 0.10, "peak": 0.15, "flops": 0.02}  # on the p90 over pairs
+EXACT_TIMEOUT_S = 300.0
+DATA_PARALLEL = 0.15  # the share of plans that keep every param whole (plain data parallel)
+
+Leaves = Sequence[tuple[str, tuple[int, ...]]]
+
+
+# -- the generator (pure) -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Family:
+    """Param leaves that share a shape signature: ``dims`` names each dim ('d' for d_model, 'L'
+    for the leading dim of a stacked (rank >= 3) leaf, else its size)."""
+
+    dims: tuple[str, ...]
+    shape: tuple[int, ...]
+    paths: tuple[str, ...]
+
+
+def d_model_of(leaves: Leaves) -> int:
+    """The model width from shapes alone: the commonest size of rank-1 leaves (norm scales), or of
+    the trailing dim of stacked norm scales, else the commonest dim of any leaf."""
+    sizes = Counter(s[-1] for _, s in leaves if len(s) == 1 or (len(s) == 2 and s[0] <= 16 and s[0] < s[1]))
+    if not sizes:
+        sizes = Counter(d for _, s in leaves for d in s)
+    return sizes.most_common(1)[0][0]
+
+
+def families(leaves: Leaves) -> tuple[Family, ...]:
+    d = d_model_of(leaves)
+    groups: dict[tuple[tuple[str, ...], tuple[int, ...]], list[str]] = {}
+    for path, shape in leaves:
+        dims = tuple("L" if i == 0 and len(shape) >= 3 else "d" if n == d else str(n) for i, n in enumerate(shape))
+        groups.setdefault((dims, tuple(shape)), []).append(path)
+    return tuple(Family(dims, shape, tuple(sorted(p))) for (dims, shape), p in sorted(groups.items()))
+
+
+def regex_for(paths: Sequence[str], all_paths: Sequence[str]) -> str:
+    """A full-match regex for exactly ``paths``: numbered components generalized to ``\\d+``
+    where that still matches nothing else, else the paths spelt out."""
+    general = sorted({"/".join(r"\d+" if c.isdigit() else re.escape(c) for c in p.split("/")) for p in paths})
+    rx = general[0] if len(general) == 1 else "(?:" + "|".join(general) + ")"
+    want = set(paths)
+    if {p for p in all_paths if re.fullmatch(rx, p)} == want:
+        return rx
+    exact = sorted(re.escape(p) for p in paths)
+    return exact[0] if len(exact) == 1 else "(?:" + "|".join(exact) + ")"
+
+
+def _axes_text(axes: Sequence[str]) -> str:
+    return axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
+
+
+def spec_text(dims: Sequence[Sequence[str]]) -> str:
+    """Per dim, its mesh axes -> plan spec text: ``(data, _)``, ``((data, model), _)``, ``replicated``."""
+    if not any(dims):
+        return "replicated"
+    return "(" + ", ".join(_axes_text(a) if a else "_" for a in dims) + ")"
+
+
+def _divides(shape: Sequence[int], dims: Sequence[Sequence[str]], sizes: dict[str, int]) -> bool:
+    for n, axes in zip(shape, dims):
+        k = 1
+        for a in axes:
+            k *= sizes[a]
+        if n % k:
+            return False
+    return True
+
+
+def draw_param_spec(rng: random.Random, fam: Family, sizes: dict[str, int]) -> list[list[str]]:
+    """Replicated, one dim split over one or two axes, or two dims split (different axes);
+    redrawn while a dim is indivisible (replicated after 20 tries)."""
+    axes = list(sizes)
+    rank = len(fam.shape)
+    for _ in range(20):
+        dims: list[list[str]] = [[] for _ in range(rank)]
+        r = rng.random()
+        # A stacked leading dim (layers or experts) is split less often than the others.
+        free = [i for i in range(rank) if fam.dims[i] != "L" or rng.random() < 0.3]
+        if r < 0.25 or not free:
+            return dims
+        if r < 0.55 or rank == 1 or len(free) == 1:
+            dims[rng.choice(free)] = rng.sample(axes, 2 if r < 0.4 and len(axes) >= 2 else 1)
+        else:
+            i, j = rng.sample(free, 2)
+            pick = rng.sample(axes, 3 if len(axes) == 3 and r > 0.9 else 2)
+            dims[i], dims[j] = pick[:1], pick[1:]
+        if _divides(fam.shape, dims, sizes):
+            return dims
+    return [[] for _ in range(rank)]
+
+
+def draw_batch(rng: random.Random, sizes: dict[str, int]) -> list[list[str]]:
+    """Batch over one axis, two or three axes, or batch x sequence; always divisible for BATCH."""
+    axes = list(sizes)
+    for _ in range(20):
+        r = rng.random()
+        if r < 0.4:
+            dims = [rng.sample(axes, 1), []]
+        elif r < 0.7:
+            dims = [rng.sample(axes, 2), []]
+        elif r < 0.8 and len(axes) == 3:
+            dims = [rng.sample(axes, 3), []]
+        else:
+            a, b = rng.sample(axes, 2)
+            dims = [[a], [b]]
+        if _divides(BATCH, dims, sizes):
+            return dims
+    return [[axes[0]], []]
+
+
+def module_paths(leaves: Leaves) -> tuple[str, ...]:
+    """Module paths from param paths (the parents of the leaves, at one and two levels up)."""
+    out = set()
+    for path, _ in leaves:
+        parts = path.split("/")
+        for k in (1, 2):
+            if len(parts) > k:
+                out.add("/".join(parts[:-k]))
+    return tuple(sorted(out))
+
+
+def draw_acts(rng: random.Random, leaves: Leaves, sizes: dict[str, int]) -> list[tuple[str, str]]:
+    """Zero (most plans), one or two `act` rules: a module family and a batch-dim, batch+last or
+    last-dim layout written with `...` so any rank fits."""
+    if rng.random() >= 0.35:
+        return []
+    mods = module_paths(leaves)
+    general = sorted({re.sub(r"(^|/)\d+(?=/|$)", r"\1\\d+", m) for m in mods})
+    out = []
+    for _ in range(rng.choice((1, 2))):
+        rx = rng.choice(general)
+        a, b = rng.sample(list(sizes), 2)
+        spec = rng.choice([f"({a}, ...)", f"({a}, ..., {b})", f"(..., {b})", f"({a}, {b}, ...)"])
+        out.append((rx, spec))
+    return out
+
+
+def draw_plan(rng: random.Random, leaves: Leaves, name: str = "random") -> str:
+    """A plan's text for a model with these param leaves ((path, shape) pairs)."""
+    sizes_t = rng.choice(MESH_SIZES)
+    names = rng.sample(AXIS_NAMES, len(sizes_t))
+    sizes = dict(zip(names, sizes_t))
+    lines = [f'plan "{name}"', "mesh " + ", ".join(f"{a} = {n}" for a, n in sizes.items())]
+    lines.append("batch " + spec_text(draw_batch(rng, sizes)))
+    lines += [f'act "{rx}" {spec}' for rx, spec in draw_acts(rng, leaves, sizes)]
+    all_paths = [p for p, _ in leaves]
+    data_parallel = rng.random() < DATA_PARALLEL
+    for fam in () if data_parallel else families(leaves):
+        spec = spec_text(draw_param_spec(rng, fam, sizes))
+        if spec != "replicated":
+            lines.append(f'param "{regex_for(fam.paths, all_paths)}" {spec}  # {fam.dims}')
+    lines.append("default replicated")
+    return "\n".join(lines) + "\n"
+
+
+def pair_rng(seed: int, index: int, attempt: int = 0) -> random.Random:
+    return random.Random(f"{seed}/{index}/{attempt}")
+
+
+def draw_pair(seed: int, index: int, leaves_of, attempt: int = 0) -> tuple[str, str]:
+    """(model name, plan text) of pair ``index``; ``leaves_of(name)`` gives a model's param leaves."""
+    rng = pair_rng(seed, index, attempt)
+    model = rng.choice(sorted(POOL))
+    return model, draw_plan(rng, leaves_of(model), f"random-{seed}-{index}-{attempt}")
+
+
+# -- measuring ----------------------------------------------------------------------------------
+_LEAVES: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+
+
+def leaves_of(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    if name not in _LEAVES:
+        import shardplan
+
+        params, _ = shardplan.api.model_leaves(model=POOL[name][0], cache=False)
+        _LEAVES[name] = [(leaf.path, tuple(leaf.shape)) for leaf in params]
+    return _LEAVES[name]
+
+
+def _by_source(cost) -> dict[tuple[str, str], tuple[int, str]]:
+    """(kind, source) -> (bytes, the op of its largest entry)."""
+    out: dict[tuple[str, str], list] = {}
+    for c in cost.communication:
+        row = out.setdefault((c.kind, c.source or "(no source)"), [0, "", 0])
+        row[0] += c.bytes
+        if c.bytes > row[2]:
+            row[1], row[2] = c.op, c.bytes
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def differences(fast, exact, top: int = 3) -> list[dict]:
+    """The collectives (by kind and model source line) where the two modes differ most."""
+    f, e = _by_source(fast), _by_source(exact)
+    rows = []
+    for key in set(f) | set(e):
+        fb, fo = f.get(key, (0, ""))
+        eb, eo = e.get(key, (0, ""))
+        if fb != eb:
+            rows.append(
+                {"kind": key[0], "source": key[1], "fast": fb, "exact": eb, "fast_op": fo[:120], "exact_op": eo[:120]}
+            )
+    rows.sort(key=lambda r: -abs(r["fast"] - r["exact"]))
+    return rows[:top]
+
+
+def measure(model: str, text: str) -> dict:
+    """Fast and exact mode on one pair. Raises ShardPlanError from fast mode (an invalid draw);
+    an exact-mode failure is recorded in the row."""
+    import shardplan
+    from shardplan.errors import ShardPlanError
+
+    plan = shardplan.loads(text, "random.splan")
+    ref, step = POOL[model]
+    kw = dict(model=ref, step=step, batch=BATCH_ARG, devices=DEVICES)
+    fast = shardplan.api.analyze(plan, mode="fast", **kw)
+    row: dict = {"model": model, "plan": text, "fast_s": fast.seconds}
+    try:
+        exact = shardplan.api.analyze(plan, mode="exact", timeout_s=EXACT_TIMEOUT_S, **kw)
+    except ShardPlanError as err:
+        row["exact_error"] = str(err)[-600:]
+        return row
+    fk, ek = fast.bytes_by_kind(), exact.bytes_by_kind()
+    total = sum(ek.values())
+    denom = total or sum(fk.values()) or 1
+    row.update(
+        exact_s=exact.seconds,
+        comm={
+            k: {"fast": fk.get(k, 0), "exact": ek.get(k, 0), "error": abs(fk.get(k, 0) - ek.get(k, 0)) / denom}
+            for k in KINDS
+        },
+        total_exact=total,
+        peak_fast=fast.memory.peak,
+        peak_exact=exact.memory.peak,
+        peak_error=abs(fast.memory.peak - exact.memory.peak) / max(exact.memory.peak, 1),
+        flops_fast=fast.flops,
+        flops_exact=exact.flops,
+        flops_error=abs(fast.flops - exact.flops) / max(exact.flops, 1.0),
+        state_fast=fast.memory.params + fast.memory.opt_state,
+        state_exact=exact.memory.params + exact.memory.opt_state,
+        differences=differences(fast, exact),
+    )
+    return row
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (numpy's default)."""
+    s = sorted(xs)
+    if not s:
+        return 0.0
+    pos = q * (len(s) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def distribution(rows: Sequence[dict]) -> dict:
+    ok = [r for r in rows if "comm" in r]
+    series = {f"comm/{k}": [r["comm"][k]["error"] for r in ok] for k in KINDS}
+    series["peak"] = [r["peak_error"] for r in ok]
+    series["flops"] = [r["flops_error"] for r in ok]
+    return {
+        name: {"median": quantile(xs, 0.5), "p90": quantile(xs, 0.9), "worst": max(xs, default=0.0), "pairs": len(xs)}
+        for name, xs in series.items()
+    }
+
+
+def _target(name: str) -> float:
+    return TARGETS["comm"] if name.startswith("comm/") else TARGETS[name]
+
+
+def worst(rows: Sequence[dict], n: int = 10) -> list[dict]:
+    """The n pairs with the largest error against its target, with the kind it is in."""
+    scored = []
+    for r in rows:
+        if "comm" not in r:
+            continue
+        errs = {f"comm/{k}": c["error"] for k, c in r["comm"].items()}
+        errs.update(peak=r["peak_error"], flops=r["flops_error"])
+        name = max(errs, key=lambda k: errs[k] / _target(k))
+        scored.append((errs[name] / _target(name), name, r))
+    scored.sort(key=lambda x: -x[0])
+    out = []
+    for score, name, r in scored[:n]:
+        if name.startswith("comm/"):
+            c = r["comm"][name[5:]]
+            figures = {"fast": c["fast"], "exact": c["exact"], "total_exact": r["total_exact"]}
+        else:
+            figures = {"fast": r[f"{name}_fast"], "exact": r[f"{name}_exact"]}
+        out.append(
+            {
+                "index": r["index"],
+                "model": r["model"],
+                "kind": name,
+                "error": errs_of(r, name),
+                "over_target": score,
+                "figures": figures,
+                "key_lines": key_lines(r["plan"]),
+                "differences": r["differences"],
+            }
+        )
+    return out
+
+
+def errs_of(row: dict, name: str) -> float:
+    return row["comm"][name[5:]]["error"] if name.startswith("comm/") else row[f"{name}_error"]
+
+
+def key_lines(text: str) -> list[str]:
+    """The plan's lines that decide anything (mesh, batch, act, param), comments dropped."""
+    keep = ("mesh ", "batch ", "act ", "param ")
+    return [line.split("  #")[0] for line in text.splitlines() if line.startswith(keep)]
+
+
+def measure_pair(seed: int, index: int) -> tuple[dict | None, list[dict], dict | None]:
+    """(row, redraws, crash) of pair ``index``: a draw that fast mode rejects (ShardPlanError: a
+    plan invalid for the model) is drawn again (up to 10 times) and listed in ``redraws``; a fast
+    mode that raises anything else is the ``crash`` (no row)."""
+    from shardplan.errors import ShardPlanError
+
+    redraws: list[dict] = []
+    for attempt in range(10):
+        model, text = draw_pair(seed, index, leaves_of, attempt)
+        try:
+            row = measure(model, text)
+        except ShardPlanError as err:
+            codes = sorted({d.code for d in err.errors})
+            redraws.append(
+                {"index": index, "attempt": attempt, "model": model, "codes": codes, "error": str(err)[:400]}
+            )
+            continue
+        except Exception as err:  # an engine crash in fast mode: listed, never hidden
+            return (
+                None,
+                redraws,
+                {"index": index, "model": model, "plan": text, "error": f"{type(err).__name__}: {err}"[:600]},
+            )
+        row.update(index=index, attempt=attempt)
+        return row, redraws, None
+    return None, redraws, None
+
+
+def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None) -> dict:
+    """Draw and measure ``pairs`` pairs (:func:`measure_pair`); written to ``out`` after every pair."""
+    rows: list[dict] = []
+    redraws: list[dict] = []
+    crashes: list[dict] = []
+    t0 = time.perf_counter()
+    res: dict = {}
+    for i in range(pairs):
+        row, again, crash = measure_pair(seed, i)
+        redraws += again
+        rows += [row] if row else []
+        crashes += [crash] if crash else []
+        if log and rows and rows[-1]["index"] == i:
+            r = rows[-1]
+            if "comm" in r:
+                worst_kind = max(KINDS, key=lambda k: r["comm"][k]["error"])
+                log(
+                    f"[{i + 1}/{pairs}] {r['model']:16s} {worst_kind} {r['comm'][worst_kind]['error']:.1%} "
+                    f"peak {r['peak_error']:.1%} flops {r['flops_error']:.2%} ({time.perf_counter() - t0:.0f} s)"
+                )
+            else:
+                log(f"[{i + 1}/{pairs}] {r['model']:16s} exact mode failed: {r['exact_error'][-160:]}")
+        res = summarize(rows, redraws, crashes, seed, time.perf_counter() - t0, i + 1)
+        if out:
+            Path(out).write_text(json.dumps(res, indent=1))
+    return res
+
+
+def summarize(rows, redraws, crashes, seed, seconds, drawn) -> dict:
+    failed = [
+        {"index": r["index"], "model": r["model"], "plan": r["plan"], "error": r["exact_error"]}
+        for r in rows
+        if "exact_error" in r
+    ]
+    return {
+        "seed": seed,
+        "drawn": drawn,  # pair indices drawn; those with no row gave up after 10 redraws or crashed
+        "pairs": len(rows),
+        "measured": sum("comm" in r for r in rows),
+        "seconds": seconds,
+        "distribution": distribution(rows),
+        "worst": worst(rows),
+        "exact_failed": failed,
+        "fast_crashed": crashes,
+        "redraws": redraws,
+        "state_mismatch": [r["index"] for r in rows if "comm" in r and r["state_fast"] != r["state_exact"]],
+        "rows": rows,
+    }
+
+
+def run(quick: bool) -> dict:
+    """Quick: 2 pairs (proves it runs); full: 200 pairs."""
+    return run_pairs(2 if quick else 200, seed=0)
+
+
+def _check(name, value, target, fmt="{:.1%}") -> dict:
+    met = value <= target
+    return {
+        "measurement": name,
+        "value": fmt.format(value),
+        "target": f"<= {fmt.format(target)}",
+        "met": "yes" if met else "NO (missed)",
+        "timing": False,
+    }
+
+
+def checks(res: dict) -> list[dict]:
+    """The targets on the distribution (p90 over pairs), in the style of benchmarks/run.py."""
+    n = res["measured"]
+    out = []
+    for name, d in res["distribution"].items():
+        what = (
+            f"{name[5:]} bytes error (share of the step's bytes)"
+            if name.startswith("comm/")
+            else f"{name} error (relative)"
+        )
+        out.append(
+            _check(
+                f"random plans ({n} pairs): fast vs exact {what}, p90 (worst {d['worst']:.1%})",
+                d["p90"],
+                _target(name),
+                "{:.2%}" if name == "flops" else "{:.1%}",
+            )
+        )
+    out.append(
+        _check(f"random plans: pairs whose exact mode failed (of {res['pairs']})", len(res["exact_failed"]), 0, "{:d}")
+    )
+    out.append(_check("random plans: pairs whose fast mode crashed", len(res["fast_crashed"]), 0, "{:d}"))
+    return out
+
+
+def report(res: dict) -> str:
+    lines = [
+        f"{res['measured']} pairs measured of {res['pairs']} drawn as {res['drawn']} indices "
+        f"(seed {res['seed']}, {res['seconds']:.0f} s); "
+        f"{len(res['exact_failed'])} exact-mode failures, {len(res['fast_crashed'])} fast-mode crashes, "
+        f"{len(res['redraws'])} redraws (plans fast mode rejected)",
+        "",
+        f"{'error':22s} {'median':>8s} {'p90':>8s} {'worst':>8s}  target (p90)",
+    ]
+    for name, d in res["distribution"].items():
+        t = _target(name)
+        met = "met" if d["p90"] <= t else "NOT met"
+        lines.append(f"{name:22s} {d['median']:8.2%} {d['p90']:8.2%} {d['worst']:8.2%}  <= {t:.0%} {met}")
+    lines += ["", "worst ten pairs (error / target):"]
+    for w in res["worst"]:
+        lines.append(
+            f"- pair {w['index']} {w['model']}: {w['kind']} {w['error']:.1%} "
+            f"({w['over_target']:.1f}x target) {w['figures']}"
+        )
+        lines += [f"    {k}" for k in w["key_lines"]]
+        for d in w["differences"]:
+            lines.append(
+                f"    {d['kind']} at {Path(d['source']).name if d['source'] != '(no source)' else d['source']}"
+                f": fast {d['fast']:,} B vs exact {d['exact']:,} B (fast op {d['fast_op'] or '-'}; "
+                f"exact op {d['exact_op'] or '-'})"
+            )
+    if res["exact_failed"]:
+        lines += ["", "exact mode failed:"] + [
+            f"- pair {f['index']} {f['model']}: {f['error'][-300:]}" for f in res["exact_failed"]
+        ]
+    if res["fast_crashed"]:
+        lines += ["", "fast mode crashed:"] + [
+            f"- pair {f['index']} {f['model']}: {f['error'][-300:]}" for f in res["fast_crashed"]
+        ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", type=int, default=200, help="(plan, model) pairs to draw (default 200)")
+    p.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
+    p.add_argument("--json", help="write every figure here (after every pair)")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from shardplan.runtime.devices import simulate
+
+    simulate(DEVICES)
+    res = run_pairs(args.pairs, args.seed, args.json, log=lambda s: print(s, flush=True))
+    print(report(res))
+    for c in checks(res):
+        print(f"{c['measurement']}: {c['value']} (target {c['target']}) {c['met']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

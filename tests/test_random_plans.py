@@ -1,0 +1,99 @@
+"""Fast mode against exact mode on random plans x models nobody tuned the engine for (issue 29).
+
+What holds today for every pair is asserted: the drawn plan loads and fits its model, both
+modes run, the state bytes agree exactly. The per-kind collective bytes, peak and FLOPs are
+*reported* by ``python -m benchmarks.random_plans`` as a distribution with its targets (p90 per
+kind within 10% of the step's bytes, peak 15%, FLOPs 2%); those targets fail today (FLOPs too:
+pair 0 of seed 0, llama_tiny_scan, is 26% over), so they are not asserted here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shardplan
+from benchmarks import random_plans as rp
+
+# The width each pool model has, which the generator must find from shapes alone.
+D_MODEL = {"decoder": 64, "moe": 48, "kv_decoder": 64, "gpt_tiny": 32, "llama_tiny": 32, "llama_tiny_scan": 32}
+
+
+@pytest.mark.parametrize("model", sorted(rp.POOL))
+def test_families_from_shapes_cover_every_leaf_once(model):
+    leaves = rp.leaves_of(model)
+    assert rp.d_model_of(leaves) == D_MODEL[model]
+    fams = rp.families(leaves)
+    paths = [p for f in fams for p in f.paths]
+    assert sorted(paths) == sorted(p for p, _ in leaves)
+    shapes = dict(leaves)
+    for f in fams:
+        assert {shapes[p] for p in f.paths} == {f.shape}
+        # Each family's regex full-matches its own leaves and no other.
+        rx = rp.regex_for(f.paths, list(shapes))
+        assert {p for p in shapes if re.fullmatch(rx, p)} == set(f.paths)
+
+
+def test_families_ignore_names():
+    leaves = rp.leaves_of("decoder")
+    renamed = [(f"x{i}/w", s) for i, (_, s) in enumerate(leaves)]
+    assert [f.dims for f in rp.families(renamed)] == [f.dims for f in rp.families(leaves)]
+
+
+def test_moe_experts_are_a_stacked_family():
+    dims = {f.dims: f.paths for f in rp.families(rp.leaves_of("moe"))}
+    assert dims[("L", "d", "96")] == ("blocks/0/moe/w_in", "blocks/1/moe/w_in")
+
+
+def test_draws_are_seeded():
+    a = [rp.draw_pair(7, i, rp.leaves_of) for i in range(5)]
+    assert a == [rp.draw_pair(7, i, rp.leaves_of) for i in range(5)]
+    assert len({t for _, t in a}) == 5
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_drawn_plans_load_and_fit_their_model(seed):
+    """40 draws: every plan parses and checks against its model on 8 devices (every split dim
+    divisible), with 2 and 3 axes in several orders, and both split and replicated params."""
+    meshes, specs = set(), set()
+    for i in range(20):
+        model, text = rp.draw_pair(seed, i, rp.leaves_of)
+        plan = shardplan.loads(text, "random.splan")
+        res = shardplan.api.check(plan, model=rp.POOL[model][0], devices=8)  # raises on any error
+        assert res.resolution is not None
+        meshes.add(tuple(a.name for a in plan.mesh))
+        specs |= {d.spec for d in res.resolution.decisions}
+    assert {len(m) for m in meshes} == {2, 3}
+    assert len(meshes) >= 6
+    assert len(specs) >= 10
+
+
+@settings(max_examples=2, deadline=None, derandomize=True, database=None)
+@given(index=st.integers(0, 10_000))
+def test_random_pair_runs_both_modes_and_state_agrees(index):
+    row, _, crash = rp.measure_pair(29, index)
+    assert crash is None
+    assert row is not None and "exact_error" not in row, row
+    assert row["state_fast"] == row["state_exact"] > 0
+    assert row["total_exact"] > 0 and row["peak_exact"] > 0 and row["flops_exact"] > 0
+    assert set(row["comm"]) == set(rp.KINDS)
+
+
+def test_quick_benchmark_reports_each_target_honestly():
+    res = rp.run(quick=True)
+    assert res["pairs"] == 2 and res["measured"] == 2 and not res["state_mismatch"]
+    rows = rp.checks(res)
+    by_name = {r["measurement"]: r for r in rows}
+    assert len(rows) == len(rp.KINDS) + 2 + 2
+    for name, d in res["distribution"].items():
+        target = rp.TARGETS["comm"] if name.startswith("comm/") else rp.TARGETS[name]
+        (row,) = [r for n, r in by_name.items() if f" {name.removeprefix('comm/')} " in n]
+        assert (row["met"] == "yes") == (d["p90"] <= target)
+        assert d["median"] <= d["p90"] <= d["worst"]
+    assert len(res["worst"]) == 2
+    text = rp.report(res)
+    assert "NOT met" in text or "met" in text
+    assert res["worst"][0]["key_lines"][0].startswith("mesh ")
