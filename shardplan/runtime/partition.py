@@ -45,6 +45,7 @@ _ELEMENTWISE = {
     "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le",
     "lgamma", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or",
     "population_count", "pow", "real", "reduce_precision", "rem", "round", "rsqrt", "select_n", "shift_left",
+    "bitcast_convert_type",
     "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient",
     "sub", "tan", "tanh", "xor", "optimization_barrier", "name",
 }  # fmt: skip
@@ -78,6 +79,7 @@ class Fallback:
     op: str
     source: str
     why: str
+    bytes: int = 0  # per device per step: the operands' bytes made whole (gathered or summed) for it
 
 
 @dataclass
@@ -105,6 +107,10 @@ class V:
     partial: frozenset[str] = frozenset()
     act: bool = False  # derived from the batch (an activation), not only from params and constants
     shared: bool = False  # read by several ops: its pending sum is reduced once, by the first reader
+    # A value made inside the step from nothing split (``jnp.zeros``, ``full``, ``iota``, ``arange``
+    # and elementwise ops of those): ``make(dims)`` builds its local block in any layout, so it takes
+    # the layout its reader wants at no cost, as XLA does (a dry run's returns None).
+    make: Callable[[Dims], Any] | None = None
 
 
 def _t(dims) -> Dims:
@@ -241,9 +247,20 @@ class Partitioner:
         hit = self._cached(key)
         if hit is not None:
             return hit
-        out = self._to(v, target)
+        if v.make is not None and not v.partial and self.fits(v.shape, target):
+            # Made in the step: built in the wanted layout, nothing gathered or sliced.
+            out = V(v.make(target), v.shape, v.dtype, target, frozenset(), v.act, make=v.make)
+        else:
+            out = self._to(v, target)
         self.caches[-1][key] = (v, out)
         return out
+
+    def made(self, eqn: Any, build: Callable[[Dims], Any]) -> Callable[[Dims], Any]:
+        """``make`` for the output of ``eqn``: ``build(dims)``, the local block in layout ``dims``
+        (None in a dry run, where only layouts are followed)."""
+        if self.dry:
+            return lambda dims: None
+        return build
 
     def _to(self, v: V, target: Dims) -> V:
         dims = [list(d) for d in v.dims]
@@ -535,7 +552,19 @@ class Partitioner:
                 vals.append(self.resolve(v, keep=keep if v.partial == keep else frozenset()))
         xs = self.bind(eqn, [v.x for v in vals])
         out_dims = tgt if full else ((),) * len(shape)
-        return self.out(eqn, [out_dims], [keep], act=act, xs=xs)
+        outs = self.out(eqn, [out_dims], [keep], act=act, xs=xs)
+        if any(v.make is not None for v in ins) and all(v.make is not None or not (v.shape or v.partial) for v in ins):
+            # Of values made in the step only (a mask from iotas): made too, in any layout.
+            def build(want: Dims) -> Any:
+                args = [
+                    v.x if v.make is None else v.make(tuple(d if v.shape[j] == shape[j] else () for j, d in enumerate(want)))
+                    if v.shape else v.make(())
+                    for v in ins
+                ]
+                return self.bind(eqn, args)[0]  # type: ignore[index]
+
+            outs[0].make = self.made(eqn, build)
+        return outs
 
     # -- shapes ----------------------------------------------------------------------------
     def op_broadcast_in_dim(self, eqn: Any, ins: list[V]) -> list[V] | None:
@@ -548,7 +577,18 @@ class Partitioner:
             if v.shape[i] == shape[j]:
                 dims[j] = v.dims[i]
         xs = self.bind(eqn, [v.x], shape=self.local_shape(shape, dims), sharding=None)
-        return self.out(eqn, [dims], [v.partial], act=v.act, xs=xs)
+        outs = self.out(eqn, [dims], [v.partial], act=v.act, xs=xs)
+        if not v.partial and (not v.shape or v.make is not None):
+            # ``jnp.zeros``/``full`` (a broadcast scalar), or a broadcast of a value made in the step.
+            bdims = tuple(eqn.params["broadcast_dimensions"])
+
+            def build(want: Dims) -> Any:
+                src = tuple(want[j] if v.shape[i] == shape[j] else () for i, j in enumerate(bdims))
+                x = self.to(v, src).x if v.shape else v.x
+                return jax.lax.broadcast_in_dim(x, self.local_shape(shape, want), bdims)
+
+            outs[0].make = self.made(eqn, build)
+        return outs
 
     def op_transpose(self, eqn: Any, ins: list[V]) -> list[V]:
         # A pending sum is reduced before a transpose: XLA would otherwise fold the transpose into
@@ -600,8 +640,20 @@ class Partitioner:
         return self.out(eqn, [out], [v.partial], v.act, xs)
 
     def op_iota(self, eqn: Any, ins: list[V]) -> list[V]:
+        p = eqn.params
+        shape, dim, dtype = tuple(p["shape"]), p["dimension"], p["dtype"]
+
+        def build(want: Dims) -> Any:
+            loc = self.local_shape(shape, want)
+            x = jax.lax.broadcasted_iota(dtype, loc, dim)
+            if want[dim]:  # this device's block of the iota: offset by its first index
+                x = x + (self.index(want[dim]) * loc[dim]).astype(dtype)
+            return x
+
         xs = self.bind(eqn, [])
-        return self.out(eqn, [((),) * len(eqn.params["shape"])], xs=xs)
+        outs = self.out(eqn, [((),) * len(shape)], xs=xs)
+        outs[0].make = self.made(eqn, build)
+        return outs
 
     def _unsplit(self, eqn: Any, ins: list[V], which: set[int], first: int = 1) -> tuple[V, list[V]]:
         v = ins[0]
@@ -620,6 +672,42 @@ class Partitioner:
         lim = tuple(loc[i] if i not in cut else limit[i] for i in range(len(loc)))
         xs = self.bind(eqn, [v.x], limit_indices=lim)
         return self.out(eqn, [v.dims], [v.partial], v.act, xs)
+
+    def op_dynamic_slice(self, eqn: Any, ins: list[V]) -> list[V]:
+        """A window at a position (a rolling buffer's read, a KV cache's): dims it takes whole keep
+        their split (the position there is clamped to 0 on every device), the others are read whole."""
+        sizes = tuple(eqn.params["slice_sizes"])
+        cut = {i for i, n in enumerate(sizes) if n != ins[0].shape[i]}
+        v, idx = self._unsplit(eqn, ins, cut)
+        xs = self.bind(eqn, [v.x, *[i.x for i in idx]], slice_sizes=self.local_shape(sizes, v.dims))
+        return self.out(eqn, [v.dims], [v.partial], v.act or any(i.act for i in idx), xs)
+
+    def op_dynamic_update_slice(self, eqn: Any, ins: list[V]) -> list[V]:
+        """A window written at a position (a KV-cache write): dims the update covers whole take one
+        split on both operands (a buffer made in the step takes the update's), the others whole."""
+        op, upd, idx = ins[0], ins[1], ins[2:]
+        if op.partial != upd.partial:  # linear in both together: one pending sum carried, else none
+            op, upd = self.resolve(op), self.resolve(upd)
+        first, second = (upd, op) if op.make is not None else (op, upd)
+        dims: list[tuple[str, ...]] = []
+        used: set[str] = set()
+        for i, n in enumerate(op.shape):
+            pick: tuple[str, ...] = ()
+            if upd.shape[i] == n:
+                for cand in (first.dims[i], second.dims[i]):
+                    if cand and not set(cand) & used and n % self.n(cand) == 0:
+                        pick = cand
+                        break
+            dims.append(pick)
+            used |= set(pick)
+        tgt = _t(dims)
+        op2, upd2 = self.to(op, tgt, keep_partial=True), self.to(upd, tgt, keep_partial=True)
+        if op2.partial != upd2.partial:
+            op2, upd2 = self.resolve(op2), self.resolve(upd2)
+        idx = [self.whole(self.resolve(i)) for i in idx]
+        xs = self.bind(eqn, [op2.x, upd2.x, *[i.x for i in idx]])
+        act = op.act or upd.act or any(i.act for i in idx)
+        return self.out(eqn, [tgt], [op2.partial], act, xs)
 
     def op_pad(self, eqn: Any, ins: list[V]) -> list[V]:
         cfg = eqn.params["padding_config"]
