@@ -511,6 +511,79 @@ def check_lock(result: CheckResult, lock_file: str | os.PathLike) -> list[Diagno
 COMPILE_TIMEOUT_S = 1800
 
 
+class StepCoster:
+    """One model, step and batch, costed under many plans in fast mode (auto backend): the step is
+    traced once per distinct set of what tracing applies (``act``/``axis`` rules, mesh, axis types)
+    and every other plan re-costs on that trace (``fast.cost``), as a plan search needs.
+
+    Made by :func:`step_coster`; ``traces`` counts the traces made so far.
+    """
+
+    def __init__(self, model: str, step: str, batch: dict | list[str], optimizer: str = "adamw"):
+        from shardplan.runtime import model as model_mod
+
+        optimizers.lookup(optimizer)
+        self.shapes = parse_batch_arg(batch) if isinstance(batch, list) else dict(batch)
+        if not self.shapes:
+            raise as_error(
+                [
+                    error(
+                        "bad-argument",
+                        "the step needs the batch's shapes",
+                        "pass batch=['tokens=int32[8,16]']",
+                        path="batch",
+                    )
+                ]
+            )
+        self.optimizer = optimizer
+        self.factory = model_mod.load_factory(model)
+        self.loss_fn = model_mod.load_factory(step, what="--step")
+        self.built = model_mod.abstract_model_and_optimizer(self.factory, model_mod.make_tx(optimizer))
+        self._traces: dict[tuple, Any] = {}
+
+    @property
+    def traces(self) -> int:
+        return len(self._traces)
+
+    def cost(
+        self,
+        plan: str | os.PathLike | Plan,
+        *,
+        mesh: dict[str, int | None] | None = None,
+        devices: int | None = None,
+        delta: bool = True,
+    ) -> StepCost:
+        """The plan's step cost, as ``analyze(..., mode="fast")`` gives it, on a shared trace.
+
+        Args:
+            delta: also what the plan's constraints change (one more propagation; off for a search).
+
+        Raises:
+            ShardPlanError: the plan does not fit the model, batch or devices; the step fails to trace.
+        """
+        from shardplan.runtime import fast
+
+        p = _plan(plan, mesh)
+        sizes = p.mesh_shape(devices)
+        resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in self.shapes.items()])
+        key = fast.trace_key(p, sizes)
+        traced = self._traces.get(key)
+        if traced is None:
+            traced = self._traces[key] = fast.trace(
+                p, self.factory, self.loss_fn, self.shapes, self.optimizer, sizes, self.built
+            )
+        return fast.cost(traced, p, sizes, delta=delta)
+
+
+def step_coster(model: str, step: str, batch: dict | list[str], optimizer: str = "adamw") -> StepCoster:
+    """A :class:`StepCoster`: cost many plans for one model, step and batch without retracing.
+
+    Raises:
+        ShardPlanError: bad arguments, or the model fails to import or build.
+    """
+    return StepCoster(model, step, batch, optimizer)
+
+
 def analyze(
     plan: str | os.PathLike | Plan,
     *,

@@ -107,13 +107,23 @@ class _Ctx:
     kernels: list[str] = field(default_factory=list)  # what the Pallas kernels' costs estimate
     source: str = ""  # 'file:line' in the user's code of the equation being propagated
 
+    memo: dict[Any, int] = field(default_factory=dict)  # split and local sizes asked again and again
+
     def split(self, axes: tuple[str, ...]) -> int:
-        return math.prod(self.mesh[a] for a in axes)
+        key = axes if type(axes) is tuple else tuple(axes)
+        n = self.memo.get(key)
+        if n is None:
+            n = self.memo[key] = math.prod(self.mesh[a] for a in key)
+        return n
 
     def local(self, v: Val) -> int:
-        n = v.itemsize
-        for size, axes in zip(v.shape, v.dims, strict=True):
-            n *= size // self.split(axes) if axes else size
+        key = (v.shape, v.dims, v.itemsize)
+        n = self.memo.get(key)
+        if n is None:
+            n = v.itemsize
+            for size, axes in zip(v.shape, v.dims, strict=True):
+                n *= size // self.split(axes) if axes else size
+            self.memo[key] = n
         return n
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: int, mult: int, why: str, moves: str = "") -> None:
@@ -151,6 +161,8 @@ class _Frame:
 
 
 def _norm(dims: Dims, rank: int) -> Dims:
+    if len(dims) == rank and type(dims) is tuple and all(type(d) is tuple for d in dims):
+        return dims  # already normal: most calls
     return tuple(tuple(d) for d in dims) + ((),) * (rank - len(dims))
 
 
@@ -171,6 +183,7 @@ class _Propagator:
         self.slices: dict[Any, Dims] = {}
         self.free: dict[Any, Dims] = dict(free or {})
         self.constant: set[Any] = set()  # values computed from literals alone (XLA keeps them whole)
+        self.memo: dict[Any, tuple] = {}  # what depends on the trace alone, kept between plans (see cost)
         # A value holding a pending sum -> (op, source) of the equation that made it: the collective
         # that completes the sum is that op's (a gradient's all-reduce belongs to the model line whose
         # matmul's transpose made it, not to the optimizer's read of it).
@@ -289,20 +302,11 @@ class _Propagator:
         self._wants(jaxpr)
         top = self.depth == 0
         self.depth += 1
-        last: dict[Any, int] = {}
-        uses: dict[Any, int] = {}
-        for k, eqn in enumerate(jaxpr.eqns):
-            for x in eqn.invars:
-                if not hasattr(x, "val"):
-                    last[x] = k
-                    uses[x] = uses.get(x, 0) + 1
-        keep = {x for x in jaxpr.outvars if not hasattr(x, "val")}
-        fused = _fused_outputs(jaxpr, uses)
+        last, uses, keep, fused, (fused_v, soft, shared) = self._structure(jaxpr, boundary)
         live = peak = 0
         held: dict[Any, int] = {}
         # Values in memory (not fused away): a jaxpr's inputs, unless a call's caller fused them.
         stored = (set(jaxpr.invars) if boundary is None else set(boundary.stored)) | set(jaxpr.constvars)
-        fused_v, soft, shared = _kernels(jaxpr, {} if boundary is None else boundary.fusable_outs)
         frame = _Frame(jaxpr, env, stored, fused_v, shared, soft, {} if boundary is None else dict(boundary.reads))
         outer_frame, self._frame = self._frame, frame
         self.runs += 1
@@ -462,6 +466,34 @@ class _Propagator:
         if self.free:
             _spread(jaxpr, self.free, "stop")
 
+    def _structure(self, jaxpr: Any, boundary: _Boundary | None) -> tuple:
+        """What a jaxpr's run needs that no plan changes: each value's last reader and reader count,
+        its outputs, the values fused into their readers, and its kernels (fresh copies of a memo
+        kept per trace: the run updates them)."""
+        key = ("structure", id(jaxpr), None if boundary is None else frozenset(boundary.fusable_outs.items()))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not jaxpr:
+            last: dict[Any, int] = {}
+            uses: dict[Any, int] = {}
+            for k, eqn in enumerate(jaxpr.eqns):
+                for x in eqn.invars:
+                    if not hasattr(x, "val"):
+                        last[x] = k
+                        uses[x] = uses.get(x, 0) + 1
+            keep = {x for x in jaxpr.outvars if not hasattr(x, "val")}
+            kernels = _kernels(jaxpr, {} if boundary is None else boundary.fusable_outs)
+            hit = (jaxpr, last, uses, keep, _fused_outputs(jaxpr, uses), kernels)
+            self.memo[key] = hit
+        _, last, uses, keep, fused, (fused_v, soft, shared) = hit
+        return last, uses, keep, fused, (dict(fused_v), dict(soft), set(shared))
+
+    def source_of(self, eqn: Any) -> str:
+        """:func:`_source`, once per equation of a trace (``memo`` outlives one plan's costing)."""
+        hit = self.memo.get(id(eqn))
+        if hit is None or hit[0] is not eqn:
+            hit = self.memo[id(eqn)] = (eqn, _source(eqn))
+        return hit[1]
+
     def _sum_origins(self, eqn: Any, outs: list[Val]) -> None:
         """Where each output's pending sum was made: carried through from an input that has one, from
         a call's body, else this equation."""
@@ -484,7 +516,7 @@ class _Propagator:
     def eqn(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         name = eqn.primitive.name
         outs_avals = [o.aval for o in eqn.outvars]
-        self.ctx.source = _source(eqn) or self.call_source
+        self.ctx.source = self.source_of(eqn) or self.call_source
         sub = _subjaxpr(eqn)
         if sub is not None and name not in ("scan", "while", "cond"):
             for inner_var, outer_var in zip(sub.invars, eqn.invars, strict=False):
@@ -1424,6 +1456,68 @@ def _abstract_mesh(mesh: dict[str, int], plan: Any = None) -> Any:
     return AbstractMesh(tuple(mesh.values()), tuple(mesh), axis_types=kinds)
 
 
+@dataclass(frozen=True)
+class Trace:
+    """A training step traced once over abstract values: what costing another plan reuses.
+
+    The jaxpr depends on a plan only through what is applied while tracing (its ``act`` and
+    ``axis`` rules, its mesh as the mesh context, the mesh's axis types): plans that differ
+    elsewhere (param, opt and input rules, the batch split, the backend) cost on one trace.
+    """
+
+    key: tuple
+    closed: Any
+    abs_model: Any
+    abs_opt: Any
+    batch_abs: dict[str, Any]
+    acts: Any  # the Activations the step was traced under (its notes and the logical names used)
+    seconds: float
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-equation facts, kept between plans
+
+
+def trace_key(plan: Any, mesh: dict[str, int]) -> tuple:
+    """What of ``plan`` and ``mesh`` the traced step depends on (see :class:`Trace`)."""
+    return (
+        tuple((r.pattern, r.spec) for r in plan.acts),
+        tuple((a.logical, a.axes) for a in plan.axes),
+        tuple(mesh.items()),
+        tuple(plan.axis_types),
+    )
+
+
+def trace(
+    plan: Any,
+    factory: Callable[[], Any],
+    loss_fn: Callable[[Any, Any], Any],
+    batch: dict[str, tuple[tuple[int, ...], str]],
+    optimizer: str,
+    mesh: dict[str, int],
+    built: tuple[Any, Any] | None = None,
+) -> Trace:
+    """The auto backend's step (forward, backward, optimizer update) traced once under ``plan``'s
+    activation rules and mesh; ``built``: the abstract model and optimizer, when the caller has them."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from shardplan.runtime import model as model_mod
+    from shardplan.runtime.activations import Activations
+    from shardplan.runtime.backends.auto import pure_step
+    from shardplan.runtime.step import check_loss
+
+    t0 = time.perf_counter()
+    abs_model, abs_opt = built or model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
+    batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
+    acts = Activations(plan, _abstract_mesh(mesh, plan), "auto")
+    wrapped = acts.wrap(loss_fn)
+    with cudnn_traceable():
+        check_loss(wrapped, abs_model, batch_abs, where="--step", plan=plan)
+        step = pure_step(wrapped, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
+        with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
+            closed = jax.make_jaxpr(step)(nnx.state(abs_model), nnx.state(abs_opt), batch_abs)
+    return Trace(trace_key(plan, mesh), closed, abs_model, abs_opt, batch_abs, acts, time.perf_counter() - t0)
+
+
 def analyze(
     plan: Any,
     factory: Callable[[], Any],
@@ -1435,29 +1529,37 @@ def analyze(
 ) -> StepCost:
     """The auto backend's step cost on ``mesh`` from the traced step (no compile); ``built``: the
     abstract model and optimizer, when the caller has them."""
+    t0 = time.perf_counter()
+    traced = trace(plan, factory, loss_fn, batch, optimizer, mesh, built)
+    return replace(cost(traced, plan, mesh), seconds=time.perf_counter() - t0)
+
+
+def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) -> StepCost:
+    """``plan``'s step cost on ``mesh`` over a step traced once (:func:`trace`), without tracing
+    again: the plan's shardings resolved and propagated through the traced jaxpr. ``delta``: also
+    what the step's constraints change (a second propagation without them).
+
+    Raises:
+        ValueError: ``traced`` was traced under other activation rules, mesh or axis types.
+    """
     import jax
     import numpy as np
-    from flax import nnx
 
-    from shardplan.runtime import model as model_mod
     from shardplan.runtime import specs
-    from shardplan.runtime.activations import Activations
-    from shardplan.runtime.backends.auto import pure_step
-    from shardplan.runtime.step import check_loss
 
+    if trace_key(plan, mesh) != traced.key:
+        raise ValueError("the plan's act/axis rules, mesh or axis types differ from the ones the step was traced under")
     t0 = time.perf_counter()
-    abs_model, abs_opt = built or model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
+    abs_model, abs_opt, batch_abs, acts, closed = (
+        traced.abs_model,
+        traced.abs_opt,
+        traced.batch_abs,
+        traced.acts,
+        traced.closed,
+    )
     params, opt = specs.resolve_model(plan, abs_model, abs_opt, mesh=mesh)
     assert opt is not None
-    batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
     inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
-    acts = Activations(plan, _abstract_mesh(mesh, plan), "auto")
-    loss_fn = acts.wrap(loss_fn)
-    with cudnn_traceable():
-        check_loss(loss_fn, abs_model, batch_abs, where="--step", plan=plan)
-        step = pure_step(loss_fn, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
-        with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
-            closed = jax.make_jaxpr(step)(nnx.state(abs_model), nnx.state(abs_opt), batch_abs)
     jaxpr = closed.jaxpr
     decisions = list(params.decisions) + list(opt.decisions) + list(inputs.decisions)
     prefixes = ["param"] * len(params.decisions) + ["opt"] * len(opt.decisions) + ["input"] * len(inputs.decisions)
@@ -1476,6 +1578,7 @@ def analyze(
         for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
             env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
         prop = _Propagator(ctx, names, ignore_constraints, free)
+        prop.memo = traced.memo
         # The step's outputs keep the plan's layout (the backend's out_shardings).
         for var, d in zip(jaxpr.outvars, out_specs, strict=False):
             if not hasattr(var, "val"):
@@ -1498,10 +1601,10 @@ def analyze(
         return ctx, prop
 
     ctx, prop = settled(False)
-    delta: tuple[tuple[str, str, int], ...] = ()
-    if prop.constrained:  # what the constraints change: the same step propagated without them
+    changed: tuple[tuple[str, str, int], ...] = ()
+    if prop.constrained and delta:  # what the constraints change: the same step propagated without them
         bare, _ = settled(True)
-        delta = _delta(ctx.comm, bare.comm)
+        changed = _delta(ctx.comm, bare.comm)
     comm = _merge(ctx.comm, params, opt)
     notes = [
         "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns; "
@@ -1562,7 +1665,7 @@ def analyze(
         tuple(notes),
         _merge_constrained(prop.constrained),
         tuple(sorted(acts.used)),
-        delta,
+        changed,
         hbm_bytes=ctx.hbm,
     )
 
@@ -1665,3 +1768,61 @@ def _delta(with_: list[Communication], without: list[Communication]) -> tuple[tu
             key = (c.kind, ",".join(c.axes))
             totals[key] = totals.get(key, 0) + sign * c.bytes
     return tuple((kind, axes, n) for (kind, axes), n in sorted(totals.items()) if n)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """What fast mode's rules predict for one function (``propagate_function``): per device, the
+    collectives (merged by kind, axes, op), FLOPs, memory traffic and the intermediates' peak."""
+
+    communication: tuple[Communication, ...]
+    flops: float
+    hbm_bytes: float
+    temporaries: int
+    unmodeled: tuple[str, ...]
+
+    def bytes_of(self, kind: str) -> int:
+        return sum(c.bytes for c in self.communication if c.kind == kind)
+
+
+def propagate_function(
+    fn: Callable[..., Any],
+    avals: tuple[Any, ...],
+    in_dims: tuple[Dims, ...],
+    mesh: dict[str, int],
+    out_dims: tuple[Dims | None, ...] | None = None,
+) -> Ledger:
+    """Fast mode's rules on ``fn(*avals)`` (abstract inputs split as ``in_dims``: per input, per dim
+    the mesh axes), its outputs set to ``out_dims`` (None: where the rules leave them), as
+    ``jax.jit(fn, in_shardings=..., out_shardings=...)`` would compile it. For testing a rule
+    against XLA one or two ops at a time (tests/test_fast_rules.py)."""
+    import jax
+    import numpy as np
+
+    closed = jax.make_jaxpr(fn)(*avals)
+    jaxpr = closed.jaxpr
+    ctx = _Ctx(dict(mesh))
+    env = {
+        var: Val(tuple(var.aval.shape), itemsize(var.aval), _norm(d, len(var.aval.shape)))
+        for var, d in zip(jaxpr.invars, in_dims, strict=True)
+    }
+    for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
+        env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
+    prop = _Propagator(ctx, {})
+    targets = list(out_dims or (None,) * len(jaxpr.outvars))
+    for var, d in zip(jaxpr.outvars, targets, strict=True):
+        if d is not None and not hasattr(var, "val"):
+            prop.hints[var] = _norm(d, len(var.aval.shape))
+    outs = prop.run(jaxpr, env, 1)
+    for var, v, d in zip(jaxpr.outvars, outs, targets, strict=True):
+        target = _norm(d, len(v.shape)) if d is not None else None
+        done = prop.resolve(var, v, target if target is not None else v.dims, 1, "out_shardings")
+        if target is not None:
+            prop.reshard(var, done, target, 1, "out_shardings")
+    merged: dict[tuple, list[int]] = {}
+    for c in ctx.comm:
+        acc = merged.setdefault((c.kind, c.axes, c.op), [0, 0])
+        acc[0] += c.bytes
+        acc[1] += c.count
+    comm = tuple(Communication(k, a, b, n, op) for (k, a, op), (b, n) in sorted(merged.items()))
+    return Ledger(comm, ctx.flops, ctx.hbm, prop.peak, tuple(sorted(ctx.unmodeled)))

@@ -1,0 +1,54 @@
+"""Costing many plans on one trace (what a plan search does): the re-cost equals the full fast-mode
+analysis, and the step is traced once per set of what tracing applies, not once per plan."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import shardplan
+from shardplan import api
+from shardplan.runtime import fast
+from tests.helpers import PLANS, ROOT
+
+MODEL = f"{ROOT / 'examples' / 'models.py'}:gpt_tiny"
+STEP = f"{ROOT / 'examples' / 'train.py'}:lm_loss"
+BATCH = ["tokens=int32[8,16],labels=int32[8,16]"]
+
+
+def _same(a, b):
+    return replace(a, seconds=0) == replace(b, seconds=0)
+
+
+def test_recost_equals_the_full_analysis_and_traces_once_per_mesh():
+    coster = api.step_coster(MODEL, STEP, BATCH)
+    mesh = {"data": 4, "model": 2}
+    names = ["fsdp.splan", "gpt_tp.splan", "dp.splan", "fsdp_any_rank.splan"]
+    for name in names + names[:2]:  # back and forth: nothing of one plan leaks into the next
+        plan = shardplan.load(PLANS / name, mesh=dict(mesh))
+        assert _same(coster.cost(plan), api.analyze(plan, model=MODEL, step=STEP, batch=BATCH, mode="fast")), name
+    assert coster.traces == 1, "plans without act/axis rules on one mesh share one trace"
+    coster.cost(PLANS / "gpt_2d.splan", devices=8)  # axis rules: traced under them
+    assert coster.traces == 2
+
+
+def test_a_trace_is_not_reused_for_another_mesh_or_activation_rules():
+    built_plan = shardplan.load(PLANS / "gpt_tp.splan", mesh={"data": 4, "model": 2})
+    coster = api.step_coster(MODEL, STEP, BATCH)
+    coster.cost(built_plan)
+    (traced,) = coster._traces.values()
+    other = shardplan.load(PLANS / "gpt_tp.splan", mesh={"data": 2, "model": 4})
+    with pytest.raises(ValueError):
+        fast.cost(traced, other, other.mesh_shape())
+    with pytest.raises(ValueError):
+        two_d = shardplan.load(PLANS / "gpt_2d.splan", mesh={"data": 4, "model": 2})
+        fast.cost(traced, two_d, two_d.mesh_shape())
+
+
+def test_bad_arguments_are_located():
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        api.step_coster(MODEL, STEP, [])
+    assert info.value.errors[0].path == "batch"
+    with pytest.raises(shardplan.ShardPlanError):
+        api.step_coster(MODEL, STEP, BATCH).cost(PLANS / "gpt_tp.splan", devices=3)
