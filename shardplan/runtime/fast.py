@@ -30,6 +30,7 @@ from typing import Any
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable, fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize
+from shardplan.runtime.sources import eqn_source
 
 Dims = tuple[tuple[str, ...], ...]
 
@@ -488,10 +489,10 @@ class _Propagator:
         return last, uses, keep, fused, (dict(fused_v), dict(soft), set(shared))
 
     def source_of(self, eqn: Any) -> str:
-        """:func:`_source`, once per equation of a trace (``memo`` outlives one plan's costing)."""
+        """:func:`eqn_source`, once per equation of a trace (``memo`` outlives one plan's costing)."""
         hit = self.memo.get(id(eqn))
         if hit is None or hit[0] is not eqn:
-            hit = self.memo[id(eqn)] = (eqn, _source(eqn))
+            hit = self.memo[id(eqn)] = (eqn, eqn_source(eqn))
         return hit[1]
 
     def _sum_origins(self, eqn: Any, outs: list[Val]) -> None:
@@ -1074,7 +1075,12 @@ class _Propagator:
         outs = []
         for o in eqn.outvars:
             shape = tuple(o.aval.shape)
-            base = next((v for v in ins if len(v.shape) == len(shape)), None)
+            # A value made in the step from literals alone (a cache of ``jnp.zeros`` a
+            # dynamic_update_slice writes) has no layout of its own: XLA splits it the way the
+            # other operands are (measured: no collective; it was gathered whole to the zeros').
+            same = [(x, v) for x, v in zip(eqn.invars, ins, strict=True) if len(v.shape) == len(shape)]
+            made = [v for x, v in same if not (hasattr(x, "val") or x in self.constant)]
+            base = (made or [v for _, v in same] or [None])[0]
             if base is None:
                 outs.append(_replicated(o.aval))
                 continue
@@ -1378,22 +1384,6 @@ def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:
     """``v`` seen at the output's shape: its size-1 dims (broadcast) are whole."""
     dims = tuple(d if v.shape[i] == shape[i] else () for i, d in enumerate(v.dims))
     return Val(shape, v.itemsize, dims, v.partial)
-
-
-def _source(eqn: Any) -> str:
-    """'file:line' of the innermost frame of an equation's traceback in the user's code."""
-    from jax._src import source_info_util
-
-    from shardplan.core.hlo import LIBRARY_PATHS
-
-    try:
-        frames = source_info_util.user_frames(eqn.source_info.traceback)
-        for frame in frames:
-            if not any(p in frame.file_name for p in LIBRARY_PATHS):
-                return f"{frame.file_name}:{frame.start_line}"
-    except (AttributeError, TypeError):  # no traceback recorded
-        pass
-    return ""
 
 
 def _subjaxpr(eqn: Any) -> Any:
