@@ -1,10 +1,13 @@
 """shardplan's benchmarks, measured side by side with the plain-JAX way in one run.
 
     python -m benchmarks            # full run: prints the table, writes docs/benchmarks.md + .png
-    python -m benchmarks --quick    # CI: small sizes, checks every measurement runs
+    python -m benchmarks --quick    # CI: small sizes, runs every measurement once
+    python -m benchmarks --quick --only steps,cost   # some sections (SECTIONS below)
 
-Each line prints a ratio with its target and whether it was met. Runs on 8 simulated CPU
-devices unless --devices 0 (the real devices).
+Each line prints a ratio with its target and whether it was met. A target is a timing (machine-
+and load-dependent, meaningless at quick mode's sizes) or deterministic (bytes, counts, errors
+against a compiled program): quick mode must meet every deterministic one (tests/test_benchmarks.py).
+Runs on 8 simulated CPU devices unless --devices 0 (the real devices).
 """
 
 from __future__ import annotations
