@@ -118,9 +118,9 @@ def _t(dims) -> Dims:
 
 
 def _source(eqn: Any) -> str:
-    from shardplan.runtime.fast import _source as source
+    from shardplan.runtime.sources import eqn_source  # the emitted copy replaces this function
 
-    return source(eqn)
+    return eqn_source(eqn)
 
 
 class Partitioner:
