@@ -260,16 +260,33 @@ class _Propagator:
         want = {a: i for i, d in enumerate(target) for a in d}
         dims = [list(d) for d in v.dims]
         moves = self.names.get(self.root(var), "")
+        if any(any(want.get(a, i) != i for a in d) and any(a not in want for a in d) for i, d in enumerate(v.dims)):
+            # One dim's axes both moving to another dim and gathered (``(data, expert)`` on the
+            # tokens to ``expert`` on the experts): GSPMD has no reshard for that and replicates
+            # the value (an all-gather over every axis it is split on, "involuntary full
+            # rematerialization"), then slices it (measured).
+            whole = Val(v.shape, v.itemsize, ((),) * len(v.shape))
+            self.ctx.add(
+                "all-gather", tuple(a for a in self.ctx.mesh if a in v.axes), self.ctx.local(whole), mult, why, moves
+            )
+            dims = [[] for _ in v.dims]
         # An axis that moves to another dim: all-to-all of the local buffer.
         for i, d in enumerate(v.dims):
             for a in d:
                 j = want.get(a)
-                if j is not None and j != i and a not in dims[j]:
+                if j is not None and j != i and a in dims[i] and a not in dims[j]:
                     self.ctx.add(
                         "all-to-all", (a,), self.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))), mult, why, moves
                     )
                     dims[i].remove(a)
                     dims[j].append(a)
+        # Axes the target adds: a free local slice, taken before any gather (so a gather moves
+        # only the part the target keeps: measured, a broadcast split over `model` met by a value
+        # split over `data` is gathered over `model` in its `data` slice).
+        for i, t in enumerate(target):
+            for a in t:
+                if a not in dims[i] and all(a not in d for d in dims):
+                    dims[i].append(a)
         # Axes the target leaves out: all-gather (the gathered result's bytes).
         for i, cur in enumerate(list(dims)):
             drop = [a for a in cur if a not in target[i]]
@@ -281,7 +298,7 @@ class _Propagator:
                 if moves:
                     self.ctx.gathered_now += nbytes
                     self.ctx.gathered_peak = max(self.ctx.gathered_peak, self.ctx.gathered_now)
-        # Axes the target adds: a free local slice.
+        # What a gather freed for the target: a free local slice.
         for i, t in enumerate(target):
             for a in t:
                 if a not in dims[i] and all(a not in d for d in dims):
@@ -714,11 +731,19 @@ class _Propagator:
         lfree = [i for i in range(len(lhs.shape)) if i not in lc and i not in lb]
         rfree = [i for i in range(len(rhs.shape)) if i not in rc and i not in rb]
         ldims, rdims = [list(d) for d in lhs.dims], [list(d) for d in rhs.dims]
-        # Batch dims: both sides must agree; keep the more split one.
+        # Batch dims: both sides must agree; keep the more split one. Where they disagree, XLA
+        # partitions the matmul over the batch dims alone: both operands' contracting dims are
+        # gathered (measured: an expert weight's gradient, experts split on one side and tokens
+        # on the other, gathers both rather than summing a split over `data`).
+        conflict = False
         for i, j in zip(lb, rb, strict=True):
             if ldims[i] != rdims[j]:
                 keep = ldims[i] if self.ctx.split(tuple(ldims[i])) >= self.ctx.split(tuple(rdims[j])) else rdims[j]
                 ldims[i], rdims[j] = list(keep), list(keep)
+                conflict = True
+        if conflict:
+            for i, j in zip(lc, rc, strict=True):
+                ldims[i], rdims[j] = [], []
         # Contracting dims: split the same way on both sides -> local, then a pending sum.
         for i, j in zip(lc, rc, strict=True):
             a, b = ldims[i], rdims[j]
