@@ -321,14 +321,16 @@ def _target(name: str) -> float:
     return TARGETS["comm"] if name.startswith("comm/") else TARGETS[name]
 
 
-def worst(rows: Sequence[dict], n: int = 10) -> list[dict]:
-    """The n pairs with the largest error against its target, with the kind it is in."""
+def worst(rows: Sequence[dict], n: int = 10, comm_only: bool = False) -> list[dict]:
+    """The n pairs with the largest error against its target, with the kind it is in
+    (``comm_only``: among the collective kinds only)."""
     scored = []
     for r in rows:
         if "comm" not in r:
             continue
         errs = {f"comm/{k}": c["error"] for k, c in r["comm"].items()}
-        errs.update(peak=r["peak_error"], flops=r["flops_error"])
+        if not comm_only:
+            errs.update(peak=r["peak_error"], flops=r["flops_error"])
         name = max(errs, key=lambda k: errs[k] / _target(k))
         scored.append((errs[name] / _target(name), name, r))
     scored.sort(key=lambda x: -x[0])
@@ -433,7 +435,9 @@ def summarize(rows, redraws, crashes, seed, seconds, drawn) -> dict:
         "measured": sum("comm" in r for r in rows),
         "seconds": seconds,
         "distribution": distribution(rows),
+        "by_model": {m: distribution([r for r in rows if r["model"] == m]) for m in sorted({r["model"] for r in rows})},
         "worst": worst(rows),
+        "worst_comm": worst(rows, comm_only=True),
         "exact_failed": failed,
         "fast_crashed": crashes,
         "redraws": redraws,
@@ -483,6 +487,23 @@ def checks(res: dict) -> list[dict]:
     return out
 
 
+def _worst_lines(rows: Sequence[dict]) -> list[str]:
+    lines = []
+    for w in rows:
+        lines.append(
+            f"- pair {w['index']} {w['model']}: {w['kind']} {w['error']:.1%} "
+            f"({w['over_target']:.1f}x target) {w['figures']}"
+        )
+        lines += [f"    {k}" for k in w["key_lines"]]
+        for d in w["differences"]:
+            where = Path(d["source"]).name if d["source"] != "(no source)" else d["source"]
+            lines.append(
+                f"    {d['kind']} at {where}: fast {d['fast']:,} B vs exact {d['exact']:,} B "
+                f"(fast op {d['fast_op'] or '-'}; exact op {d['exact_op'] or '-'})"
+            )
+    return lines
+
+
 def report(res: dict) -> str:
     lines = [
         f"{res['measured']} pairs measured of {res['pairs']} drawn as {res['drawn']} indices "
@@ -496,19 +517,18 @@ def report(res: dict) -> str:
         t = _target(name)
         met = "met" if d["p90"] <= t else "NOT met"
         lines.append(f"{name:22s} {d['median']:8.2%} {d['p90']:8.2%} {d['worst']:8.2%}  <= {t:.0%} {met}")
-    lines += ["", "worst ten pairs (error / target):"]
-    for w in res["worst"]:
+    kinds = [k for k in res["distribution"] if res["distribution"][k]["worst"] > 0]
+    lines += ["", "p90 by model: " + ", ".join(k.removeprefix("comm/") for k in kinds)]
+    for m, dist in res.get("by_model", {}).items():
         lines.append(
-            f"- pair {w['index']} {w['model']}: {w['kind']} {w['error']:.1%} "
-            f"({w['over_target']:.1f}x target) {w['figures']}"
+            f"  {m:16s} ({dist['peak']['pairs']:3d} pairs) " + " ".join(f"{dist[k]['p90']:7.1%}" for k in kinds)
         )
-        lines += [f"    {k}" for k in w["key_lines"]]
-        for d in w["differences"]:
-            lines.append(
-                f"    {d['kind']} at {Path(d['source']).name if d['source'] != '(no source)' else d['source']}"
-                f": fast {d['fast']:,} B vs exact {d['exact']:,} B (fast op {d['fast_op'] or '-'}; "
-                f"exact op {d['exact_op'] or '-'})"
-            )
+    for title, key in (
+        ("worst ten pairs (error / target)", "worst"),
+        ("worst ten pairs in collective bytes", "worst_comm"),
+    ):
+        lines += ["", f"{title}:"]
+        lines += _worst_lines(res.get(key, []))
     if res["exact_failed"]:
         lines += ["", "exact mode failed:"] + [
             f"- pair {f['index']} {f['model']}: {f['error'][-300:]}" for f in res["exact_failed"]
@@ -525,7 +545,24 @@ def main(argv=None) -> int:
     p.add_argument("--pairs", type=int, default=200, help="(plan, model) pairs to draw (default 200)")
     p.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
     p.add_argument("--json", help="write every figure here (after every pair)")
+    p.add_argument("--report", metavar="JSON", help="measure nothing: summarize and print a saved run")
     args = p.parse_args(argv)
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        res = summarize(
+            saved["rows"],
+            saved["redraws"],
+            saved["fast_crashed"],
+            saved["seed"],
+            saved["seconds"],
+            saved.get("drawn", max((r["index"] for r in saved["rows"]), default=-1) + 1),
+        )
+        print(report(res))
+        for c in checks(res):
+            print(f"{c['measurement']}: {c['value']} (target {c['target']}) {c['met']}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1))
+        return 0
     sys.path.insert(0, str(ROOT))
     from shardplan.runtime.devices import simulate
 

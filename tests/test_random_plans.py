@@ -94,6 +94,12 @@ def test_quick_benchmark_reports_each_target_honestly():
         assert (row["met"] == "yes") == (d["p90"] <= target)
         assert d["median"] <= d["p90"] <= d["worst"]
     assert len(res["worst"]) == 2
-    text = rp.report(res)
-    assert "NOT met" in text or "met" in text
+    table = {
+        line.split()[0]: line for line in rp.report(res).splitlines() if line.startswith(("comm/", "peak", "flops"))
+    }
+    assert set(table) == set(res["distribution"])
+    for name, d in res["distribution"].items():
+        assert (not table[name].endswith("NOT met")) == (
+            d["p90"] <= (rp.TARGETS["comm"] if "/" in name else rp.TARGETS[name])
+        )
     assert res["worst"][0]["key_lines"][0].startswith("mesh ")
