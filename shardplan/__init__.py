@@ -30,6 +30,7 @@ from shardplan.errors import LaunchError as LaunchError
 from shardplan.errors import PlanApplyError as PlanApplyError
 from shardplan.errors import PlanCheckError as PlanCheckError
 from shardplan.errors import PlanSyntaxError as PlanSyntaxError
+from shardplan.errors import ShardMapFallbackWarning as ShardMapFallbackWarning
 from shardplan.errors import ShardPlanError as ShardPlanError
 from shardplan.errors import Span as Span
 from shardplan.lang.loader import load as load
@@ -129,6 +130,7 @@ __all__ = [
     "PlanSyntaxError",
     "Resolution",
     "Resolved",
+    "ShardMapFallbackWarning",
     "ShardPlanError",
     "Span",
     "Spec",

@@ -159,6 +159,11 @@ class LaunchError(PlanApplyError):
     """``shardplan launch`` could not start the command."""
 
 
+class ShardMapFallbackWarning(UserWarning):
+    """The shard_map backend runs some ops of the step on whole (gathered) operands: correct, but
+    each gathers its operands on every device. Raised as ``PlanApplyError`` with ``strict=True``."""
+
+
 _BY_STAGE: dict[str, type[ShardPlanError]] = {
     "syntax": PlanSyntaxError,
     "check": PlanCheckError,

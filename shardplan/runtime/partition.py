@@ -163,7 +163,8 @@ class Partitioner:
         return tuple(s // self.n(d) if d else s for s, d in zip(shape, dims, strict=True))
 
     def nbytes(self, shape, dims, dtype) -> int:
-        return math.prod(self.local_shape(shape, dims)) * np.dtype(dtype).itemsize
+        size = getattr(dtype, "itemsize", None)  # a PRNG key's dtype has one; numpy reads no key<fry>
+        return math.prod(self.local_shape(shape, dims)) * (size if isinstance(size, int) else np.dtype(dtype).itemsize)
 
     def fits(self, shape, dims) -> bool:
         return all(s % self.n(d) == 0 for s, d in zip(shape, dims, strict=True) if d)
@@ -394,9 +395,10 @@ class Partitioner:
 
     def fallback(self, eqn: Any, ins: list[V], why: str) -> list[V]:
         """Operands whole (sums done, splits gathered), the op run as traced: replicated outputs."""
-        if any(v.dims != ((),) * len(v.shape) or v.partial for v in ins):
-            if not self.dry or self.predict:
-                self.record.fallbacks.append(Fallback(eqn.primitive.name, self.source, why))
+        moved = [v for v in ins if v.dims != ((),) * len(v.shape) or v.partial]
+        if moved and (not self.dry or self.predict):
+            nbytes = sum(self.nbytes(v.shape, ((),) * len(v.shape), v.dtype) for v in moved) * self.mult
+            self.record.fallbacks.append(Fallback(eqn.primitive.name, self.source, why, nbytes))
         whole = [self.whole(v) for v in ins]
         xs = self.bind(eqn, [v.x for v in whole])
         act = any(v.act for v in ins)
@@ -443,12 +445,15 @@ class Partitioner:
             return V(x, v.shape[1:], v.dtype, v.dims[1:], v.partial, v.act)
 
         # Carry layouts: a fixed point of the body (a carry changing layout is made less split).
+        # A carry made in the step (a jnp.zeros buffer) starts in the layout the body gives it.
         dims = [c.dims for c in carry]
+        free = [c.make is not None for c in carry]
         dry = Partitioner(self.mesh, Record(), dry=True, batch_axes=self.batch_axes)
         for _ in range(8):
             vals = [V(None, c.shape, c.dtype, d, frozenset(), c.act) for c, d in zip(carry, dims, strict=True)]
             outs = dry.run(closed.jaxpr, list(closed.consts), [*consts, *vals, *[sliced(x) for x in xs]])
-            new = [_common(d, o.dims) for d, o in zip(dims, outs[:ncarry], strict=True)]
+            new = [o.dims if f else _common(d, o.dims) for d, o, f in zip(dims, outs[:ncarry], free, strict=True)]
+            free = [False] * ncarry
             acts = [c.act or o.act for c, o in zip(carry, outs[:ncarry], strict=True)]
             if new == dims:
                 break
@@ -556,11 +561,10 @@ class Partitioner:
         if any(v.make is not None for v in ins) and all(v.make is not None or not (v.shape or v.partial) for v in ins):
             # Of values made in the step only (a mask from iotas): made too, in any layout.
             def build(want: Dims) -> Any:
-                args = [
-                    v.x if v.make is None else v.make(tuple(d if v.shape[j] == shape[j] else () for j, d in enumerate(want)))
-                    if v.shape else v.make(())
-                    for v in ins
-                ]
+                args = []
+                for v in ins:
+                    own = tuple(d if v.shape[j] == shape[j] else () for j, d in enumerate(want)) if v.shape else ()
+                    args.append(v.x if v.make is None else v.make(own))
                 return self.bind(eqn, args)[0]  # type: ignore[index]
 
             outs[0].make = self.made(eqn, build)
@@ -744,6 +748,41 @@ class Partitioner:
         return self._along(eqn, ins, (eqn.params["axis"],))
 
     op_cumprod = op_cummax = op_cummin = op_cumlogsumexp = op_cumsum
+
+    def op_top_k(self, eqn: Any, ins: list[V]) -> list[V] | None:
+        v = ins[0]
+        axis = eqn.params.get("axis", len(v.shape) - 1) % len(v.shape)
+        if v.dims[axis]:  # the k largest of a split dim: whole operands (a reported fallback)
+            return None
+        return self._along(eqn, ins, (axis,))
+
+    # -- random numbers: a function of each key, so a batch of keys stays split ---------------
+    def _per_key(self, eqn: Any, ins: list[V], rank: int) -> list[V]:
+        """An op of each key: the keys' layout on the leading ``rank`` dims (the key array's
+        shape), the trailing output dims (bits per key, split keys, key data) whole."""
+        keys = self.resolve(ins[0])
+        lead = tuple(keys.dims[:rank])
+        keys = self.to(keys, lead + ((),) * (len(keys.shape) - rank))
+        rest = []
+        for v in ins[1:]:
+            v = self.resolve(v)
+            rest.append(self.to(v, lead) if v.shape == keys.shape[:rank] and v.shape else self.whole(v))
+        xs = self.bind(eqn, [keys.x, *[v.x for v in rest]])
+        dims = [lead + ((),) * (len(getattr(o.aval, "shape", ())) - rank) for o in eqn.outvars]
+        return self.out(eqn, dims, act=any(v.act for v in ins), xs=xs)
+
+    def op_random_bits(self, eqn, ins):
+        return self._per_key(eqn, ins, len(ins[0].shape))
+
+    op_random_split = op_random_bits
+
+    def op_random_fold_in(self, eqn, ins):
+        return self._per_key(eqn, ins, len(ins[0].shape))
+
+    op_random_seed = op_random_clone = op_random_unwrap = op_random_fold_in
+
+    def op_random_wrap(self, eqn, ins):  # key data (..., 2) -> keys (...)
+        return self._per_key(eqn, ins, len(ins[0].shape) - 1)
 
     def op_rev(self, eqn, ins):
         return self._along(eqn, ins, eqn.params["dimensions"])
@@ -1042,6 +1081,27 @@ class Partitioner:
             updates = jnp.where(mask, updates, jnp.zeros((), updates.dtype))
         xs = self.bind(eqn, [base, indices, updates])
         return self.out(eqn, [op2.dims], [partial], act, xs)
+
+    def op_scatter(self, eqn: Any, ins: list[V]) -> list[V] | None:
+        """``x.at[i].set(u)``: indices whole, the scattered dims whole; a window dim the update
+        covers whole keeps one split on operand and update (each device writes its block)."""
+        op, idx, upd = (self.resolve(v) for v in ins)
+        dn = eqn.params["dimension_numbers"]
+        if dn.operand_batching_dims:
+            return None
+        owin = [d for d in range(len(op.shape)) if d not in dn.inserted_window_dims]
+        scattered = set(dn.scatter_dims_to_operand_dims)
+        odims: list[tuple[str, ...]] = [()] * len(op.shape)
+        udims: list[tuple[str, ...]] = [()] * len(upd.shape)
+        used: set[str] = set()
+        for d, k in zip(owin, dn.update_window_dims, strict=True):
+            cand = op.dims[d] or upd.dims[k]
+            if d not in scattered and op.shape[d] == upd.shape[k] and cand and not set(cand) & used:
+                odims[d] = udims[k] = cand
+                used |= set(cand)
+        op2, upd2, idx2 = self.to(op, _t(odims)), self.to(upd, _t(udims)), self.whole(idx)
+        xs = self.bind(eqn, [op2.x, idx2.x, upd2.x])
+        return self.out(eqn, [_t(odims)], act=op.act or idx.act or upd.act, xs=xs)
 
 
 _HINT_THROUGH = {"add_any", "add", "convert_element_type", "copy", "copy_p", "mul", "neg", "sub", "div"}

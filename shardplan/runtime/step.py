@@ -36,6 +36,7 @@ class TrainStep:
         model: Any,
         optimizer: Any,
         backend: str | None = None,
+        strict: bool = False,
     ):
         name = backend or placement.plan.backend
         backends_registry.lookup(name)
@@ -60,7 +61,9 @@ class TrainStep:
         self.activations = Activations(placement.plan, placement.mesh, name)
         # Both backends trace the loss over global values (shard_map partitions the traced program).
         wrapped = self.activations.wrap(loss_fn, mesh_context=True)
-        self.fn = backends.get(name).build(placement, wrapped, model, optimizer)
+        # strict: an op the shard_map backend runs on whole operands is an error (auto has none).
+        options = {"strict": True} if strict and name == "shard_map" else {}
+        self.fn = backends.get(name).build(placement, wrapped, model, optimizer, **options)
 
     def _check_loss(self, model, batch) -> None:
         check_loss(self.activations.wrap(self.loss_fn, mesh_context=True), model, batch, plan=self.placement.plan)
@@ -94,9 +97,16 @@ def train_step(
     model: Any,
     optimizer: Any,
     backend: str | None = None,
+    *,
+    strict: bool = False,
 ) -> TrainStep:
-    """The training step for ``placement`` on ``backend`` (default: the plan's ``backend``)."""
-    return TrainStep(placement, loss_fn, model, optimizer, backend)
+    """The training step for ``placement`` on ``backend`` (default: the plan's ``backend``).
+
+    The shard_map backend traces the step at its first call for each batch structure and warns
+    then (``ShardMapFallbackWarning``, once) of every op it runs on whole (gathered) operands;
+    ``strict=True`` makes that a ``PlanApplyError`` (``cannot-lower``), raised before the step runs.
+    """
+    return TrainStep(placement, loss_fn, model, optimizer, backend, strict)
 
 
 def user_frame(tb: Any) -> str:

@@ -13,6 +13,7 @@ emitted module's ``make_gather_whole_step``, and the benchmarks' baseline.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.core.leaves import records
 from shardplan.core.lowering import Collective, Lowering, lower
-from shardplan.errors import PlanApplyError, error
+from shardplan.errors import Diagnostic, PlanApplyError, ShardMapFallbackWarning, error
 from shardplan.runtime import partition, specs
 from shardplan.runtime.mesh import has_explicit_axes
 from shardplan.runtime.placement import Placement, replicated
@@ -118,21 +119,84 @@ def params_only(model) -> None:
         )
 
 
-class ShardMapStep:
-    """Jitted step per batch structure (the in_specs depend on the batch's leaves)."""
+def fallback_diagnostics(fallbacks: list[partition.Fallback]) -> list[Diagnostic]:
+    """One ``cannot-lower`` diagnostic per op (and source line) the partitioner ran on whole
+    operands: what ``strict=True`` raises, and what the warning says."""
+    grouped: dict[tuple[str, str, str], list[int]] = {}
+    for f in fallbacks:
+        acc = grouped.setdefault((f.op, f.source, f.why), [0, 0])
+        acc[0] += 1
+        acc[1] += f.bytes
+    out = []
+    for (op, source, why), (count, nbytes) in grouped.items():
+        times = f" ({count} times)" if count > 1 else ""
+        out.append(
+            error(
+                "cannot-lower",
+                f"shard_map runs {op} at {source or 'library code'}{times} on whole (gathered) operands ({why}): "
+                f"{nbytes:,} B made whole per device per step",
+                "give the op operands in a layout it runs on locally (docs/backends.md lists the partitioner's "
+                "rules), or use backend auto; without strict=True the step runs, correctly, with the gather",
+                path=source or op,
+            )
+        )
+    return out
 
-    def __init__(self, placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any):
+
+def report_fallbacks(fallbacks: list[partition.Fallback], strict: bool, stacklevel: int = 2) -> None:
+    """Fallbacks are loud: a ``ShardMapFallbackWarning`` naming each one, or with ``strict`` a
+    ``PlanApplyError`` listing them."""
+    if not fallbacks:
+        return
+    diags = fallback_diagnostics(fallbacks)
+    if strict:
+        raise PlanApplyError(diags)
+    lines = "\n".join(f"  {d.message}" for d in diags)
+    warnings.warn(
+        f"shardplan: the shard_map step runs {len(diags)} op(s) on whole operands, with no local rule for their "
+        f"layout (correct, but every device gathers them):\n{lines}\n"
+        "see docs/backends.md for the ops it runs locally; strict=True makes this an error",
+        ShardMapFallbackWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+class ShardMapStep:
+    """Jitted step per batch structure (the in_specs depend on the batch's leaves).
+
+    The step is traced at its first call (or ``lower``) for a batch structure; then, once, any
+    op that ran on whole operands is reported: a ``ShardMapFallbackWarning``, or with ``strict``
+    a ``PlanApplyError`` raised before the step runs."""
+
+    def __init__(self, placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any, strict: bool = False):
         params_only(model)
         self.placement = placement
         self.loss_fn = loss_fn
+        self.strict = strict
         self.gm = nnx.graphdef(model)
         self.go = nnx.graphdef(optimizer)
         self._cache: dict = {}
+        self._reported: set = set()
         self.records: dict = {}
 
-    def _jitted(self, batch: Any):
+    @staticmethod
+    def _key(batch: Any) -> tuple:
         leaves, btree = jax.tree_util.tree_flatten(batch)
-        key = (btree, tuple((x.shape, str(x.dtype)) for x in leaves))
+        return (btree, tuple((x.shape, str(x.dtype)) for x in leaves))
+
+    def _ready(self, sm, so, batch, stacklevel: int):
+        """The jitted step for this batch structure, traced, its fallbacks reported (once)."""
+        fn = self._jitted(batch)
+        key = self._key(batch)
+        if key not in self._reported:
+            fn.trace(sm, so, batch)  # fills the record; jit reuses this trace for the call
+            self._reported.add(key)
+            report_fallbacks(self.records[key].fallbacks, self.strict, stacklevel + 1)
+        return fn
+
+    def _jitted(self, batch: Any):
+        key = self._key(batch)
+        _, btree = jax.tree_util.tree_flatten(batch)
         if key in self._cache:
             return self._cache[key]
         p = self.placement
@@ -177,14 +241,13 @@ class ShardMapStep:
 
     def record(self, batch: Any) -> partition.Record:
         """What the per-device code traced for this batch structure issues (after a trace)."""
-        leaves, btree = jax.tree_util.tree_flatten(batch)
-        return self.records[(btree, tuple((x.shape, str(x.dtype)) for x in leaves))]
+        return self.records[self._key(batch)]
 
     def __call__(self, sm, so, batch):
-        return self._jitted(batch)(sm, so, batch)
+        return self._ready(sm, so, batch, stacklevel=3)(sm, so, batch)
 
     def lower(self, sm, so, batch):
-        return self._jitted(batch).lower(sm, so, batch)
+        return self._ready(sm, so, batch, stacklevel=3).lower(sm, so, batch)
 
 
 def gather_whole_step(placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any, batch: Any):
@@ -214,5 +277,6 @@ def gather_whole_step(placement: Placement, loss_fn: LossFn, model: Any, optimiz
     return jax.jit(step, out_shardings=out, donate_argnums=(0, 1))
 
 
-def build(placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any) -> ShardMapStep:
-    return ShardMapStep(placement, loss_fn, model, optimizer)
+def build(placement: Placement, loss_fn: LossFn, model: Any, optimizer: Any, strict: bool = False) -> ShardMapStep:
+    """The partitioned step; ``strict``: an op run on whole operands is a ``PlanApplyError``."""
+    return ShardMapStep(placement, loss_fn, model, optimizer, strict)

@@ -1,0 +1,243 @@
+"""One test per local rule of the shard_map partitioner (shardplan/runtime/partition.py): a one-
+or two-op function run through the partitioner under shard_map on 8 simulated devices, its
+output equal to the op on one device, the output's layout what the rule says, and no op run on
+whole operands (docs/backends.md's coverage table)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from shardplan.runtime import partition
+
+MESH = {"data": 4, "model": 2}
+
+
+def _spec(dims):
+    return P(*[None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims])
+
+
+def partitioned(fn, args, in_dims):
+    """``fn(*args)`` partitioned: (outputs gathered whole, their layouts before, the record,
+    collectives issued before the outputs were gathered)."""
+    closed = jax.make_jaxpr(fn)(*args)
+    mesh = jax.make_mesh(tuple(MESH.values()), tuple(MESH), axis_types=(jax.sharding.AxisType.Auto,) * len(MESH))
+    record = partition.Record()
+    layouts: list = []
+    before: list = []
+
+    def local(*xs):
+        part = partition.Partitioner(MESH, record, batch_axes=frozenset({"data"}))
+        vals = [
+            partition.V(x, tuple(a.shape), a.dtype, tuple(tuple(d) for d in dims), act=True)
+            for x, a, dims in zip(xs, args, in_dims, strict=True)
+        ]
+        outs = part.run(closed.jaxpr, list(closed.consts), vals)
+        layouts[:] = [(o.dims, o.partial) for o in outs]
+        before[:] = list(record.issued)
+        return [part.whole(o).x for o in outs]
+
+    n_out = len(closed.jaxpr.outvars)
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=tuple(_spec(d) for d in in_dims),
+        out_specs=[P()] * n_out,
+        check_vma=False,
+    )
+    got = jax.jit(f)(*args)
+    return got, layouts, record, before
+
+
+def check(fn, args, in_dims, dims=None, issued=()):
+    """Equal to one device; no fallback; the first output's layout ``dims`` (when given); the
+    collectives issued by the op itself, by kind, ``issued``."""
+    got, layouts, record, before = partitioned(fn, args, in_dims)
+    want = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+    assert record.fallbacks == []
+    if dims is not None:
+        assert layouts[0][0] == dims, layouts
+    assert sorted(c.kind for c in before) == sorted(issued), before
+    return layouts, record
+
+
+RNG = np.random.default_rng(0)
+
+
+def f32(*shape):
+    return jnp.asarray(RNG.normal(size=shape).astype(np.float32))
+
+
+BH = (("data",), (), ("model",), ())  # a (batch, time, heads, head_dim) layout: batch and heads split
+
+
+# -- values made in the step -------------------------------------------------------------------
+def test_zeros_cache_written_at_a_time_position_stays_split_like_the_update():
+    def write(k):
+        cache = jnp.zeros((8, 12, 4, 2), k.dtype)
+        return jax.lax.dynamic_update_slice(cache, k, (0, 3, 0, 0))
+
+    check(write, [f32(8, 5, 4, 2)], [BH], dims=BH)
+
+
+def test_full_and_iota_take_their_readers_layout():
+    def add(x):
+        return x + jnp.full(x.shape, 2.0) * jnp.arange(x.shape[0], dtype=x.dtype)[:, None]
+
+    check(add, [f32(8, 6)], [(("data",), ())], dims=(("data",), ()))
+
+
+def test_iota_split_over_its_own_dim_counts_from_each_blocks_start():
+    def pos(x):
+        return x * jax.lax.broadcasted_iota(jnp.float32, x.shape, 1)
+
+    check(pos, [f32(4, 8)], [((), ("data", "model"))], dims=((), ("data", "model")))
+
+
+# -- windows at a position -------------------------------------------------------------------
+def test_dynamic_update_slice_into_a_split_buffer():
+    def roll(buf, x, i):
+        return jax.lax.dynamic_update_slice(buf, x, (0, i, 0, 0))
+
+    check(roll, [f32(8, 12, 4, 2), f32(8, 1, 4, 2), jnp.int32(7)], [BH, BH, ()], dims=BH)
+
+
+def test_dynamic_slice_at_a_time_position_keeps_other_splits():
+    def window(buf, i):
+        return jax.lax.dynamic_slice(buf, (0, i, 0, 0), (8, 3, 4, 2))
+
+    check(window, [f32(8, 12, 4, 2), jnp.int32(5)], [BH, ()], dims=BH)
+
+
+def test_dynamic_slice_over_a_split_position_dim_reads_it_whole():
+    def window(buf, i):
+        return jax.lax.dynamic_slice(buf, (i, 0), (3, 6))
+
+    check(window, [f32(8, 6), jnp.int32(2)], [(("data",), ()), ()], dims=((), ()), issued=["all-gather"])
+
+
+# -- along an unsplit dim --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,fn",
+    [
+        ("top_k", lambda x: jax.lax.top_k(x, 3)),
+        ("sort", lambda x: jax.lax.sort(x, dimension=2)),
+        ("argmax", lambda x: jnp.argmax(x, axis=-1)),
+        ("argmin", lambda x: jnp.argmin(x, axis=-1)),
+        ("reduce_max", lambda x: jnp.max(x, axis=-1)),
+        ("reduce_min", lambda x: jnp.min(x, axis=-1)),
+        ("cumsum", lambda x: jax.lax.cumsum(x, axis=2)),
+        ("cumprod", lambda x: jax.lax.cumprod(x, axis=2)),
+        ("cummax", lambda x: jax.lax.cummax(x, axis=2)),
+        ("cumlogsumexp", lambda x: jax.lax.cumlogsumexp(x, axis=2)),
+    ],
+)
+def test_op_along_an_unsplit_dim_is_local(name, fn):
+    closed = jax.make_jaxpr(fn)(f32(8, 4, 6))
+    assert name in {e.primitive.name for e in closed.jaxpr.eqns}
+    reduced = name in ("argmax", "argmin", "reduce_max", "reduce_min")
+    dims = (("data",), ("model",)) if reduced else (("data",), ("model",), ())
+    check(fn, [f32(8, 4, 6)], [(("data",), ("model",), ())], dims=dims)
+
+
+def test_reduce_max_over_a_split_dim_is_a_pmax():
+    check(lambda x: jnp.max(x, axis=0), [f32(8, 6)], [(("data",), ())], dims=((),), issued=["all-reduce"])
+
+
+def test_top_k_over_a_split_dim_falls_back_and_is_recorded():
+    x = f32(6, 8)
+    got, _, record, _ = partitioned(lambda x: jax.lax.top_k(x, 3)[0], [x], [((), ("data",))])
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(jax.lax.top_k(x, 3)[0]))
+    assert [(f.op, f.bytes) for f in record.fallbacks] == [("top_k", 6 * 8 * 4)]
+
+
+# -- comparisons and scatters -----------------------------------------------------------------
+def test_one_hot_of_split_labels_is_elementwise():
+    labels = jnp.asarray(RNG.integers(0, 10, size=(8, 4)), jnp.int32)
+    check(lambda y: jax.nn.one_hot(y, 10), [labels], [(("data",), ("model",))], dims=(("data",), ("model",), ()))
+
+
+def test_scatter_add_of_batch_split_updates_is_a_pending_sum():
+    idx = jnp.asarray(RNG.integers(0, 5, size=(8,)), jnp.int32)
+
+    def counts(i, u):
+        return jnp.zeros((5, 6)).at[i].add(u)
+
+    layouts, _ = check(counts, [idx, f32(8, 6)], [(("data",),), (("data",), ())], dims=((), ()))
+    assert layouts[0][1] == frozenset({"data"})
+
+
+def test_scatter_add_along_an_unsplit_dim_keeps_window_splits():
+    idx = jnp.asarray(RNG.integers(0, 5, size=(8,)), jnp.int32)
+
+    def counts(i, u):
+        return jnp.zeros((5, 6)).at[i].add(u)
+
+    layouts, _ = check(counts, [idx, f32(8, 6)], [((),), ((), ("model",))], dims=((), ("model",)))
+    assert layouts[0][1] == frozenset()
+
+
+# -- random numbers ----------------------------------------------------------------------------
+def test_random_bits_of_split_keys_stay_split():
+    keys = jax.random.split(jax.random.key(3), 8)
+
+    def noise(k):
+        return jax.vmap(lambda kk: jax.random.normal(kk, (3,)))(k)
+
+    check(noise, [keys], [(("data",),)], dims=(("data",), ()))
+
+
+def test_dropout_mask_from_one_key_equals_one_device():
+    def dropout(x):
+        keep = jax.random.bernoulli(jax.random.key(7), 0.75, x.shape)
+        return jnp.where(keep, x / 0.75, 0.0)
+
+    check(dropout, [f32(8, 6)], [(("data",), ("model",))], dims=(("data",), ("model",)))
+
+
+def test_split_and_fold_in_of_split_keys():
+    keys = jax.random.split(jax.random.key(1), 8)
+
+    def bits(k):
+        k2 = jax.vmap(lambda kk: jax.random.fold_in(kk, 5))(k)
+        return jax.vmap(lambda kk: jax.random.bits(jax.random.split(kk, 2)[1], (2,)))(k2)
+
+    check(bits, [keys], [(("data",),)], dims=(("data",), ()))
+
+
+def test_zeros_buffer_filled_in_a_scan_takes_the_bodys_layout():
+    """A rolling buffer made with jnp.zeros and written one time step per iteration: the carry
+    starts split like the K/V written into it, so no iteration gathers anything."""
+
+    def fill(x):
+        def body(buf, i):
+            step = jax.lax.dynamic_slice_in_dim(x, i, 1, axis=1)
+            return jax.lax.dynamic_update_slice(buf, step * 2.0, (0, i, 0, 0)), None
+
+        return jax.lax.scan(body, jnp.zeros(x.shape, x.dtype), jnp.arange(x.shape[1]))[0]
+
+    check(fill, [f32(8, 6, 4, 2)], [BH], dims=BH)
+
+
+def test_scatter_set_keeps_a_split_window_dim():
+    idx = jnp.asarray([[4], [0], [2]], jnp.int32)
+
+    def put(x, u):
+        return x.at[idx[:, 0]].set(u)
+
+    assert "scatter" in {e.primitive.name for e in jax.make_jaxpr(put)(f32(5, 6), f32(3, 6)).jaxpr.eqns}
+    check(put, [f32(5, 6), f32(3, 6)], [((), ("model",)), ((), ("model",))], dims=((), ("model",)))
+
+
+def test_coverage_table_names_every_rule():
+    """docs/backends.md's coverage table lists every primitive the partitioner has a rule for."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "backends.md").read_text()
+    table = text[text.index("### What runs locally") : text.index("### Fallbacks are loud")]
+    rules = {n[3:].replace("scatter_add", "scatter-add") for n in dir(partition.Partitioner) if n.startswith("op_")}
+    missing = sorted(r for r in rules if f"`{r}`" not in table)
+    assert missing == [], missing
