@@ -69,18 +69,21 @@ TARGETS = {"gpt_small": 0.050, "llama2_70b": 1.0}
 
 
 def checks(res: dict) -> list[dict]:
-    """Target rows: the slowest re-cost per model against its target, and that every re-cost equals
-    the full analysis (a deterministic row)."""
+    """Target rows in benchmarks/run.py's form: the slowest re-cost per model against its target (a
+    timing), and that every re-cost equals the full analysis (deterministic)."""
+    from benchmarks.run import _check
+
     out = []
     for c in res["cases"]:
         target = TARGETS.get(c["model"])
         if target is not None:
-            out.append({"name": f"re-cost one plan on {c['model']} (slowest of {len(c['rows'])}; full analysis "
-                                f"{c['full_s']:.2f} s)", "value": c["recost_s"], "target": target, "op": "<=",
-                        "text": f"{c['recost_s'] * 1e3:.0f} ms", "met": c["recost_s"] <= target, "timing": True})
-        out.append({"name": f"re-cost on {c['model']} equals the full analysis", "value": all(r["equal"] for r in
-                    c["rows"]), "target": True, "op": "==", "text": str(all(r["equal"] for r in c["rows"])),
-                    "met": all(r["equal"] for r in c["rows"]), "timing": False})
+            out.append(_check(f"re-cost one plan on {c['model']} without retracing (slowest of {len(c['rows'])}; "
+                              f"full analysis {c['full_s']:.2f} s), seconds", c["recost_s"], target, "<=",
+                              "{:.3f} s", timing=True))
+        equal = all(r["equal"] for r in c["rows"])
+        out.append({"measurement": f"re-cost on {c['model']} equals the full analysis (every plan)",
+                    "value": str(equal), "target": "== True", "met": "yes" if equal else "NO (missed)",
+                    "timing": False})
     return out
 
 
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
             print(f"  {r['plan']:8} full analysis {r['full_s'] * 1e3:8.0f} ms   re-cost {r['recost_s'] * 1e3:7.0f} ms"
                   f"   ({r['full_s'] / r['recost_s']:.1f}x)   equal: {r['equal']}")
     for row in checks(res):
-        print(f"{row['name']}: {row['text']} (target {row['op']} {row['target']}) {'met' if row['met'] else 'NOT met'}")
+        print(f"{row['measurement']}: {row['value']} (target {row['target']}) {row['met']}")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))
     return 0

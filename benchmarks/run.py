@@ -528,6 +528,12 @@ def _bench_reshard(quick: bool) -> dict:
     return reshard.run(quick)
 
 
+def _bench_recost(quick: bool) -> dict:
+    from benchmarks import recost
+
+    return recost.run(quick)
+
+
 def _bench_lsp(quick: bool) -> dict:
     from benchmarks import lsp
 
@@ -549,6 +555,7 @@ SECTIONS = [
     ("reshard", "7. reshard", _bench_reshard),
     ("shape_cache", "8. shapes cache", bench_shape_cache),
     ("lsp", "9. language server", _bench_lsp),
+    ("recost", "10. re-cost on one trace", _bench_recost),
 ]
 
 
@@ -622,6 +629,14 @@ def checks(res: dict) -> list[dict]:
         out.append(_check(f"language server: diagnostics after an edit, 40 rules x {ls['leaves']:,} cached leaves "
                           f"(slowest of {ls['edits']}), seconds", ls["edit_max_s"], 0.2, "<=", "{:.3f} s",
                           timing=True))
+        if "unused_edit_max_s" in ls:
+            out.append(_check(f"language server: the same edits with a rule that matches nothing (slowest of "
+                              f"{ls['unused_edits']}), seconds", ls["unused_edit_max_s"], 0.2, "<=", "{:.3f} s",
+                              timing=True))
+    if "recost" in res:
+        from benchmarks import recost
+
+        out += recost.checks(res["recost"])
     if "reshard" in res:
         d70 = res["reshard"]["diff_70b"]
         out.append(_check(f"shardplan diff {d70['model']} ({d70['leaves']} params) from cached shapes, seconds",

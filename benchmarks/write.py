@@ -157,6 +157,23 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
                   f"fixed, a spec changed and restored), each timed from the change sent to its diagnostics "
                   f"received: median {ls['edit_median_s'] * 1000:.0f} ms, slowest {ls['edit_max_s'] * 1000:.0f} ms.",
                   ""]
+        if "unused_edit_max_s" in ls:
+            lines[-1:-1] = [f"The same {ls['unused_edits']} edits with a rule in the plan that matches nothing (an "
+                            f"unused-rule warning and its near-miss hint at every edit): median "
+                            f"{ls['unused_edit_median_s'] * 1000:.0f} ms, slowest "
+                            f"{ls['unused_edit_max_s'] * 1000:.0f} ms."]
+    if "recost" in res:
+        lines += ["## 10. Re-costing a plan on one trace", "`python -m benchmarks.recost`: a plan search's inner "
+                  "loop. The step traced once (`shardplan.api.step_coster`), then other plans costed on that trace "
+                  "without tracing again, beside the full fast-mode analysis (trace + cost) of the same plan; every "
+                  "re-cost equals the full analysis.", "",
+                  "| model | mesh | plan | full analysis | re-cost | equal |", "|---|---|---|---|---|---|"]
+        for c in res["recost"]["cases"]:
+            mesh = ",".join(f"{k}={v}" for k, v in c["mesh"].items())
+            for r in c["rows"]:
+                lines.append(f"| {c['model']} | {mesh} | {r['plan']} | {r['full_s'] * 1000:.0f} ms | "
+                             f"{r['recost_s'] * 1000:.0f} ms | {r['equal']} |")
+        lines.append("")
     path.write_text("\n".join(lines))
 
 

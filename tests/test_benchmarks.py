@@ -37,7 +37,7 @@ def test_quick_sections_cover_every_section():
 
 # Each group well under a minute on 2 cores (one subprocess each, jax imported anew).
 QUICK_GROUPS = [("resolution", "apply", "steps"), ("fsdp_llama", "scaling"), ("cost",), ("generation",),
-                ("step_cost", "step_cost_scale", "reshard", "shape_cache", "lsp")]
+                ("step_cost", "step_cost_scale", "reshard", "shape_cache", "lsp"), ("recost",)]
 
 
 def test_benchmarks_quick_resolution_apply_and_steps(tmp_path):
@@ -118,8 +118,17 @@ def test_benchmarks_quick_step_cost_reshard_and_tools(tmp_path):
     # step cost per row: per kind, peak, FLOPs; the scale ratio; reshard per row and the 70B diff;
     # shapes cache; language server.
     step_checks = sum(len(r["comm"]) + 2 for r in rows)
-    assert len(checks) == step_checks + 1 + len(reshard["rows"]) + 1 + 1 + 1
+    assert len(checks) == step_checks + 1 + len(reshard["rows"]) + 1 + 1 + 1 + 1  # LSP: also with an unused rule
     assert sum(not c["timing"] for c in checks) == step_checks + len(reshard["rows"])
+
+
+def test_benchmarks_quick_recost(tmp_path):
+    res, checks = quick(tmp_path, *QUICK_GROUPS[5])
+    (case,) = res["recost"]["cases"]
+    assert case["traces"] >= 1 and len(case["rows"]) == 3
+    assert all(r["equal"] for r in case["rows"]), "a re-cost differs from the full analysis"
+    assert all(0 < r["recost_s"] and 0 < r["full_s"] for r in case["rows"])
+    assert [c["met"] for c in checks if not c["timing"]] == ["yes"]
 
 
 @pytest.mark.parametrize("args, message", [(["--only", "steps,nope"], "unknown section(s) nope"),
