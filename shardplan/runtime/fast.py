@@ -204,6 +204,9 @@ class _Propagator:
         self.call_source = ""  # the source line of the call being run (for library code inside it)
         self.runs = 0  # jaxpr runs so far
         self.defined: dict[Any, int] = {}  # variable -> the run that last defined it
+        # A scan's loop-invariant operands -> the runs outside the loop: XLA hoists their reshards out
+        # of the while body (measured: a weight closed over by a scanned body is gathered once).
+        self.invariant: dict[Any, int] = {}
 
     def root(self, var: Any) -> Any:
         while var in self.origin:
@@ -222,6 +225,8 @@ class _Propagator:
         splits a dim on (when ``v`` leaves that dim whole), all-reduce over the rest."""
         if not v.partial:
             return v
+        if target is None and var not in self.hints and var not in self.wants:
+            target = _batch_scatter(v, self.ctx)
         target = target if target is not None else self.hints.get(var, self.wants.get(var, v.dims))
         key = ("resolve", self.key(var), target)
         hit = self.ctx.cache.get(key)
@@ -260,6 +265,7 @@ class _Propagator:
         want = {a: i for i, d in enumerate(target) for a in d}
         dims = [list(d) for d in v.dims]
         moves = self.names.get(self.root(var), "")
+        mult = self.invariant.get(self.root(var), mult)
         if any(any(want.get(a, i) != i for a in d) and any(a not in want for a in d) for i, d in enumerate(v.dims)):
             # One dim's axes both moving to another dim and gathered (``(data, expert)`` on the
             # tokens to ``expert`` on the experts): GSPMD has no reshard for that and replicates
@@ -287,8 +293,9 @@ class _Propagator:
             for a in t:
                 if a not in dims[i] and all(a not in d for d in dims):
                     dims[i].append(a)
-        # Axes the target leaves out: all-gather (the gathered result's bytes).
-        for i, cur in enumerate(list(dims)):
+        # Axes the target leaves out: all-gather (the gathered result's bytes), the last dim first
+        # (measured: (data, model) made whole gathers `model` on the small buffer, then `data`).
+        for i, cur in reversed(list(enumerate(list(dims)))):
             drop = [a for a in cur if a not in target[i]]
             if drop:
                 dims[i] = [a for a in cur if a in target[i]]
@@ -1105,7 +1112,8 @@ class _Propagator:
             # other operands are (measured: no collective; it was gathered whole to the zeros').
             same = [(x, v) for x, v in zip(eqn.invars, ins, strict=True) if len(v.shape) == len(shape)]
             made = [v for x, v in same if not (hasattr(x, "val") or x in self.constant)]
-            base = (made or [v for _, v in same] or [None])[0]
+            candidates = made or [v for _, v in same]
+            base = candidates[0] if candidates else None
             if base is None:
                 outs.append(_replicated(o.aval))
                 continue
@@ -1233,6 +1241,8 @@ class _Propagator:
         nc, ncarry = scan_counts(eqn)
         env: dict[Any, Val] = {}
         for k, (var, v) in enumerate(zip(body.invars, ins, strict=True)):
+            if k < nc:
+                self.invariant[var] = mult
             if k >= nc + ncarry:  # scanned over: the body sees one slice (the leading dim dropped)
                 v = Val(v.shape[1:], v.itemsize, v.dims[1:], v.partial)
             env[var] = v
@@ -1403,6 +1413,18 @@ def _fuses(eqn: Any, pos: int) -> bool:
     return (
         all(_fuses(e, p) for e in sub.eqns for p, x in enumerate(e.invars) if x is inner) and inner not in sub.outvars
     )
+
+
+def _batch_scatter(v: Val, ctx: _Ctx) -> Dims:
+    """Where an activation's pending sum over a batch axis goes when no reader says: onto its leading
+    (batch) dim, where it is whole (measured: under a 2-D plan whose embedding width is split over
+    the batch axis, XLA reduce-scatters a projection's sum over `data` onto the batch rows)."""
+    dims = [tuple(d) for d in v.dims]
+    if len(v.shape) >= 2 and not dims[0]:
+        axes = tuple(a for a in ctx.batch_axes if a in v.partial and a not in v.axes)
+        if axes and v.shape[0] % ctx.split(axes) == 0:
+            dims[0] = axes
+    return tuple(dims)
 
 
 def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:

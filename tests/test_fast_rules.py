@@ -1,0 +1,382 @@
+"""Fast mode's rules one at a time against XLA: a one- or two-op function jitted for 8 simulated
+devices with given input (and output) shardings, its compiled collectives (read by the HLO reader
+exact mode uses) against what fast mode's propagator predicts for the same function's jaxpr
+(``fast.propagate_function``). Then the misses of issue 29 on models nobody tuned fast mode for
+(tests/fixtures/fast_models.py), fast against exact mode on the whole step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardplan
+from shardplan.core import hlo
+from shardplan.runtime import fast
+from tests.helpers import ROOT
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+MESH = {"data": 4, "model": 2}
+B, D, F = 64, 128, 256
+
+
+def S(*shape, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _dims(spec, rank):
+    entries = tuple(spec) + (None,) * (rank - len(tuple(spec)))
+    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+
+
+def by_kind(fn, avals, in_specs, out_spec, mesh=MESH):
+    """Per collective kind, the bytes per device XLA compiles and fast mode predicts."""
+    auto = (AxisType.Auto,) * len(mesh)
+    m = jax.make_mesh(tuple(mesh.values()), tuple(mesh), axis_types=auto, devices=jax.devices()[:8])
+    with jax.set_mesh(m):
+        outs = jax.eval_shape(fn, *avals)
+        kw = {} if out_spec is None else {"out_shardings": NamedSharding(m, out_spec)}
+        jitted = jax.jit(fn, in_shardings=tuple(NamedSharding(m, s) for s in in_specs), **kw)
+        text = jitted.lower(*avals).compile().as_text()
+        ledger = fast.propagate_function(
+            fn,
+            avals,
+            tuple(_dims(s, len(a.shape)) for s, a in zip(in_specs, avals, strict=True)),
+            mesh,
+            None if out_spec is None else (_dims(out_spec, len(outs.shape)),),
+        )
+    xla = dict.fromkeys(KINDS, 0)
+    for op in hlo.with_axes(hlo.parse(text, 8), mesh):
+        xla["reduce-scatter" if op.as_reduce_scatter else op.kind] += op.bytes_per_step
+    return xla, {k: ledger.bytes_of(k) for k in KINDS}
+
+
+def _cs(spec):
+    return lambda x: jax.lax.with_sharding_constraint(x, spec)
+
+
+def xfail(reason):
+    return pytest.mark.xfail(reason=reason, strict=True)
+
+
+mm = jnp.matmul
+CASES = [
+    # dot_general
+    ("dot/column-parallel", mm, (S(B, D), S(D, F)), (P("data"), P(None, "model")), P("data", "model")),
+    ("dot/row-parallel", mm, (S(B, F), S(F, D)), (P("data", "model"), P("model")), P("data")),
+    ("dot/fsdp-weight", mm, (S(B, D), S(D, F)), (P("data"), P("data")), P("data")),
+    ("dot/contracting-split (dp gradient)", lambda x, g: x.T @ g, (S(B, D), S(B, F)), (P("data"), P("data")), P()),
+    ("dot/contracting-split onto a split", lambda x, g: x.T @ g, (S(B, D), S(B, F)), (P("data"), P("data")), P("data")),
+    (
+        "dot/batch-split",
+        lambda a, b: jnp.einsum("bij,bjk->bik", a, b),
+        (S(8, 32, 64), S(8, 64, 32)),
+        (P("data"), P("data")),
+        P("data"),
+    ),
+    (
+        "dot/batch dims disagree",
+        lambda a, b: jnp.einsum("egcf,egcd->efd", a, b),
+        (S(4, 8, 8, 96), S(4, 8, 8, 48)),
+        (P("model", "data"), P(None, ("data", "model"))),
+        P("model"),
+    ),
+    pytest.param(
+        "dot/one side split on the contraction",
+        mm,
+        (S(B, D), S(D, F)),
+        (P(None, "model"), P()),
+        P(),
+        marks=xfail(
+            "XLA gathers the split operand (32,768 B) where fast mode slices the other and all-reduces "
+            "the output (65,536 B); XLA gathers even where the output is 64x smaller (64x1024 @ 1024x16)"
+        ),
+    ),
+    # elementwise with broadcasting
+    ("elementwise/same layout", jnp.multiply, (S(B, D), S(B, D)), (P("data"), P("data")), P("data")),
+    ("elementwise/layouts merge", jnp.add, (S(B, D), S(B, D)), (P("data"), P(None, "model")), P("data", "model")),
+    (
+        "elementwise/broadcast",
+        lambda a, b: a * b[None, :],
+        (S(B, D), S(D)),
+        (P("data", "model"), P()),
+        P("data", "model"),
+    ),
+    (
+        "elementwise/broadcast split elsewhere",
+        lambda a, b: a * b[None, :],
+        (S(B, D), S(D)),
+        (P("data"), P("model")),
+        P("data"),
+    ),
+    # reductions
+    ("reduce/sum over a split dim", lambda a: a.sum(0), (S(B, D),), (P("data", "model"),), P("model")),
+    ("reduce/max over a split dim", lambda a: a.max(1), (S(B, D),), (P("data", "model"),), P("data")),
+    pytest.param(
+        "reduce/sum to a scalar over two axes",
+        lambda a: a.sum(),
+        (S(B, D),),
+        (P("data", "model"),),
+        P(),
+        marks=xfail("XLA all-reduces once per reduced dim (2 x 4 B), fast mode once over both axes (4 B)"),
+    ),
+    # reshape / transpose
+    ("reshape/merge keeps the major split", lambda a: a.reshape(B * 4, 32), (S(B, 4, 32),), (P("data"),), P("data")),
+    ("reshape/split", lambda a: a.reshape(B, 4, 32), (S(B, D),), (P("data", "model"),), P("data", "model")),
+    ("reshape/merge gathers a minor split", lambda a: a.reshape(B * 4, 32), (S(B, 4, 32),), (P(None, "model"),), None),
+    ("transpose/view", lambda a: a.T, (S(B, D),), (P("data", "model"),), P("model", "data")),
+    ("transpose/all-to-all", lambda a: a.T, (S(B, D),), (P("data"),), P("data")),
+    # gather / lookup, scatter-add
+    (
+        "gather/rows split",
+        lambda t, i: t[i],
+        (S(256, D), S(B, 16, dtype=jnp.int32)),
+        (P("model"), P("data")),
+        P("data"),
+    ),
+    (
+        "gather/width split",
+        lambda t, i: t[i],
+        (S(256, D), S(B, 16, dtype=jnp.int32)),
+        (P(None, "model"), P("data")),
+        P("data", None, "model"),
+    ),
+    (
+        "gather/take_along_axis",
+        lambda x, y: jnp.take_along_axis(x, y[:, None], 1),
+        (S(B, 256), S(B, dtype=jnp.int32)),
+        (P("data"), P("data")),
+        P("data"),
+    ),
+    (
+        "scatter-add/rows whole",
+        lambda t, i, u: t.at[i].add(u),
+        (S(256, D), S(B, dtype=jnp.int32), S(B, D)),
+        (P(), P("data"), P("data")),
+        P(),
+    ),
+    (
+        "scatter-add/rows split",
+        lambda t, i, u: t.at[i].add(u),
+        (S(256, D), S(B, dtype=jnp.int32), S(B, D)),
+        (P("model"), P("data"), P("data")),
+        P("model"),
+    ),
+    # dynamic_slice / dynamic_update_slice
+    (
+        "dynamic_update_slice/into zeros",
+        lambda k: jax.lax.dynamic_update_slice(jnp.zeros((B, 32, D)), k, (0, 0, 0)),
+        (S(B, 16, D),),
+        (P("data", None, "model"),),
+        P("data", None, "model"),
+    ),
+    (
+        "dynamic_update_slice/into zeros, output free",
+        lambda k: jax.lax.dynamic_update_slice(jnp.zeros((B, 32, D)), k, (0, 0, 0)),
+        (S(B, 16, D),),
+        (P("data", None, "model"),),
+        None,
+    ),
+    (
+        "dynamic_slice/unsplit dim",
+        lambda a, i: jax.lax.dynamic_slice(a, (i, 0), (16, D)),
+        (S(B, D), S(dtype=jnp.int32)),
+        (P(None, "model"), P()),
+        P(None, "model"),
+    ),
+    (
+        "dynamic_slice/split dim",
+        lambda a, i: jax.lax.dynamic_slice(a, (i, 0), (16, D)),
+        (S(B, D), S(dtype=jnp.int32)),
+        (P("data"), P()),
+        None,
+    ),
+    # concatenate / pad / slice
+    (
+        "concatenate/unsplit dim",
+        lambda a, b: jnp.concatenate([a, b], 1),
+        (S(B, D), S(B, D)),
+        (P("data"), P("data")),
+        P("data"),
+    ),
+    pytest.param(
+        "concatenate/split dim",
+        lambda a, b: jnp.concatenate([a, b], 1),
+        (S(B, D), S(B, D)),
+        (P("data", "model"), P("data", "model")),
+        P("data"),
+        marks=xfail(
+            "XLA moves the split to another dim first (all-to-all 16,384 B) and gathers the result "
+            "(16,384 B); fast mode gathers the operands (16,384 B)"
+        ),
+    ),
+    ("pad/unsplit dim", lambda a: jnp.pad(a, ((0, 0), (0, 8))), (S(B, D),), (P("data"),), P("data")),
+    ("slice/unsplit dim", lambda a: a[:, :64], (S(B, D),), (P("data"),), P("data")),
+    pytest.param(
+        "slice/split dim",
+        lambda a: a[:, :64],
+        (S(B, D),),
+        (P("data", "model"),),
+        None,
+        marks=xfail(
+            "XLA keeps the split and moves each device's missing columns (collective-permute 2,048 B); "
+            "fast mode gathers the dim (8,192 B)"
+        ),
+    ),
+    # values made from literals
+    ("literal/zeros", lambda a: a + jnp.zeros((B, D)), (S(B, D),), (P("data", "model"),), P("data", "model")),
+    (
+        "literal/iota",
+        lambda a: a + jnp.arange(D, dtype=jnp.float32)[None, :],
+        (S(B, D),),
+        (P("data", "model"),),
+        P("data", "model"),
+    ),
+    (
+        "literal/full, split as its output",
+        lambda a: a * 0 + jnp.full((B, D), 2.0),
+        (S(B, D),),
+        (P("data"),),
+        P("data", "model"),
+    ),
+    (
+        "literal/broadcast into a matmul",
+        lambda w: jnp.ones((B, D)) @ w,
+        (S(D, F),),
+        (P(None, "model"),),
+        P(None, "model"),
+    ),
+    # sharding constraints
+    ("constraint/gather", lambda a: _cs(P())(a * 2) + 1, (S(B, D),), (P("data", "model"),), P()),
+    ("constraint/move an axis", lambda a: _cs(P(None, "data"))(a * 2), (S(B, D),), (P("data"),), P(None, "data")),
+    # select / where
+    (
+        "select/same layout",
+        jnp.where,
+        (S(B, D, dtype=jnp.bool_), S(B, D), S(B, D)),
+        (P("data"), P("data"), P("data")),
+        P("data"),
+    ),
+    (
+        "select/mixed layouts",
+        jnp.where,
+        (S(B, D, dtype=jnp.bool_), S(B, D), S(B, D)),
+        (P(), P("data"), P(None, "model")),
+        P("data", "model"),
+    ),
+    # top_k / sort / argmax, cumsum
+    pytest.param(
+        "top_k/batch split",
+        lambda a: jax.lax.top_k(a, 4)[0],
+        (S(B, D),),
+        (P("data"),),
+        P("data"),
+        marks=xfail(
+            "XLA:CPU gathers a top_k's operand whole even where only its batch dim is split "
+            "(32,768 B); fast mode runs it split"
+        ),
+    ),
+    ("sort/unsplit dim", lambda a: jnp.sort(a, axis=1), (S(B, D),), (P("data"),), P("data")),
+    pytest.param(
+        "sort/split dim",
+        lambda a: jnp.sort(a, axis=1),
+        (S(B, D),),
+        (P("data", "model"),),
+        None,
+        marks=xfail("XLA moves the sorted dim's split to another dim (all-to-all 8,192 B); fast mode keeps it"),
+    ),
+    pytest.param(
+        "argmax/split dim",
+        lambda a: jnp.argmax(a, 1),
+        (S(B, D),),
+        (P("data", "model"),),
+        P("data"),
+        marks=xfail(
+            "XLA all-gathers each device's (max, index) pairs (256 B); fast mode all-reduces the result (64 B)"
+        ),
+    ),
+    ("cumsum/unsplit dim", lambda a: jnp.cumsum(a, 1), (S(B, D),), (P("data"),), P("data")),
+    pytest.param(
+        "cumsum/split dim",
+        lambda a: jnp.cumsum(a, 1),
+        (S(B, D),),
+        (P("data", "model"),),
+        None,
+        marks=xfail("XLA gathers the summed dim (8,192 B); fast mode keeps its split (a wrong local sum)"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "name, fn, avals, in_specs, out_spec", CASES, ids=[c.values[0] if hasattr(c, "values") else c[0] for c in CASES]
+)
+def test_fast_rule_matches_xlas_collectives(name, fn, avals, in_specs, out_spec):
+    xla, predicted = by_kind(fn, avals, in_specs, out_spec)
+    assert predicted == xla
+
+
+def test_scan_counts_a_body_collective_per_iteration():
+    def f(xs, w):
+        def body(c, x):
+            return c + x @ w, None
+
+        return jax.lax.scan(body, jnp.zeros((B, F)), xs)[0]
+
+    xla, predicted = by_kind(f, (S(3, B, D), S(D, F)), (P(None, "data"), P("data")), P("data"))
+    assert xla["all-gather"] > 0 and predicted == xla
+
+
+# -- the misses of issue 29, on models of our own ------------------------------------------------
+
+MODELS = ROOT / "tests" / "fixtures" / "fast_models.py"
+BATCH = ["tokens=int32[8,16],labels=int32[8,16]"]
+TP = """param "embed/embedding" (model, _)
+param "layers/\\d+/attn/(q|k|v)/kernel" (_, model)
+param "layers/\\d+/attn/o/kernel" (model, _)
+param "layers/\\d+/mlp/(gate|up)/kernel" (_, model)
+param "layers/\\d+/mlp/down/kernel" (model, _)
+param "lm_head/kernel" (_, model)"""
+TWO_D = """param "embed/embedding" (model, data)
+param "layers/\\d+/attn/(q|k|v)/kernel" (data, model)
+param "layers/\\d+/attn/o/kernel" (model, data)
+param "layers/\\d+/mlp/(gate|up)/kernel" (data, model)
+param "layers/\\d+/mlp/down/kernel" (model, data)
+param "lm_head/kernel" (data, model)"""
+FSDP = 'param ".*/embedding" (data, _)\nparam ".*/kernel" (data, _)'
+MOE = 'param "layers/\\d+/ffn/(wi|wo)" (expert, _, _)'
+
+
+def _plan(mesh, batch, rules):
+    return shardplan.loads(f'plan "t"\nmesh {mesh}\nbatch {batch}\n{rules}\ndefault replicated\n')
+
+
+def errors(model, loss, plan):
+    """Fast mode against exact mode: per kind |fast - exact| / the step's collective bytes, peak and
+    FLOPs as ratios."""
+    kw = dict(model=f"{MODELS}:{model}", step=f"{MODELS}:{loss}", batch=BATCH, devices=8)
+    f, e = (shardplan.api.analyze(plan, mode=m, **kw) for m in ("fast", "exact"))
+    total = sum(c.bytes for c in e.communication)
+
+    def kind(cost, k):
+        return sum(c.bytes for c in cost.communication if c.kind == k)
+
+    comm = {k: abs(kind(f, k) - kind(e, k)) / total for k in KINDS}
+    return comm, f.memory.peak / e.memory.peak, f.flops / e.flops
+
+
+MISSES = [
+    ("gqa_stack 2-D", "gqa_stack", "lm_loss", _plan("data = 4, model = 2", "(data, _)", TWO_D)),
+    ("routed_moe expert", "routed_moe", "moe_loss", _plan("data = 2, expert = 4", "((data, expert), _)", MOE)),
+    ("zero_cache_lm tp", "zero_cache_lm", "lm_loss", _plan("data = 4, model = 2", "(data, _)", TP)),
+    ("zero_cache_lm fsdp", "zero_cache_lm", "lm_loss", _plan("data = 8", "(data, _)", FSDP)),
+]
+
+
+@pytest.mark.parametrize("name, model, loss, plan", MISSES, ids=[m[0] for m in MISSES])
+def test_fast_mode_is_within_target_on_untuned_models(name, model, loss, plan):
+    comm, peak, flops = errors(model, loss, plan)
+    assert max(comm.values()) <= 0.10, comm
+    assert abs(peak - 1) <= 0.15
+    assert abs(flops - 1) <= 0.02
