@@ -16,8 +16,12 @@ only where the layout requires one:
 - an operand split where the op needs it whole is ``all_gather``-ed right before that op
   (an FSDP weight before its matmul, and again in the backward pass: nothing keeps it);
 - a lookup in a table split over its rows is a masked local lookup and a pending sum;
+- a value made in the step (``jnp.zeros``, ``iota``, masks from them) is built in the layout
+  its reader wants, so a KV cache made with ``jnp.zeros`` and written with
+  ``dynamic_update_slice`` is split like the K/V written into it;
 - an op with no local rule gets its operands whole (gathered) and runs replicated:
-  correct, and listed in :attr:`Record.fallbacks` with its source line.
+  correct, and listed in :attr:`Record.fallbacks` with its source line and the bytes made
+  whole (the backend warns of each, or refuses them with ``strict``).
 
 Reductions over the batch become local reductions and a sum over the batch axes, so the
 loss is the global loss whatever it divides by (a padding-masked token count included).
