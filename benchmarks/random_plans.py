@@ -291,6 +291,8 @@ def measure(model: str, text: str) -> dict:
         state_fast=fast.memory.params + fast.memory.opt_state,
         state_exact=exact.memory.params + exact.memory.opt_state,
         differences=differences(fast, exact),
+        # exact mode's collectives by (kind, model line): enough to re-cost fast mode alone later
+        exact_by_source=[[k, s, b, o[:120]] for (k, s), (b, o) in sorted(_by_source(exact).items())],
     )
     return row
 
@@ -422,6 +424,18 @@ def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None) -> di
     return res
 
 
+def _commit() -> str:
+    """HEAD, and whether the cost engine's files differ from it in the working tree."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "shardplan"], cwd=ROOT)
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + (" (shardplan/ modified)" if dirty.returncode else "")
+
+
 def summarize(rows, redraws, crashes, seed, seconds, drawn) -> dict:
     failed = [
         {"index": r["index"], "model": r["model"], "plan": r["plan"], "error": r["exact_error"]}
@@ -430,6 +444,7 @@ def summarize(rows, redraws, crashes, seed, seconds, drawn) -> dict:
     ]
     return {
         "seed": seed,
+        "commit": _commit(),
         "drawn": drawn,  # pair indices drawn; those with no row gave up after 10 redraws or crashed
         "pairs": len(rows),
         "measured": sum("comm" in r for r in rows),
