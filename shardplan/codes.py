@@ -91,6 +91,7 @@ CODES: dict[str, Code] = {
         _w("annotations-unreachable", "a catch-all param rule with `axis` rules"),
         _w("unused-axis-rule", "against a model: an `axis` rule whose logical name no array is annotated with"),
         _w("annotation-rank", "against a model: an annotation naming fewer dims than the array has"),
+        _w("shard-map-fallback", "`check --step`, shard_map backend: an op with no local rule runs on whole operands"),
         # arguments
         _e("bad-mesh-arg", "argument", "a `--mesh` / `mesh=` argument that is not `name=size,...`"),
         _e("bad-model-arg", "argument", "a `--model` that is not `FILE.py:FACTORY` or `module:FACTORY`"),

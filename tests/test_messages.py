@@ -40,3 +40,25 @@ def test_indivisible_names_each_axis_and_the_product_once():
         shardplan.resolve_leaves(plan, plan.mesh_shape(4), [Leaf("w", (6, 8), "float32", 4)])
     msg = info.value.errors[0].message
     assert "not divisible by fsdp=4 from" in msg and "(4)" not in msg, msg
+
+
+def test_check_strict_fails_on_a_shard_map_fallback(tmp_path):
+    """`check --step --backend shard_map` warns for each op the partitioner runs on whole operands,
+    naming the op and the user's line; `--strict` makes it exit 1."""
+    import subprocess
+    import sys
+
+    (tmp_path / "loss.py").write_text(
+        "import jax\n\n\ndef loss(model, batch):\n    y = model(batch['x']).sum(-1)\n"
+        "    return jax.lax.top_k(y, 4)[0].sum()\n"
+    )
+    plan = tmp_path / "p.splan"
+    plan.write_text("mesh data = *\nbatch (data, _)\ndefault replicated\n")
+    args = [sys.executable, "-m", "shardplan", "check", str(plan), "--model", f"{MODELS}:mlp_small", "--devices", "8",
+            "--step", f"{tmp_path / 'loss.py'}:loss", "--batch", "x=float32[16,64]", "--backend", "shard_map"]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "warning[shard-map-fallback]" in r.stderr and f"{tmp_path / 'loss.py'}:6" in r.stderr, r.stderr
+    assert "top_k on whole operands" in r.stderr
+    r = subprocess.run(args + ["--strict"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr

@@ -81,6 +81,8 @@ class StepCost:
     # of the compiled program (hlo.memory_bytes: each loop iteration, library calls included);
     # fast mode, each op's operands and results with XLA's fusion of elementwise chains assumed.
     hbm_bytes: float = 0.0
+    # The shard_map backend's ops that ran on whole (gathered) operands: (op, source, bytes per device).
+    fallbacks: tuple[tuple[str, str, int], ...] = field(default=())
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -116,6 +118,7 @@ class StepCost:
             "constrained_activations": [dict(c.__dict__, shape=list(c.shape)) for c in self.constrained],
             "logical_names": list(self.logical_names),
             "constraint_delta": [list(x) for x in self.constraint_delta],
+            "fallbacks": [{"op": op, "source": src, "bytes": n} for op, src, n in self.fallbacks],
         }
 
     @staticmethod
@@ -137,4 +140,5 @@ class StepCost:
             tuple(doc.get("logical_names", ())),
             tuple((k, a, int(n)) for k, a, n in doc.get("constraint_delta", ())),
             doc.get("hbm_bytes_per_device", 0.0),
+            tuple((f["op"], f["source"], int(f["bytes"])) for f in doc.get("fallbacks", ())),
         )

@@ -1768,6 +1768,7 @@ def analyze_shard_map(
         notes=tuple(notes) + tuple(n for n in base.notes if not n.startswith("fast mode:")),
         seconds=time.perf_counter() - t0,
         constraint_delta=(),
+        fallbacks=tuple((f.op, f.source, f.bytes) for f in record.fallbacks),
     )
 
 

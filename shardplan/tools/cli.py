@@ -21,7 +21,7 @@ from shardplan.core.format import fmt_bytes, parse_bytes
 from shardplan.core.meshes import parse_links_arg, parse_mesh_arg, with_links
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD
 from shardplan.core.shapes import ITEMSIZE
-from shardplan.errors import LaunchError, ShardPlanError, as_error, error
+from shardplan.errors import LaunchError, ShardPlanError, as_error, error, warning
 from shardplan.lang.fmt import format_text
 from shardplan.lang.loader import read_file
 from shardplan.runtime import devices
@@ -323,10 +323,25 @@ def _warnings(result, cost) -> tuple:
     if cost is None:
         return result.warnings
     used = set(cost.logical_names)
-    return tuple(
-        w
-        for w in result.warnings
-        if not (w.code == "unused-axis-rule" and any(a.span == w.span and a.logical in used for a in result.plan.axes))
+    fallbacks = tuple(
+        warning(
+            "shard-map-fallback",
+            f"the shard_map step runs {op} on whole operands ({fmt_bytes(n)} per device per step made whole)",
+            "the partitioner has no local rule for this layout (docs/backends.md lists the ones it has): split the "
+            "operands as a listed rule needs, or use the auto backend for this model",
+            path=source or op,
+        )
+        for op, source, n in cost.fallbacks
+    )
+    return (
+        tuple(
+            w
+            for w in result.warnings
+            if not (
+                w.code == "unused-axis-rule" and any(a.span == w.span and a.logical in used for a in result.plan.axes)
+            )
+        )
+        + fallbacks
     )
 
 
