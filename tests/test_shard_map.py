@@ -16,6 +16,7 @@ from flax import nnx
 from examples import models
 import shardplan
 from examples import train as example
+from tests import reference
 from tests.helpers import PLANS, ROOT
 from shardplan.core import hlo as collectives
 from shardplan.core import lowering
@@ -75,14 +76,18 @@ def run_model(plan_name, model_name, backend, devices=None, loss=example.lm_loss
     model, optimizer, placement = shardplan.init_sharded(plan, getattr(models, model_name), tx(), mesh=mesh)
     step = shardplan.train_step(placement, loss, model, optimizer, backend=backend)
     losses = [float(step(model, optimizer, b)) for b in (data or batches())]
-    params = {leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)}
-    return losses, params
+    return losses, reference.params_of(model)
+
+
+def one_device(model_name, loss=example.lm_loss, data=None):
+    """Plain Flax NNX + optax on the default device (tests/reference.py): no shardplan in it."""
+    return reference.train(getattr(models, model_name), tx(), loss, data or batches())
 
 
 @pytest.mark.parametrize("plan_name,model_name", PLAN_PAIRS)
 def test_shard_map_matches_auto_and_one_device(plan_name, model_name):
     sm = run_model(plan_name, model_name, "shard_map")
-    assert_same(sm, run_model(plan_name, model_name, "auto", devices=jax.devices()[:1]))
+    assert_same(sm, one_device(model_name))
     if model_name == "gpt_tiny":  # auto == 1 device for every plan is test_apply's; here once per GPT plan
         assert_same(sm, run_model(plan_name, model_name, "auto"))
     assert sm[0][-1] < sm[0][0]
@@ -113,8 +118,7 @@ def test_padding_masked_loss_is_the_global_loss(plan_name, model_name):
     counts = [int(b["mask"].reshape(8, -1).sum()) for b in data[:1]]  # per-device real tokens differ
     assert len(set(counts)) == 1 and len({int(r.sum()) for r in data[0]["mask"].reshape(8, -1, 16)}) > 1
     sm = run_model(plan_name, model_name, "shard_map", loss=masked_lm_loss, data=data)
-    assert_same(sm, run_model(plan_name, model_name, "auto", devices=jax.devices()[:1], loss=masked_lm_loss,
-                              data=data))
+    assert_same(sm, one_device(model_name, loss=masked_lm_loss, data=data))
 
 
 def _emitted(plan_name, backend, tmp_path):
@@ -155,9 +159,8 @@ def test_emitted_module_is_exact_for_a_padding_masked_loss(tmp_path):
     module.place(model, optimizer, mesh)
     step = module.make_train_step(model, optimizer, masked_lm_loss, mesh)
     losses = [float(step(model, optimizer, b)) for b in padded_batches()]
-    got = losses, {leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)}
-    assert_same(got, run_model("gpt_2d.splan", "gpt_tiny", "auto", devices=jax.devices()[:1], loss=masked_lm_loss,
-                               data=padded_batches()))
+    got = losses, reference.params_of(model)
+    assert_same(got, one_device("gpt_tiny", loss=masked_lm_loss, data=padded_batches()))
     (record,) = step.records.values()
     assert record.issued and not record.fallbacks
 
@@ -240,10 +243,8 @@ def test_op_with_no_local_rule_falls_back_and_is_reported():
     losses = [float(step(model, optimizer, {"x": x})) for _ in range(3)]
     record = step.fn.record(step.place({"x": x}))
     assert [f.op for f in record.fallbacks] == ["top_k"] and "test_shard_map.py" in record.fallbacks[0].source
-    one = shardplan.with_mesh(plan, {"data": 1})
-    m1, o1, p1 = shardplan.init_sharded(one, models.mlp_small, tx(), mesh=shardplan.make_mesh(one, devices=jax.devices()[:1]))
-    s1 = shardplan.train_step(p1, loss, m1, o1)
-    np.testing.assert_allclose(losses, [float(s1(m1, o1, {"x": x})) for _ in range(3)], rtol=LOSS_RTOL)
+    one, _ = reference.train(models.mlp_small, tx(), loss, [{"x": x}] * 3)  # plain NNX on one device
+    np.testing.assert_allclose(losses, one, rtol=LOSS_RTOL)
 
 
 def test_lowering_picks_collectives_by_axis_role():
@@ -290,11 +291,8 @@ def test_input_split_on_a_non_batch_dim_is_partitioned():
     model, optimizer, placement = _placed('mesh data = 4, seq = 2\nbatch (data, seq)\ndefault replicated')
     step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend="shard_map")
     losses = [float(step(model, optimizer, b)) for b in batches(3)]
-    plan = shardplan.loads('mesh data = 1, seq = 1\nbatch (data, seq)\ndefault replicated')
-    m1, o1, p1 = shardplan.init_sharded(plan, models.gpt_tiny, optax.adam(1e-3),
-                                        mesh=shardplan.make_mesh(plan, devices=jax.devices()[:1]))
-    s1 = shardplan.train_step(p1, example.lm_loss, m1, o1)
-    np.testing.assert_allclose(losses, [float(s1(m1, o1, b)) for b in batches(3)], rtol=LOSS_RTOL)
+    one, _ = reference.train(models.gpt_tiny, optax.adam(1e-3), example.lm_loss, batches(3))  # plain NNX
+    np.testing.assert_allclose(losses, one, rtol=LOSS_RTOL)
 
 
 def test_model_with_non_param_state_cannot_be_lowered():
