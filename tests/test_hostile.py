@@ -93,7 +93,7 @@ def test_impossible_meshes_are_errors_not_exit_0(args):
 def test_json_output_carries_the_errors():
     r = cli("check", PLANS / "dp.splan", "--mesh", "data=0", "--format", "json")
     doc = json.loads(r.stdout)
-    assert r.returncode == 1 and doc["ok"] is False and doc["diagnostics"][0]["code"] == "axis-size"
+    assert r.returncode == 2 and doc["ok"] is False and doc["diagnostics"][0]["code"] == "axis-size"  # a bad flag
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -233,7 +233,7 @@ CASES: dict[str, tuple] = {
     "--replicated-threshold nan": (lambda t: ["check", DP, "--replicated-threshold", "nan"], 2,
                                    ["--replicated-threshold"]),
     "--replicated-threshold 0 warns about everything": (lambda t: check_shapes(
-        t, OK_SHAPES, "--replicated-threshold", "0", "--strict"), 1, ["large-replicated"]),
+        t, OK_SHAPES, "--replicated-threshold", "0B", "--strict"), 1, ["large-replicated"]),
     "--batch without --step": (lambda t: ["check", DP, "--batch", "tokens=int32[8,8]"], 2, ["--step"]),
     "--step with --shapes": (lambda t: check_shapes(t, OK_SHAPES, "--step", "x.py:f", "--batch", "x=f32[1]"), 2,
                              ["--step"]),
@@ -285,7 +285,7 @@ CASES: dict[str, tuple] = {
     "shapes: a list at the top": (lambda t: ["check", DP, "--devices", "8", "--shapes", (t / "s.json", (
         t / "s.json").write_text("[1, 2]"))[0]], 1, ["s.json", "not a shapes file"]),
     "shapes: --optimizer recorded without a record": (lambda t: check_shapes(t, OK_SHAPES, "--optimizer", "recorded"),
-                                                      1, ["--optimizer", "no optimizer state is recorded"]),
+                                                      2, ["--optimizer", "no optimizer state is recorded"]),
     # checkpoints (the directories are made by the `corrupted` fixture)
     "ckpt: a junk step folder": (_ckpt("junkstep"), 1, ["junkstep/7", "foreign-checkpoint"]),
     "ckpt: truncated step metadata": (_ckpt("truncmeta"), 1, ["_CHECKPOINT_METADATA", "corrupt-checkpoint"]),

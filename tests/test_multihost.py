@@ -87,7 +87,8 @@ def test_checkpoints_cross_process_counts(tmp_path):
         assert checkpoint.Checkpointer(d, placement).restore(model, optimizer) == 3
         restored.append({leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)})
     for path in restored[0]:
-        np.testing.assert_allclose(restored[1][path], restored[0][path], rtol=1e-5, atol=1e-6, err_msg=path)
+        # 1 and 2 processes sum gradients in another order (gloo): float32 rounding, 1.5e-6 measured
+        np.testing.assert_allclose(restored[1][path], restored[0][path], rtol=1e-5, atol=1e-5, err_msg=path)
 
     # The 1-process checkpoint restores in 2 processes: resuming there continues as in 1.
     shutil.copytree(one, tmp_path / "one_copy")

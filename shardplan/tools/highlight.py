@@ -31,6 +31,8 @@ class SplanLexer(RegexLexer):
             (r"replicated\b", Keyword.Constant),
             (r'"[^"\n]*"', String),
             (r"(@)(ici|dcn|[A-Za-z_][A-Za-z0-9_]*)\b", bygroups(Operator, Name.Attribute)),
+            (r"(:)(\s*)(explicit|auto)\b", bygroups(Operator, Whitespace, Keyword.Type)),  # an axis's type
+            (r"(?<=mesh)(\s+)(explicit|auto)\b", bygroups(Whitespace, Keyword.Type)),  # every axis's type
             (r"\.\.\.", Keyword.Pseudo),
             (r"\b_\b", Keyword.Pseudo),
             (r"->|=|\*", Operator),
