@@ -402,6 +402,7 @@ def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None) -> di
     redraws: list[dict] = []
     crashes: list[dict] = []
     t0 = time.perf_counter()
+    commit = _commit()  # at the start: fast mode is imported once, by the first pair
     res: dict = {}
     for i in range(pairs):
         row, again, crash = measure_pair(seed, i)
@@ -418,7 +419,7 @@ def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None) -> di
                 )
             else:
                 log(f"[{i + 1}/{pairs}] {r['model']:16s} exact mode failed: {r['exact_error'][-160:]}")
-        res = summarize(rows, redraws, crashes, seed, time.perf_counter() - t0, i + 1)
+        res = summarize(rows, redraws, crashes, seed, time.perf_counter() - t0, i + 1, commit)
         if out:
             Path(out).write_text(json.dumps(res, indent=1))
     return res
@@ -436,7 +437,7 @@ def _commit() -> str:
     return head.stdout.strip() + (" (shardplan/ modified)" if dirty.returncode else "")
 
 
-def summarize(rows, redraws, crashes, seed, seconds, drawn) -> dict:
+def summarize(rows, redraws, crashes, seed, seconds, drawn, commit: str = "") -> dict:
     failed = [
         {"index": r["index"], "model": r["model"], "plan": r["plan"], "error": r["exact_error"]}
         for r in rows
@@ -444,7 +445,7 @@ def summarize(rows, redraws, crashes, seed, seconds, drawn) -> dict:
     ]
     return {
         "seed": seed,
-        "commit": _commit(),
+        "commit": commit,
         "drawn": drawn,  # pair indices drawn; those with no row gave up after 10 redraws or crashed
         "pairs": len(rows),
         "measured": sum("comm" in r for r in rows),
@@ -571,6 +572,7 @@ def main(argv=None) -> int:
             saved["seed"],
             saved["seconds"],
             saved.get("drawn", max((r["index"] for r in saved["rows"]), default=-1) + 1),
+            saved.get("commit", "unknown"),
         )
         print(report(res))
         for c in checks(res):
