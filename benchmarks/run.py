@@ -534,6 +534,12 @@ def _bench_recost(quick: bool) -> dict:
     return recost.run(quick)
 
 
+def _bench_random_plans(quick: bool) -> dict:
+    from benchmarks import random_plans
+
+    return random_plans.run(quick)
+
+
 def _bench_lsp(quick: bool) -> dict:
     from benchmarks import lsp
 
@@ -556,6 +562,7 @@ SECTIONS = [
     ("shape_cache", "8. shapes cache", bench_shape_cache),
     ("lsp", "9. language server", _bench_lsp),
     ("recost", "10. re-cost on one trace", _bench_recost),
+    ("random_plans", "11. random plans, fast vs exact", _bench_random_plans),
 ]
 
 
@@ -637,6 +644,10 @@ def checks(res: dict) -> list[dict]:
         from benchmarks import recost
 
         out += recost.checks(res["recost"])
+    if "random_plans" in res:
+        from benchmarks import random_plans
+
+        out += random_plans.checks(res["random_plans"])
     if "reshard" in res:
         d70 = res["reshard"]["diff_70b"]
         out.append(_check(f"shardplan diff {d70['model']} ({d70['leaves']} params) from cached shapes, seconds",

@@ -511,6 +511,11 @@ def check_lock(result: CheckResult, lock_file: str | os.PathLike) -> list[Diagno
 COMPILE_TIMEOUT_S = 1800
 
 
+_XLA_STATUS = re.compile(
+    r"\b(INVALID_ARGUMENT|UNIMPLEMENTED|INTERNAL|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|OUT_OF_RANGE):"
+)
+
+
 class StepCoster:
     """One model, step and batch, costed under many plans in fast mode (auto backend): the step is
     traced once per distinct set of what tracing applies (``act``/``axis`` rules, mesh, axis types)
@@ -703,7 +708,10 @@ def analyze(
         raise as_error(
             [Diagnostic(**dict(d, span=Span(**d["span"]) if d.get("span") else None)) for d in reply["error"]]
         )
-    tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+    out = (proc.stderr or proc.stdout).strip().splitlines()
+    # XLA's own reason (INVALID_ARGUMENT: [hlo verifier] ...) sits above the traceback's last lines.
+    reasons = [ln.strip() for ln in out if _XLA_STATUS.search(ln)][-2:]
+    tail = " | ".join(dict.fromkeys(reasons + [ln.strip() for ln in out[-3:]]))
     raise as_error(
         [
             error(
