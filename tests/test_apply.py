@@ -73,7 +73,7 @@ def test_five_steps_match_one_device(plan_name, factory):
     l8 = [float(step(model, optimizer, b)) for b in batches]
     shardplan.verify(placement, model, optimizer)  # the step keeps the plan's placement
     p8 = reference.params_of(model)
-    l1, p1 = reference.train(getattr(models, factory), EQUIV_TX, loss_fn, batches)
+    l1, p1 = reference.train(getattr(models, factory), EQUIV_TX, loss_fn, batches, key="EQUIV_TX")
     np.testing.assert_allclose(l8, l1, rtol=LOSS_RTOL)
     assert l8[-1] < l8[0]
     assert p8.keys() == p1.keys()

@@ -149,7 +149,7 @@ def exercise(text: str):
         assert_located(text, e)
 
 
-FUZZ = settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+FUZZ = settings(max_examples=700, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 @FUZZ
@@ -179,7 +179,7 @@ def test_mutated_plans(text, data):
     exercise(text)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.text(max_size=200))
 def test_arbitrary_text(text):
     exercise(text)

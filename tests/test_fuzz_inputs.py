@@ -24,7 +24,7 @@ from shardplan.core.shapes import ITEMSIZE, load_shapes
 from shardplan.tools import cli
 from tests.helpers import PLANS
 
-MANY = settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+MANY = settings(max_examples=800, deadline=None, suppress_health_check=list(HealthCheck))
 TMP = Path(tempfile.mkdtemp(prefix="shardplan-fuzz-"))
 PLAN = shardplan.loads('mesh data = *, model = 2\nparam ".*/w" (data, model)\naxis embed -> model\n'
                        'default replicated\n', "fuzz.splan")
@@ -102,7 +102,7 @@ def test_shapes_files_load_as_written_or_fail_located(doc):
         pass
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.binary(max_size=300))
 def test_shapes_files_of_arbitrary_bytes(data):
     try:
