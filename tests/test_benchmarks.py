@@ -32,12 +32,14 @@ def test_quick_sections_cover_every_section():
     """The quick tests below run every section of the benchmark between them."""
     from benchmarks import run
 
-    assert {name for name, _, _ in run.SECTIONS} == {s for group in QUICK_GROUPS for s in group}
+    # random_plans reports targets it does not meet yet (issue 29): its quick run and the honesty of each
+    # row are tests/test_random_plans.py's, not held to "every deterministic target met" here.
+    assert {name for name, _, _ in run.SECTIONS} == {s for group in QUICK_GROUPS for s in group} | {"random_plans"}
 
 
 # Each group well under a minute on 2 cores (one subprocess each, jax imported anew).
 QUICK_GROUPS = [("resolution", "apply", "steps"), ("fsdp_llama", "scaling"), ("cost",), ("generation",),
-                ("step_cost", "step_cost_scale", "reshard", "shape_cache", "lsp"), ("recost", "random_plans")]
+                ("step_cost", "step_cost_scale", "reshard", "shape_cache", "lsp"), ("recost",)]
 
 
 def test_benchmarks_quick_resolution_apply_and_steps(tmp_path):
@@ -122,10 +124,8 @@ def test_benchmarks_quick_step_cost_reshard_and_tools(tmp_path):
     assert sum(not c["timing"] for c in checks) == step_checks + len(reshard["rows"])
 
 
-def test_benchmarks_quick_recost_and_random_plans(tmp_path):
+def test_benchmarks_quick_recost(tmp_path):
     res, checks = quick(tmp_path, *QUICK_GROUPS[5])
-    assert res["random_plans"]["measured"] == 2  # its figures and rows are tests/test_random_plans.py's
-    checks = [c for c in checks if "random plans" not in c["measurement"]]
     (case,) = res["recost"]["cases"]
     assert case["traces"] >= 1 and len(case["rows"]) == 3
     assert all(r["equal"] for r in case["rows"]), "a re-cost differs from the full analysis"
