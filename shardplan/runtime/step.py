@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import linecache
 import re
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +13,7 @@ from flax import nnx
 from jax._src.core import ShardingTypeError  # not exported in jax 0.10: the sharding type checker's error
 
 from shardplan.core import backends as backends_registry
-from shardplan.core import hlo
+from shardplan.core.frames import user_frame
 from shardplan.errors import Diagnostic, PlanApplyError, ShardPlanError, as_error, error
 from shardplan.runtime import backends
 from shardplan.runtime.activations import Activations
@@ -107,12 +106,6 @@ def train_step(
     ``strict=True`` makes that a ``PlanApplyError`` (``cannot-lower``), raised before the step runs.
     """
     return TrainStep(placement, loss_fn, model, optimizer, backend, strict)
-
-
-def user_frame(tb: Any) -> str:
-    """'file:line' of the innermost traceback frame in the user's code (not jax, flax or shardplan)."""
-    frames = [f for f in traceback.extract_tb(tb) if not any(p in f.filename for p in hlo.LIBRARY_PATHS)]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
 
 
 _MISSING_AXIS = re.compile(r"Resource axis: (\S+) of (.+?) is not found in mesh: \((.*?)\)")
