@@ -37,7 +37,7 @@ from shardplan.core.format import fmt_shape
 from shardplan.core.hlo import LIBRARY_PATHS
 from shardplan.core.plan import Plan, Rule
 from shardplan.errors import PlanApplyError, error
-from shardplan.runtime.specs import pspec
+from shardplan.runtime.specs import constrain, pspec
 
 LossFn = Callable[[Any, Any], jax.Array]
 Target = tuple[str, Rule, Any]  # (module path, the act rule that matched it, the module)
@@ -155,7 +155,7 @@ def _constrain(out: Any, path: str, rule: Rule, mesh: Mesh | AbstractMesh) -> An
         # The scope names the rule, so the step-cost stage can say which constraint is whose.
         where = f"{os.path.basename(rule.span.file)}:{rule.span.line}"
         with jax.named_scope(f"act rule {where} on {path.replace('/', '.')}"):
-            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, pspec(spec)))
+            return constrain(x, NamedSharding(mesh, pspec(spec)))
 
     return jax.tree.map(one, out)
 

@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.errors import ArgumentError, Diagnostic, PlanApplyError, error
 from shardplan.runtime.placement import Placement
-from shardplan.runtime.specs import pspec
+from shardplan.runtime.specs import constrain, pspec
 
 # Real XLA compiles, counted by jitted-function name (jax.monitoring's compile event). The
 # listener is registered when the first Generator is made, not when this module is imported.
@@ -489,6 +489,16 @@ def _batch_dim(small: Any, large: Any, n: int) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(small.shape, large.shape)) if (a, b) == (n, 2 * n)), None)
 
 
+def _typed_spec(leaf: Any) -> P | None:
+    """The spec a leaf's type carries when the model made it with explicit mesh axes
+    (``jnp.zeros(..., out_sharding=...)`` under an explicit mesh), else None."""
+    sharding = getattr(leaf, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or all(e is None for e in spec):
+        return None
+    return P(*spec)
+
+
 def cache_layout(
     placement: Placement, small: Sequence, large: Sequence, n: int, max_len: int, cache_spec: P | None
 ) -> tuple[list[P], str]:
@@ -516,6 +526,10 @@ def cache_layout(
     for a, b in zip(small, large):
         rank, dim = len(a.shape), _batch_dim(a, b, n)
         spec_ = explicit(rank) if explicit is not None else None
+        if spec_ is None and explicit is None:
+            spec_ = _typed_spec(a)  # the model typed it with explicit axes: its own layout
+            if spec_ is not None:
+                origin = "the model's own types (explicit mesh axes)"
         if spec_ is None and explicit is None and rank == 4 and dim == 0 and a.shape[1] == max_len:
             spec_ = cache_spec_for(placement, a.shape[2], a.shape[3])
         if spec_ is None:
@@ -546,12 +560,15 @@ def convention(
     gd, state = nnx.split(model)
     tokens = jax.ShapeDtypeStruct((batch, 2), jnp.int32)
 
+    def under_mesh(fn, *args):
+        if mesh is None:
+            return jax.eval_shape(fn, *args)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return jax.eval_shape(fn, *args)
+
     def run(fn, *args):
         try:
-            if mesh is None:
-                return jax.eval_shape(fn, state, *args)
-            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                return jax.eval_shape(fn, state, *args)
+            return under_mesh(fn, state, *args)
         except Exception as e:  # the model's own error, at trace time
             raise _not_causal_lm(
                 f"calling {type(model).__name__} for generation failed: {type(e).__name__}: {str(e)[:300]}",
@@ -580,7 +597,7 @@ def convention(
             f"{type(model).__name__}.init_cache does not take (batch, max_len, dtype)",
             "define init_cache(self, batch, max_len, dtype) returning the cache pytree",
         )
-    cache = jax.eval_shape(lambda: init(batch, max_len, dtype))
+    cache = run(lambda s: nnx.merge(gd, s).init_cache(batch, max_len, dtype))
     positions = jax.ShapeDtypeStruct((batch, 2), jnp.int32)
     mask = jax.ShapeDtypeStruct((batch, 2, max_len), jnp.bool_)
     if not _fits(model.__call__, tokens, positions, mask, cache):
@@ -704,7 +721,7 @@ class Generator:
             model = nnx.merge(gm, state)
             with mesh():
                 _, leaves = _take_apart(init(model, tokens.shape[0], cfg.max_len))
-                leaves = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, shardings)]
+                leaves = [constrain(x, s) for x, s in zip(leaves, shardings)]
                 logits, cache = prefill(model, tokens, _rebuild(cdef, leaves))
             last = jnp.take_along_axis(logits, (position - 1)[:, None, None], axis=1)[:, 0]
             return sample(last, key, cfg.temperature, cfg.top_k), _take_apart(cache)[1]

@@ -72,7 +72,7 @@ class Placement:
                         )
                     ]
                 )
-            pinned = [jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, shardings)]
+            pinned = [specs.constrain(x, s) for x, s in zip(leaves, shardings)]
             nnx.update(obj, jax.tree.unflatten(treedef, pinned))
 
 

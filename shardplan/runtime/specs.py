@@ -32,6 +32,34 @@ def pspec(spec: Spec) -> PartitionSpec:
     return hit
 
 
+def _only(spec: PartitionSpec, keep: set[str]) -> PartitionSpec:
+    """``spec`` with the mesh axes not in ``keep`` dropped (a dim left with none is whole)."""
+
+    def entry(e: Any) -> Any:
+        axes = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in keep)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return PartitionSpec(*(entry(e) for e in spec))
+
+
+def constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``x`` laid out as ``sharding`` inside a traced function, on a mesh of any axis types: JAX's
+    ``reshard`` moves the explicit axes (those are in ``x``'s type), ``with_sharding_constraint``
+    the auto ones (it refuses explicit axes, and asserts instead of moving on an all-explicit
+    mesh)."""
+    mesh = sharding.mesh
+    types = dict(zip(mesh.axis_names, getattr(mesh, "axis_types", ()) or ()))
+    explicit = {a for a, t in types.items() if t == jax.sharding.AxisType.Explicit}
+    if not explicit:
+        return jax.lax.with_sharding_constraint(x, sharding)
+    spec = sharding.spec
+    x = jax.sharding.reshard(x, NamedSharding(mesh, _only(spec, explicit)))
+    auto = set(mesh.axis_names) - explicit
+    if not auto:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _only(spec, auto)))
+
+
 @dataclass(frozen=True)
 class Resolved(Resolution):
     """A resolution of a pytree: the decisions, and the tree's shape to put specs back in."""
