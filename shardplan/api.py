@@ -29,7 +29,7 @@ from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD, resolve_inputs,
 from shardplan.core.shapes import ITEMSIZE, load_shapes, parse_batch_arg
 from shardplan.core.shared import resolve_tree
 from shardplan.core.stepcost import StepCost
-from shardplan.errors import Diagnostic, as_error, error
+from shardplan.errors import Diagnostic, ShardPlanError, as_error, error
 from shardplan.lang.loader import load, load_sources, read_file
 
 MAX_SIMULATED_DEVICES = 1024  # XLA:CPU compiles for more; time and memory grow with the device count
@@ -511,6 +511,48 @@ def check_lock(result: CheckResult, lock_file: str | os.PathLike) -> list[Diagno
 COMPILE_TIMEOUT_S = 1800
 
 
+def _devices_here(n: int) -> bool:
+    """Whether this process can compile for an ``n``-device CPU mesh itself: jax is already
+    imported (importing it here would fix the caller's device count) with exactly ``n`` CPU
+    devices in one process, as exact mode's child process would have."""
+    if "jax" not in sys.modules:
+        return False
+    import jax
+
+    try:
+        devices = jax.devices()
+    except RuntimeError:
+        return False
+    return jax.process_count() == 1 and len(devices) == n and all(d.platform == "cpu" for d in devices)
+
+
+def _compile_here(plan: Plan, model: str, step: str, shapes: dict, optimizer: str, backend: str) -> StepCost:
+    """Exact mode in this process (what ``shardplan.tools.compile_worker`` does in a child): the
+    model and step loaded afresh, the step compiled on this process's devices. A failure that is
+    not a ShardPlanError is reported as the child's would be, with XLA's reason kept."""
+    from shardplan.runtime.exact import compile_step
+    from shardplan.runtime.model import load_factory
+
+    try:
+        return compile_step(plan, load_factory(model), load_factory(step, what="--step"), shapes, optimizer, backend)
+    except ShardPlanError:
+        raise
+    except Exception as e:  # the user's model or XLA, as the child process would report it
+        text = f"{type(e).__name__}: {e}".strip().splitlines()
+        reasons = [ln.strip() for ln in text if _XLA_STATUS.search(ln)][-2:]
+        tail = " | ".join(dict.fromkeys(reasons + [ln.strip() for ln in text[-3:]]))
+        raise as_error(
+            [
+                error(
+                    "loss-failed",
+                    f"compiling the step failed: {tail}",
+                    "run the step on a small mesh in Python to see the full error",
+                    path="--compile",
+                )
+            ]
+        ) from None
+
+
 _XLA_STATUS = re.compile(
     r"\b(INVALID_ARGUMENT|UNIMPLEMENTED|INTERNAL|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|OUT_OF_RANGE):"
 )
@@ -664,6 +706,8 @@ def analyze(
                 )
             ]
         )
+    if _devices_here(n):  # this process already has the mesh's CPU devices: no child process needed
+        return _compile_here(load_sources(p.sources, mesh=sizes), model, step, shapes, optimizer, name)
     from shardplan.runtime.devices import simulate
 
     env = simulate(n, dict(os.environ))
