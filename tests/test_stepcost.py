@@ -526,3 +526,21 @@ def test_step_needs_the_models_code_and_the_batch():
     assert r.returncode == 2 and "--step needs the model's code" in r.stderr and "Traceback" not in r.stderr
     r = cli(PLANS / "dp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8, "--step", STEP)
     assert r.returncode == 2 and "--step needs the batch's shapes" in r.stderr
+
+
+def test_exact_mode_in_this_process_is_the_child_processs_figures(monkeypatch):
+    """This process has the mesh's 8 CPU devices, so exact mode compiles here; a child process
+    (what a process without them gets) reads the same compiled program."""
+    import jax
+
+    from shardplan import api
+
+    assert jax.device_count() == 8
+    kw = dict(model=f"{MODELS}:gpt_tiny", step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", devices=8,
+              batch=["tokens=int32[8,16],labels=int32[8,16]"], mode="exact")
+    assert api._devices_here(8) and not api._devices_here(4)
+    here = api.analyze(PLANS / "gpt_tp.splan", **kw)
+    monkeypatch.setattr(api, "_devices_here", lambda n: False)
+    child = api.analyze(PLANS / "gpt_tp.splan", **kw)
+    assert (here.flops, here.memory, here.communication) == (child.flops, child.memory, child.communication)
+    assert here.memory.peak > 0 and {c.kind for c in here.communication} >= {"all-reduce"}
