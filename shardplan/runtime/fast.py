@@ -161,10 +161,24 @@ class _Frame:
     written: set = field(default_factory=set)  # values from literals alone, written where first read
 
 
+_NORMAL: dict[tuple, Dims] = {}  # (dims, rank) -> normal dims: asked ~100,000 times per costing
+
+
 def _norm(dims: Dims, rank: int) -> Dims:
-    if len(dims) == rank and type(dims) is tuple and all(type(d) is tuple for d in dims):
-        return dims  # already normal: most calls
-    return tuple(tuple(d) for d in dims) + ((),) * (rank - len(dims))
+    if type(dims) is tuple:
+        try:
+            hit = _NORMAL.get((dims, rank))
+        except TypeError:  # a list inside: not hashable, normalised below
+            hit = None
+        if hit is not None:
+            return hit
+    out = tuple(tuple(d) for d in dims) + ((),) * (rank - len(dims))
+    if type(dims) is tuple and len(_NORMAL) < 100_000:
+        try:
+            _NORMAL[(dims, rank)] = out
+        except TypeError:
+            pass
+    return out
 
 
 class _Propagator:
@@ -193,6 +207,9 @@ class _Propagator:
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
+        # Layouts only (no memory traffic, no sum origins for the collectives' labels): a pass
+        # whose collectives and traffic are thrown away, run only for what it finds (``slices``).
+        self.layouts_only = False
         # Memory traffic: the jaxpr being run, and the last one run (a call's body, read back by
         # its caller: XLA inlines calls, so fused chains cross them).
         self._frame: _Frame | None = None
@@ -350,8 +367,9 @@ class _Propagator:
             outs = self.eqn(eqn, ins, mult)
             inner, self.peak = self.peak, outer_peak
             virtual = {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)}
-            self.traffic(frame, eqn, outs, virtual, mult)
-            self._sum_origins(eqn, outs)
+            if not self.layouts_only:
+                self.traffic(frame, eqn, outs, virtual, mult)
+                self._sum_origins(eqn, outs)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
                 if var not in fused and var not in self.aliased and var not in virtual:
@@ -565,7 +583,7 @@ class _Propagator:
             boundary = _Boundary(
                 frozenset(i for i, o in bound if o in outer.stored),
                 {i: outer.soft[o] for i, o in zip(sub.outvars, eqn.outvars, strict=False) if o in outer.soft},
-                {i: self._closure(outer, o) for i, o in bound if o not in outer.stored},
+                {} if self.layouts_only else {i: self._closure(outer, o) for i, o in bound if o not in outer.stored},
             )
             inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult, boundary)
             body = self._last_frame
@@ -693,6 +711,12 @@ class _Propagator:
             return out
         hint = self.hints.get(eqn.outvars[0])
         claim = self.claimed.get(eqn.outvars[0])
+        if full and hint is None and claim is None and eqn.outvars[0] not in self.free:
+            first = full[0][1].dims
+            if all(v.dims == first and not v.partial for _, v in full):  # operands laid out alike: nothing moves
+                out = Val(shape, itemsize(out_aval), _norm(first, len(shape)))
+                self._flops(self.ctx.local(out) / out.itemsize, mult, name)
+                return out
         if hint is None and claim is not None and len({v.dims for _, v in full}) > 1:
             # Computed in a constrained layout its operands do not share: XLA moves each operand to
             # it (a select's mask and values gathered apart, its constant fill whole already);
@@ -1433,15 +1457,25 @@ def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:
     return Val(shape, v.itemsize, dims, v.partial)
 
 
+_SUBJAXPRS: dict[int, tuple[Any, Any]] = {}  # id(eqn) -> (eqn, its body): asked several times per equation
+
+
 def _subjaxpr(eqn: Any) -> Any:
     """The body of a call XLA inlines (not a kernel's body, nor a shard_map's per-device one)."""
-    if eqn.primitive.name in ("pallas_call", "shard_map"):
-        return None
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        j = eqn.params.get(key)
-        if j is not None:
-            return j.jaxpr if hasattr(j, "jaxpr") else j
-    return None
+    hit = _SUBJAXPRS.get(id(eqn))
+    if hit is not None and hit[0] is eqn:
+        return hit[1]
+    body = None
+    if eqn.primitive.name not in ("pallas_call", "shard_map"):
+        for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+            j = eqn.params.get(key)
+            if j is not None:
+                body = j.jaxpr if hasattr(j, "jaxpr") else j
+                break
+    if len(_SUBJAXPRS) > 1_000_000:
+        _SUBJAXPRS.clear()
+    _SUBJAXPRS[id(eqn)] = (eqn, body)
+    return body
 
 
 # Collectives written inside shard_map, by the kind XLA names them.
@@ -1594,7 +1628,10 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
         traced.acts,
         traced.closed,
     )
-    params, opt = specs.resolve_model(plan, abs_model, abs_opt, mesh=mesh)
+    resolver = traced.memo.get("resolver")
+    if resolver is None:  # the trees read once per trace, not once per plan
+        resolver = traced.memo["resolver"] = specs.model_resolver(abs_model, abs_opt)
+    params, opt = resolver(plan, mesh)
     assert opt is not None
     inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
     jaxpr = closed.jaxpr
@@ -1604,7 +1641,9 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
         raise RuntimeError(f"traced {len(jaxpr.invars)} inputs for {len(decisions)} leaves")
     out_specs = list(params.decisions) + list(opt.decisions)
 
-    def propagate(ignore_constraints: bool, free: dict[Any, Dims] | None = None) -> tuple[_Ctx, _Propagator]:
+    def propagate(
+        ignore_constraints: bool, free: dict[Any, Dims] | None = None, layouts_only: bool = False
+    ) -> tuple[_Ctx, _Propagator]:
         ctx = _Ctx(dict(mesh), plan.batch_axes)
         names: dict[Any, str] = {}
         env: dict[Any, Val] = {}
@@ -1615,6 +1654,7 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
         for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
             env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
         prop = _Propagator(ctx, names, ignore_constraints, free)
+        prop.layouts_only = layouts_only
         prop.memo = traced.memo
         # The step's outputs keep the plan's layout (the backend's out_shardings).
         for var, d in zip(jaxpr.outvars, out_specs, strict=False):
@@ -1632,9 +1672,18 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
         return ctx, prop
 
     def settled(ignore_constraints: bool) -> tuple[_Ctx, _Propagator]:
-        ctx, prop = propagate(ignore_constraints)
+        # Whole values that met split ones (``slices``) need a second pass with them computed
+        # split; when the last plan costed on this trace had some, the first pass is run for its
+        # layouts only (its collectives and traffic are thrown away). The figures are the same
+        # either way: a guess that turns out wrong costs one more pass.
+        guess = ("slices", ignore_constraints)
+        lite = bool(traced.memo.get(guess))
+        ctx, prop = propagate(ignore_constraints, layouts_only=lite)
+        traced.memo[guess] = bool(prop.slices)
         if prop.slices:  # whole values met split ones: propagate again with them computed split
-            ctx, prop = propagate(ignore_constraints, prop.slices)
+            return propagate(ignore_constraints, prop.slices)
+        if lite:
+            return propagate(ignore_constraints)
         return ctx, prop
 
     ctx, prop = settled(False)

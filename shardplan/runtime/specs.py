@@ -172,6 +172,26 @@ def resolve_model(
     return params, opt
 
 
+def model_resolver(model: Any, optimizer: Any) -> Callable[..., tuple[Resolved, Resolved]]:
+    """``resolve_model`` for one model and optimizer under many plans: the trees are read once
+    (what a plan search costs again and again). Returns ``fn(plan, mesh=...) -> (params, opt)``."""
+    pshared = tree.shared(model)
+    oshared = tree.shared(optimizer) if pshared is not None else None
+    if pshared is None or oshared is None:
+        return lambda plan, mesh: resolve_model(plan, model, optimizer, mesh=mesh)  # type: ignore[return-value]
+    n = pshared.leaves if not isinstance(pshared, Leaf) else 1
+    prebuild, orebuild = tree.rebuilder(model), tree.rebuilder(optimizer)
+
+    def resolve_for(plan: Plan, mesh: dict[str, int]) -> tuple[Resolved, Resolved]:
+        res = resolve_tree(plan, _mesh(plan, None, mesh), pshared, oshared, core.DEFAULT_REPLICATED_THRESHOLD)
+        return (
+            Resolved(res.mesh, res.decisions[:n], res.warnings, prebuild),
+            Resolved(res.mesh, res.decisions[n:], (), orebuild),
+        )
+
+    return resolve_for
+
+
 def resolve_batch(
     plan: Plan, batch: Any, *, devices: int | None = None, mesh: dict[str, int] | None = None
 ) -> Resolved:
