@@ -353,12 +353,12 @@ class _Propagator:
         outer_frame, self._frame = self._frame, frame
         self.runs += 1
         this_run = self.runs
-        for k, eqn in enumerate(jaxpr.eqns):
-            ins = [self._read(env, x) for x in eqn.invars]
+        for eqn, literals, variables, dying in self._steps(jaxpr, last, keep):
+            ins = [env[x] if lit is None else lit for x, lit in zip(eqn.invars, literals, strict=True)]
             for var in eqn.outvars:
                 self.defined[var] = this_run
                 self.origin.pop(var, None)
-            if all(hasattr(x, "val") or x in self.constant for x in eqn.invars) and eqn.primitive.name != "scan":
+            if all(x in self.constant for x in variables) and eqn.primitive.name != "scan":
                 self.constant.update(eqn.outvars)
             else:
                 self.constant.difference_update(eqn.outvars)
@@ -377,8 +377,8 @@ class _Propagator:
                     live += held[var]
             # Gathered weights stay alive for their reuse in the backward pass (XLA's CSE).
             peak = max(peak, live + inner + (self.ctx.gathered_now if top else 0))
-            for x in eqn.invars:
-                if not hasattr(x, "val") and last.get(x) == k and x in held and x not in keep:
+            for x in dying:
+                if x in held:
                     live -= held.pop(x)
         self._last_frame, self._frame = frame, outer_frame
         self.peak = max(self.peak, peak)
@@ -530,6 +530,21 @@ class _Propagator:
         _, last, uses, keep, fused, (fused_v, soft, shared) = hit
         return last, uses, keep, fused, (dict(fused_v), dict(soft), set(shared))
 
+    def _steps(self, jaxpr: Any, last: dict[Any, int], keep: set) -> list[tuple]:
+        """Per equation of ``jaxpr``, what no plan changes: its literal operands' values (None for a
+        variable), its variable operands, and the values whose last reader it is (memoised)."""
+        key = ("steps", id(jaxpr))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not jaxpr:
+            steps = []
+            for k, eqn in enumerate(jaxpr.eqns):
+                literals = tuple(self._read({}, x) if hasattr(x, "val") else None for x in eqn.invars)
+                variables = tuple(x for x in eqn.invars if not hasattr(x, "val"))
+                dying = tuple(dict.fromkeys(x for x in variables if last.get(x) == k and x not in keep))
+                steps.append((eqn, literals, variables, dying))
+            hit = self.memo[key] = (jaxpr, steps)
+        return hit[1]
+
     def source_of(self, eqn: Any) -> str:
         """:func:`eqn_source`, once per equation of a trace (``memo`` outlives one plan's costing)."""
         hit = self.memo.get(id(eqn))
@@ -560,6 +575,8 @@ class _Propagator:
         name = eqn.primitive.name
         outs_avals = [o.aval for o in eqn.outvars]
         self.ctx.source = self.source_of(eqn) or self.call_source
+        if name in ELEMENTWISE:  # most equations (no elementwise primitive has a body)
+            return [self.elementwise(eqn, ins, mult)]
         sub = _subjaxpr(eqn)
         if sub is not None and name not in ("scan", "while", "cond"):
             for inner_var, outer_var in zip(sub.invars, eqn.invars, strict=False):
@@ -697,8 +714,19 @@ class _Propagator:
         shape = tuple(out_aval.shape)
         name = eqn.primitive.name
         # Operands of the output's rank (size-1 dims broadcast: they carry no split).
-        full = [(x, v) for x, v in zip(eqn.invars, ins, strict=True) if len(v.shape) == len(shape) and shape]
-        full = [(x, v if v.shape == shape else _broadcast(v, shape)) for x, v in full]
+        rank = len(shape)
+        full = [
+            (x, v if v.shape == shape else _broadcast(v, shape))
+            for x, v in zip(eqn.invars, ins, strict=True)
+            if rank and len(v.shape) == rank
+        ]
+        outvar = eqn.outvars[0]
+        if full and outvar not in self.hints and outvar not in self.claimed and outvar not in self.free:
+            first = full[0][1].dims
+            if all(v.dims == first and not v.partial for _, v in full):  # operands laid out alike: nothing moves
+                out = Val(shape, itemsize(out_aval), _norm(first, rank))
+                self._flops(self.ctx.local(out) / out.itemsize, mult, name)
+                return out
         linear = name in _LINEAR
         partials = {v.partial for _, v in full}
         if linear and len(partials) == 1 and next(iter(partials)):
@@ -709,14 +737,8 @@ class _Propagator:
             out = Val(shape, itemsize(out_aval), target, next(iter(partials)))
             self._flops(self.ctx.local(out) / out.itemsize, mult, name)
             return out
-        hint = self.hints.get(eqn.outvars[0])
-        claim = self.claimed.get(eqn.outvars[0])
-        if full and hint is None and claim is None and eqn.outvars[0] not in self.free:
-            first = full[0][1].dims
-            if all(v.dims == first and not v.partial for _, v in full):  # operands laid out alike: nothing moves
-                out = Val(shape, itemsize(out_aval), _norm(first, len(shape)))
-                self._flops(self.ctx.local(out) / out.itemsize, mult, name)
-                return out
+        hint = self.hints.get(outvar)
+        claim = self.claimed.get(outvar)
         if hint is None and claim is not None and len({v.dims for _, v in full}) > 1:
             # Computed in a constrained layout its operands do not share: XLA moves each operand to
             # it (a select's mask and values gathered apart, its constant fill whole already);
