@@ -161,6 +161,7 @@ class _Frame:
     written: set = field(default_factory=set)  # values from literals alone, written where first read
 
 
+_NONE: frozenset = frozenset()  # an empty set nothing adds to
 _NORMAL: dict[tuple, Dims] = {}  # (dims, rank) -> normal dims: asked ~100,000 times per costing
 
 
@@ -205,7 +206,7 @@ class _Propagator:
         self.sum_origin: dict[Any, tuple[str, str]] = {}
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
-        self.virtual_outs: set[int] = set()  # outputs of the last run jaxpr that are broadcasts
+        self.virtual_outs: set[int] | frozenset[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
         # Layouts only (no memory traffic, no sum origins for the collectives' labels): a pass
         # whose collectives and traffic are thrown away, run only for what it finds (``slices``).
@@ -363,10 +364,12 @@ class _Propagator:
             else:
                 self.constant.difference_update(eqn.outvars)
             outer_peak, self.peak = self.peak, 0
-            self.virtual_outs = set()
+            self.virtual_outs = _NONE
             outs = self.eqn(eqn, ins, mult)
             inner, self.peak = self.peak, outer_peak
-            virtual = {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)}
+            virtual = (
+                {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)} if self.virtual_outs else _NONE
+            )
             if not self.layouts_only:
                 self.traffic(frame, eqn, outs, virtual, mult)
                 self._sum_origins(eqn, outs)
@@ -387,7 +390,7 @@ class _Propagator:
         self.depth -= 1
         return [self._read(env, x) for x in jaxpr.outvars]
 
-    def traffic(self, frame: _Frame, eqn: Any, outs: list[Val], virtual: set, mult: int) -> None:
+    def traffic(self, frame: _Frame, eqn: Any, outs: list[Val], virtual: set | frozenset, mult: int) -> None:
         """Memory traffic of one equation, as XLA's fusion leaves it (see ``_kernels``): a result
         fused into its readers costs nothing where it is computed; an equation whose results are
         stored is a kernel that reads the values in memory its fused producers read (each once)
@@ -555,6 +558,8 @@ class _Propagator:
     def _sum_origins(self, eqn: Any, outs: list[Val]) -> None:
         """Where each output's pending sum was made: carried through from an input that has one, from
         a call's body, else this equation."""
+        if not any(v.partial for v in outs):
+            return
         carried = next((self.sum_origin[x] for x in eqn.invars if not hasattr(x, "val") and x in self.sum_origin), None)
         sub = _subjaxpr(eqn)
         body = getattr(sub, "jaxpr", sub)
