@@ -511,25 +511,18 @@ def check_lock(result: CheckResult, lock_file: str | os.PathLike) -> list[Diagno
 COMPILE_TIMEOUT_S = 1800
 
 
-def _devices_here(n: int) -> bool:
-    """Whether this process can compile for an ``n``-device CPU mesh itself: jax is already
-    imported (importing it here would fix the caller's device count) with exactly ``n`` CPU
-    devices in one process, as exact mode's child process would have."""
-    if "jax" not in sys.modules:
-        return False
-    import jax
-
-    try:
-        devices = jax.devices()
-    except RuntimeError:
-        return False
-    return jax.process_count() == 1 and len(devices) == n and all(d.platform == "cpu" for d in devices)
+def _failure(lines: list[str]) -> str:
+    """A failed compile in one line: XLA's own reason (INVALID_ARGUMENT: [hlo verifier] ...), which
+    sits above a traceback's last lines, then those lines."""
+    reasons = [ln.strip() for ln in lines if _XLA_STATUS.search(ln)][-2:]
+    return " | ".join(dict.fromkeys(reasons + [ln.strip() for ln in lines[-3:]]))
 
 
 def _compile_here(plan: Plan, model: str, step: str, shapes: dict, optimizer: str, backend: str) -> StepCost:
     """Exact mode in this process (what ``shardplan.tools.compile_worker`` does in a child): the
-    model and step loaded afresh, the step compiled on this process's devices. A failure that is
-    not a ShardPlanError is reported as the child's would be, with XLA's reason kept."""
+    model and step loaded (a module this process imported already is reused, not read again), the
+    step compiled on this process's devices, with no timeout. A failure that is not a
+    ShardPlanError is reported as the child's would be, with XLA's reason kept."""
     from shardplan.runtime.exact import compile_step
     from shardplan.runtime.model import load_factory
 
@@ -538,14 +531,11 @@ def _compile_here(plan: Plan, model: str, step: str, shapes: dict, optimizer: st
     except ShardPlanError:
         raise
     except Exception as e:  # the user's model or XLA, as the child process would report it
-        text = f"{type(e).__name__}: {e}".strip().splitlines()
-        reasons = [ln.strip() for ln in text if _XLA_STATUS.search(ln)][-2:]
-        tail = " | ".join(dict.fromkeys(reasons + [ln.strip() for ln in text[-3:]]))
         raise as_error(
             [
                 error(
                     "loss-failed",
-                    f"compiling the step failed: {tail}",
+                    f"compiling the step failed: {_failure(f'{type(e).__name__}: {e}'.strip().splitlines())}",
                     "run the step on a small mesh in Python to see the full error",
                     path="--compile",
                 )
@@ -655,9 +645,13 @@ def analyze(
         optimizer: an optimizer name (``shardplan.core.optimizers``).
         backend: the backend to cost (default: the plan's).
         mode: ``exact``: compile the real step for the mesh in a child process with that many
-            simulated CPU devices and read XLA's program; ``fast``: propagate the plan's
-            shardings through the step's jaxpr (auto backend; no compile, any mesh size).
+            simulated CPU devices and read XLA's program (in this process instead, with no
+            timeout, when it has exactly those CPU devices started, no mesh in context and the
+            default float width); ``fast``: propagate the plan's shardings through the step's
+            jaxpr (auto backend; no compile, any mesh size).
         mesh, devices: the mesh, as for :func:`check` (a ``*`` axis needs ``devices``).
+        timeout_s: how long the child process may compile (a value other than the default
+            always uses a child).
 
     Raises:
         ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace,
@@ -706,7 +700,9 @@ def analyze(
                 )
             ]
         )
-    if _devices_here(n):  # this process already has the mesh's CPU devices: no child process needed
+    from shardplan.runtime.exact import devices_here
+
+    if timeout_s == COMPILE_TIMEOUT_S and devices_here(n):  # this process has the mesh's devices: no child
         return _compile_here(load_sources(p.sources, mesh=sizes), model, step, shapes, optimizer, name)
     from shardplan.runtime.devices import simulate
 
@@ -752,10 +748,7 @@ def analyze(
         raise as_error(
             [Diagnostic(**dict(d, span=Span(**d["span"]) if d.get("span") else None)) for d in reply["error"]]
         )
-    out = (proc.stderr or proc.stdout).strip().splitlines()
-    # XLA's own reason (INVALID_ARGUMENT: [hlo verifier] ...) sits above the traceback's last lines.
-    reasons = [ln.strip() for ln in out if _XLA_STATUS.search(ln)][-2:]
-    tail = " | ".join(dict.fromkeys(reasons + [ln.strip() for ln in out[-3:]]))
+    tail = _failure((proc.stderr or proc.stdout).strip().splitlines())
     raise as_error(
         [
             error(

@@ -534,13 +534,16 @@ def test_exact_mode_in_this_process_is_the_child_processs_figures(monkeypatch):
     import jax
 
     from shardplan import api
+    from shardplan.runtime import exact
 
     assert jax.device_count() == 8
     kw = dict(model=f"{MODELS}:gpt_tiny", step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", devices=8,
               batch=["tokens=int32[8,16],labels=int32[8,16]"], mode="exact")
-    assert api._devices_here(8) and not api._devices_here(4)
+    assert exact.devices_here(8) and not exact.devices_here(4)
+    with jax.set_mesh(jax.make_mesh((8,), ("x",))):
+        assert not exact.devices_here(8)  # a mesh in context: the child, which has none, decides
     here = api.analyze(PLANS / "gpt_tp.splan", **kw)
-    monkeypatch.setattr(api, "_devices_here", lambda n: False)
+    monkeypatch.setattr(exact, "devices_here", lambda n: False)
     child = api.analyze(PLANS / "gpt_tp.splan", **kw)
     assert (here.flops, here.memory, here.communication) == (child.flops, child.memory, child.communication)
     assert here.memory.peak > 0 and {c.kind for c in here.communication} >= {"all-reduce"}

@@ -12,6 +12,7 @@ accelerator runs (see ``shardplan.core.hlo``).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any
 
@@ -32,6 +33,24 @@ def abstract_state(state: Any, shardings: Any) -> Any:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), sub)
 
     return jax.tree.map(one, shardings, state, is_leaf=lambda x: isinstance(x, Sharding))
+
+
+def devices_here(n: int) -> bool:
+    """Whether exact mode can compile for an ``n``-device CPU mesh in this process, seeing what its
+    child process would see: jax imported and its backends started already (asking would start
+    them, and take an accelerator, in a process that only imported jax), exactly ``n`` CPU devices
+    in one process, no mesh in context, and jax's default float width."""
+    if "jax" not in sys.modules:
+        return False
+    import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized() or getattr(jax.config, "jax_enable_x64", False):
+        return False
+    if not jax.sharding.get_abstract_mesh().empty:
+        return False
+    devices = jax.devices()
+    return jax.process_count() == 1 and len(devices) == n and all(d.platform == "cpu" for d in devices)
 
 
 def compile_step(

@@ -402,7 +402,7 @@ class _Propagator:
             # counts its own traffic)
             frame.stored.update(v for v in eqn.outvars if v not in virtual)
             return
-        if _subjaxpr(eqn) is not None:
+        if self.body(eqn) is not None:
             return
         if name in _VIEWS and eqn.invars[0] in frame.stored:
             frame.stored.update(eqn.outvars)
@@ -548,6 +548,14 @@ class _Propagator:
             hit = self.memo[key] = (jaxpr, steps)
         return hit[1]
 
+    def body(self, eqn: Any) -> Any:
+        """:func:`_subjaxpr`, once per equation of a trace (asked several times per equation)."""
+        key = ("body", id(eqn))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not eqn:
+            hit = self.memo[key] = (eqn, _subjaxpr(eqn))
+        return hit[1]
+
     def source_of(self, eqn: Any) -> str:
         """:func:`eqn_source`, once per equation of a trace (``memo`` outlives one plan's costing)."""
         hit = self.memo.get(id(eqn))
@@ -561,7 +569,7 @@ class _Propagator:
         if not any(v.partial for v in outs):
             return
         carried = next((self.sum_origin[x] for x in eqn.invars if not hasattr(x, "val") and x in self.sum_origin), None)
-        sub = _subjaxpr(eqn)
+        sub = self.body(eqn)
         body = getattr(sub, "jaxpr", sub)
         for i, (var, val) in enumerate(zip(eqn.outvars, outs, strict=True)):
             if not val.partial:
@@ -582,7 +590,7 @@ class _Propagator:
         self.ctx.source = self.source_of(eqn) or self.call_source
         if name in ELEMENTWISE:  # most equations (no elementwise primitive has a body)
             return [self.elementwise(eqn, ins, mult)]
-        sub = _subjaxpr(eqn)
+        sub = self.body(eqn)
         if sub is not None and name not in ("scan", "while", "cond"):
             for inner_var, outer_var in zip(sub.invars, eqn.invars, strict=False):
                 if not hasattr(outer_var, "val"):
@@ -1484,25 +1492,15 @@ def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:
     return Val(shape, v.itemsize, dims, v.partial)
 
 
-_SUBJAXPRS: dict[int, tuple[Any, Any]] = {}  # id(eqn) -> (eqn, its body): asked several times per equation
-
-
 def _subjaxpr(eqn: Any) -> Any:
     """The body of a call XLA inlines (not a kernel's body, nor a shard_map's per-device one)."""
-    hit = _SUBJAXPRS.get(id(eqn))
-    if hit is not None and hit[0] is eqn:
-        return hit[1]
-    body = None
-    if eqn.primitive.name not in ("pallas_call", "shard_map"):
-        for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-            j = eqn.params.get(key)
-            if j is not None:
-                body = j.jaxpr if hasattr(j, "jaxpr") else j
-                break
-    if len(_SUBJAXPRS) > 1_000_000:
-        _SUBJAXPRS.clear()
-    _SUBJAXPRS[id(eqn)] = (eqn, body)
-    return body
+    if eqn.primitive.name in ("pallas_call", "shard_map"):
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if j is not None:
+            return j.jaxpr if hasattr(j, "jaxpr") else j
+    return None
 
 
 # Collectives written inside shard_map, by the kind XLA names them.

@@ -523,18 +523,22 @@ def cache_layout(
         origin = "inferred: batch axes, and the split of the params as wide as kv_heads x head_dim"
     batch = _entry(plan.batch_dim0_axes)
     out = []
+    typed = 0
     for a, b in zip(small, large):
         rank, dim = len(a.shape), _batch_dim(a, b, n)
         spec_ = explicit(rank) if explicit is not None else None
         if spec_ is None and explicit is None:
             spec_ = _typed_spec(a)  # the model typed it with explicit axes: its own layout
-            if spec_ is not None:
-                origin = "the model's own types (explicit mesh axes)"
+            typed += spec_ is not None
         if spec_ is None and explicit is None and rank == 4 and dim == 0 and a.shape[1] == max_len:
             spec_ = cache_spec_for(placement, a.shape[2], a.shape[3])
         if spec_ is None:
             spec_ = P(*[batch if i == dim else None for i in range(rank)]) if dim is not None else P()
         out.append(spec_)
+    if typed:
+        origin = "the model's own types (explicit mesh axes)" + (
+            "" if typed == len(out) else f" for {typed} of {len(out)} leaves; the rest {origin}"
+        )
     return out, origin
 
 
