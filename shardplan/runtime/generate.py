@@ -59,7 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.errors import ArgumentError, Diagnostic, PlanApplyError, error
 from shardplan.runtime.placement import Placement
-from shardplan.runtime.specs import constrain, pspec
+from shardplan.runtime.specs import constrain, entry, pspec
 
 # Real XLA compiles, counted by jitted-function name (jax.monitoring's compile event). The
 # listener is registered when the first Generator is made, not when this module is imported.
@@ -477,11 +477,7 @@ def cache_spec_for(placement: Placement, kv_heads: int, head_dim: int) -> P:
     heads = found.pop() if len(found) == 1 else ()  # one way to split that width, or none
     if heads and kv_heads % math.prod(mesh[a] for a in heads):
         heads = ()
-    return P(_entry(batch), None, _entry(heads), None)
-
-
-def _entry(axes: Sequence[str]) -> Any:
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+    return P(entry(batch), None, entry(heads), None)
 
 
 def _batch_dim(small: Any, large: Any, n: int) -> int | None:
@@ -521,7 +517,7 @@ def cache_layout(
         origin = f"the plan's cache statement ({span.file}:{span.line})" if span else "the plan"
     else:
         origin = "inferred: batch axes, and the split of the params as wide as kv_heads x head_dim"
-    batch = _entry(plan.batch_dim0_axes)
+    batch = entry(plan.batch_dim0_axes)
     out = []
     typed = 0
     for a, b in zip(small, large):
@@ -674,7 +670,7 @@ class Generator:
             self.mode = self.adapter.mode
             check_adapter(model, self.adapter, config.max_len, mesh, self._shards())
         self.padding: Padding = self.adapter.padding
-        batch_entry = _entry(self.batch_axes)
+        batch_entry = entry(self.batch_axes)
         self.cache_specs: list[P] = []
         if self.mode == "cache":
             n = self._shards()

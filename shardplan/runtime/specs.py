@@ -7,7 +7,7 @@ like the input.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,14 +32,14 @@ def pspec(spec: Spec) -> PartitionSpec:
     return hit
 
 
+def entry(axes: Sequence[str]) -> Any:
+    """A PartitionSpec entry for one dim split over ``axes``: None, one name, or a tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
 def _only(spec: PartitionSpec, keep: set[str]) -> PartitionSpec:
     """``spec`` with the mesh axes not in ``keep`` dropped (a dim left with none is whole)."""
-
-    def entry(e: Any) -> Any:
-        axes = tuple(a for a in (e if isinstance(e, tuple) else (e,)) if a in keep)
-        return None if not axes else axes[0] if len(axes) == 1 else axes
-
-    return PartitionSpec(*(entry(e) for e in spec))
+    return PartitionSpec(*(entry([a for a in (e if isinstance(e, tuple) else (e,)) if a in keep]) for e in spec))
 
 
 def constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
