@@ -35,6 +35,8 @@ from shardplan.errors import ShardPlanError as ShardPlanError
 from shardplan.errors import Span as Span
 from shardplan.lang.loader import load as load
 from shardplan.lang.loader import loads as loads
+from shardplan.planner import Suggestion as Suggestion
+from shardplan.planner import suggest as suggest
 from shardplan.version import version as _version
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for IDEs and type checkers
@@ -134,6 +136,7 @@ __all__ = [
     "ShardPlanError",
     "Span",
     "Spec",
+    "Suggestion",
     "TrainStep",
     "__version__",
     "check",
@@ -160,6 +163,7 @@ __all__ = [
     "show",
     "simulate_devices",
     "stored_plan",
+    "suggest",
     "train_step",
     "verify",
     "with_mesh",

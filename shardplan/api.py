@@ -611,6 +611,24 @@ class StepCoster:
             )
         return fast.cost(traced, p, sizes, delta=delta)
 
+    def roles(self, devices: int) -> Any:
+        """What each param dim is, read from the step traced on ``devices`` (``runtime.roles``)."""
+        from shardplan.lang.loader import loads
+        from shardplan.runtime import fast, roles, specs
+
+        p = loads(f"mesh data = {devices}\ndefault replicated\n", "<roles>")
+        sizes = p.mesh_shape(devices)
+        key = fast.trace_key(p, sizes)
+        traced = self._traces.get(key)
+        if traced is None:
+            traced = self._traces[key] = fast.trace(
+                p, self.factory, self.loss_fn, self.shapes, self.optimizer, sizes, self.built
+            )
+        params, _ = specs.model_resolver(traced.abs_model, traced.abs_opt)(p, sizes)
+        inputs = specs.resolve_batch(p, traced.batch_abs, mesh=sizes)
+        paths = [d.path for d in params.decisions]
+        return roles.roles(traced.closed, paths, len(paths), [d.path for d in inputs.decisions])
+
 
 def step_coster(model: str, step: str, batch: dict | list[str], optimizer: str = "adamw") -> StepCoster:
     """A :class:`StepCoster`: cost many plans for one model, step and batch without retracing.

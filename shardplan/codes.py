@@ -108,6 +108,7 @@ CODES: dict[str, Code] = {
         _e("mesh-processes", "apply", "a mesh that cannot be laid out over the processes' devices"),
         _e("no-optimizer", "apply", "a step or restore that needs optimizer state the placement lacks"),
         _e("loss-failed", "apply", "the loss function fails on the model and batch"),
+        _e("no-plan-fits", "apply", "suggest: no plan searched fits the device memory"),
         _e("model-axis", "apply", "the model's code names a mesh axis the plan's mesh lacks"),
         _e("needs-explicit-axes", "apply", "the model's code types arrays by mesh axes the plan's mesh has as `auto`"),
         _e("sharding-type", "apply", "JAX's sharding type check rejects an operation in the model or loss"),

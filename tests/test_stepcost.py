@@ -460,13 +460,16 @@ def test_step_time_adds_compute_memory_and_each_axis_links():
     plan = shardplan.loads("mesh data = 4 @dcn, model = 8\ndefault replicated")
     cost = StepCost("fast", "auto", {"data": 4, "model": 8}, 989e12, Memory(0, 0, 0),
                     (Communication("all-reduce", ("model",), 8 * 10**9, 1),
-                     Communication("all-gather", ("data",), 4 * 10**9, 1)), hbm_bytes=0.67e12)
+                     Communication("all-gather", ("data",), 4 * 10**9, 1)), hbm_bytes=0.67e12, kernels=1000)
     t = timing.step_time(cost, plan, chips.lookup("h100"))
     assert t.compute_s == pytest.approx(1.0)  # 989 TFLOP at 989 TFLOP/s
     assert t.memory_s == pytest.approx(0.2)  # 0.67 TB at 3.35 TB/s
-    assert t.comm_by_link["ici"] == pytest.approx(2 * 7 / 8 * 8e9 / 450e9)  # ring all-reduce over NVLink
-    assert t.comm_by_link["dcn"] == pytest.approx(3 / 4 * 4e9 / 50e9)  # all-gather over the network
-    assert t.serial_s == pytest.approx(1.2 + t.comm_s) and t.overlapped_s == pytest.approx(1.2)
+    assert t.launch_s == pytest.approx(1000 * 1e-6)  # 1 us per kernel launch
+    # ring all-reduce over NVLink, plus 3 us per doubling of the 8 devices
+    assert t.comm_by_link["ici"] == pytest.approx(2 * 7 / 8 * 8e9 / 450e9 + 3 * 3e-6)
+    assert t.comm_by_link["dcn"] == pytest.approx(3 / 4 * 4e9 / 50e9 + 2 * 8e-6)  # all-gather over the network
+    assert t.latency_s == pytest.approx(3 * 3e-6 + 2 * 8e-6)
+    assert t.serial_s == pytest.approx(1.201 + t.comm_s) and t.overlapped_s == pytest.approx(1.201)
     relinked = timing.step_time(cost, shardplan.core.meshes.with_links(plan, {"data": "ici"}), chips.lookup("h100"))
     assert set(relinked.comm_by_link) == {"ici"}
 

@@ -5,7 +5,7 @@ axes) and over the data-center network (``@dcn`` axes). Sources in docs/stepcost
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardplan.core.meshes import closest
 from shardplan.errors import as_error, error
@@ -20,10 +20,36 @@ class Chip:
     ici_bandwidth: float  # bytes/s per chip, one direction, inside a host (NVLink) or slice (ICI)
     dcn_bandwidth: float  # bytes/s per chip across hosts or slices
     source: str
+    # Latency: a collective over a group of n devices pays ``*_latency * ceil(log2 n)`` on top of
+    # its bytes (tree and NVLS algorithms for small messages take log2 n steps), and each kernel
+    # launch ``launch_s``. Sources in LATENCY_SOURCES.
+    ici_latency: float = 3e-6
+    dcn_latency: float = 8e-6
+    launch_s: float = 1e-6
+
+
+GPU_LATENCY = (3e-6, 8e-6, 1e-6)
+TPU_LATENCY = (1.5e-6, 10e-6, 0.5e-6)
+
+
+def _with_latency(c: Chip) -> Chip:
+    ici, dcn, launch = TPU_LATENCY if c.name.startswith("tpu") else GPU_LATENCY
+    return replace(c, ici_latency=ici, dcn_latency=dcn, launch_s=launch)
+
+
+LATENCY_SOURCES = (
+    "GPUs: an all-reduce of 1 KiB over 8 H100s with NVLink SHARP takes 5.45 us (microsoft/mscclpp "
+    "PR 507, nccl-tests output) and NCCL's ring/tree all-reduce of 32 KiB about 18.7 us "
+    "(kvcache-ai/Mooncake PR 3484): 3 us per doubling of the group, 9 us for 8 GPUs; across two "
+    "hosts 15.6 us for 24 KiB on 16 GPUs with a tuned kernel (microsoft/mscclpp issue 210), "
+    "NCCL's slower: 8 us per doubling, 32 us for 16 GPUs. A kernel launch under CUDA graphs "
+    "(XLA:GPU's command buffers): 1 us, assumed. TPUs: 1.5 us per doubling over ICI, 10 us over "
+    "DCN and 0.5 us per kernel, assumed (no published small-collective latency found)."
+)
 
 
 CHIPS: dict[str, Chip] = {
-    c.name: c
+    c.name: _with_latency(c)
     for c in (
         Chip(
             "a100-80gb",

@@ -542,6 +542,22 @@ def memory_bytes(hlo_text: str) -> float:
     return total
 
 
+def kernel_count(hlo_text: str) -> float:
+    """Kernels a program launches per run: the instructions outside fused computations that move
+    data (a fusion is one kernel; an async collective counts at its start), times the runs of
+    their computation (a ``while`` body once per iteration)."""
+    comps, entry = _computations(hlo_text)
+    runs = _runs(comps, entry)
+    return float(
+        sum(
+            runs.get(name, 1)
+            for name in _control_flow(comps, entry)
+            for ins in comps[name]
+            if ins.op not in _NO_TRAFFIC and not ins.op.endswith("-done")
+        )
+    )
+
+
 def _control_flow(comps: dict[str, list[_Instr]], entry: str) -> list[str]:
     """The computations that run as instructions of their own: the entry, loop bodies and
     conditions, conditional branches and called computations (not fusions or reducers)."""

@@ -83,6 +83,10 @@ class StepCost:
     hbm_bytes: float = 0.0
     # The shard_map backend's ops that ran on whole (gathered) operands: (op, source, bytes per device).
     fallbacks: tuple[tuple[str, str, int], ...] = field(default=())
+    # Kernels launched per device per step (each loop iteration counts): exact mode, the compiled
+    # program's instructions outside fusions (a fusion is one); fast mode, the equations whose
+    # results XLA's fusion stores, collectives included. The step time's launch overhead.
+    kernels: float = 0.0
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -119,6 +123,7 @@ class StepCost:
             "logical_names": list(self.logical_names),
             "constraint_delta": [list(x) for x in self.constraint_delta],
             "fallbacks": [{"op": op, "source": src, "bytes": n} for op, src, n in self.fallbacks],
+            "kernels_per_device": self.kernels,
         }
 
     @staticmethod
@@ -141,4 +146,5 @@ class StepCost:
             tuple((k, a, int(n)) for k, a, n in doc.get("constraint_delta", ())),
             doc.get("hbm_bytes_per_device", 0.0),
             tuple((f["op"], f["source"], int(f["bytes"])) for f in doc.get("fallbacks", ())),
+            doc.get("kernels_per_device", 0.0),
         )

@@ -24,12 +24,14 @@ class StepTime:
     chip: str
     compute_s: float  # FLOPs at peak
     memory_s: float  # bytes read and written in HBM, at its bandwidth
-    comm_s: float  # every collective, one after another
+    comm_s: float  # every collective, one after another (its latency included)
     comm_by_link: dict[str, float]
-    serial_s: float  # compute, memory traffic, then communication: no overlap
-    overlapped_s: float  # communication hidden behind compute + memory traffic: the larger of the two
+    serial_s: float  # compute, memory traffic, launches, then communication: no overlap
+    overlapped_s: float  # communication hidden behind compute + memory traffic + launches: the larger
     mfu_serial: float  # model FLOPs utilisation if the step took serial_s
     mfu_overlapped: float
+    latency_s: float = 0.0  # of comm_s, the collectives' latency (count x per-collective latency)
+    launch_s: float = 0.0  # kernel launches (the cost's kernels x the chip's launch overhead)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -45,18 +47,47 @@ def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float) -
     return nbytes * factor / bandwidth
 
 
+def collective_latency(count: int, group: int, latency: float) -> float:
+    """``count`` collectives over ``group`` devices: ``latency`` per doubling of the group each."""
+    return count * latency * math.ceil(math.log2(group)) if group > 1 else 0.0
+
+
+# XLA combines the collectives that move params or their gradients (all independent of each
+# other until the optimizer update) into buffers of up to this many bytes: its GPU default
+# combine thresholds (xla_gpu_all_reduce_combine_threshold_bytes and the all-gather and
+# reduce-scatter ones) are 30 MiB.
+COMBINE_BYTES = 30 * 2**20
+
+
 def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
     links = {a.name: a.link for a in plan.mesh}
     by_link: dict[str, float] = {}
+    latency = 0.0
+    combined: dict[tuple[str, tuple[str, ...]], int] = {}  # param/gradient collectives, bytes per launch
     for c in cost.communication:
         group = math.prod(cost.mesh.get(a, 1) for a in c.axes)
         link = "dcn" if any(links.get(a) == "dcn" for a in c.axes) else "ici"
         bw = chip.dcn_bandwidth if link == "dcn" else chip.ici_bandwidth
-        by_link[link] = by_link.get(link, 0.0) + collective_seconds(c.kind, c.bytes, group, bw)
+        if c.moves and cost.mode == "fast":  # combined with the others of its kind (see COMBINE_BYTES)
+            combined[(c.kind, c.axes)] = combined.get((c.kind, c.axes), 0) + c.bytes // max(c.count, 1)
+            lat = 0.0
+        else:
+            lat = collective_latency(c.count, group, chip.dcn_latency if link == "dcn" else chip.ici_latency)
+        latency += lat
+        by_link[link] = by_link.get(link, 0.0) + collective_seconds(c.kind, c.bytes, group, bw) + lat
+    for (_, axes), nbytes in combined.items():
+        group = math.prod(cost.mesh.get(a, 1) for a in axes)
+        link = "dcn" if any(links.get(a) == "dcn" for a in axes) else "ici"
+        lat = collective_latency(
+            max(1, math.ceil(nbytes / COMBINE_BYTES)), group, chip.dcn_latency if link == "dcn" else chip.ici_latency
+        )
+        latency += lat
+        by_link[link] = by_link.get(link, 0.0) + lat
     compute = cost.flops / chip.peak_flops
     memory = cost.hbm_bytes / chip.hbm_bandwidth
+    launch = cost.kernels * chip.launch_s
     comm = sum(by_link.values())
-    serial, overlapped = compute + memory + comm, max(compute + memory, comm)
+    serial, overlapped = compute + memory + launch + comm, max(compute + memory + launch, comm)
     return StepTime(
         chip.name,
         compute,
@@ -67,4 +98,6 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
         overlapped,
         compute / serial if serial else 0.0,
         compute / overlapped if overlapped else 0.0,
+        latency,
+        launch,
     )

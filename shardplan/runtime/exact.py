@@ -160,6 +160,7 @@ def compile_step(
         tuple(notes),
         logical_names=tuple(sorted(acts.used)),
         hbm_bytes=hlo.memory_bytes(text),
+        kernels=hlo.kernel_count(text),
     )
 
 

@@ -100,6 +100,7 @@ class _Ctx:
     flops: float = 0.0
     transcendentals: float = 0.0
     hbm: float = 0.0  # bytes read and written in memory (XLA's fusion assumed: see _Propagator.traffic)
+    launches: float = 0.0  # kernels launched (equations whose results are stored, collectives)
     unmodeled: dict[str, int] = field(default_factory=dict)
     cache: dict[tuple, Val] = field(default_factory=dict)
     gathered_now: int = 0
@@ -133,6 +134,7 @@ class _Ctx:
             # result, a reduce-scatter's input; the other side is 1/n of it).
             n = self.split(tuple(axes))
             self.hbm += (nbytes + nbytes // n if kind in ("all-gather", "reduce-scatter") else 2 * nbytes) * mult
+            self.launches += mult
             self.comm.append(Communication(kind, tuple(axes), nbytes * mult, mult, why, self.source, moves))
 
 
@@ -426,11 +428,15 @@ class _Propagator:
                     frame.stored.add(v)
                     self.ctx.hbm += (nbytes + self.ctx.local(val)) * mult
             return
+        stored = False
         for var, val in zip(eqn.outvars, outs, strict=True):
             if var not in frame.fused and var not in virtual:
                 frame.stored.add(var)
+                stored = True
                 nbytes += 0 if var in self.constant else self.ctx.local(val)
         self.ctx.hbm += nbytes * mult
+        if stored:
+            self.ctx.launches += mult
 
     def _closure(self, frame: _Frame, x: Any) -> frozenset:
         """The values in memory (each with its layout) a kernel reading ``x`` reads: ``x`` if it is
@@ -1778,6 +1784,7 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
         tuple(sorted(acts.used)),
         changed,
         hbm_bytes=ctx.hbm,
+        kernels=ctx.launches,
     )
 
 

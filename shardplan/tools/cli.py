@@ -548,6 +548,67 @@ def _is_usage(e: ShardPlanError) -> bool:
     return bool(errors) and all(d.code in _USAGE_CODES and (d.path or "").startswith("-") for d in errors)
 
 
+def cmd_suggest(args, out: Console, err: Console) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from shardplan import planner
+
+    budget = _bytes_arg(args.device_memory, "--device-memory")
+    if budget == 0:
+        raise _UsageError("--device-memory: a budget of 0 bytes fits nothing; give the device's memory, e.g. 80GB")
+    if not args.batch:
+        raise _UsageError(
+            "--batch: the step needs the batch's shapes, e.g. --batch 'tokens=int32[8,1024],labels=int32[8,1024]'"
+        )
+    if args.output and Path(args.output).is_dir():
+        raise _UsageError(f"-o {args.output}: is a directory; name the .splan file to write")
+    kw = dict(
+        model=args.model,
+        step=args.step,
+        batch=args.batch,
+        devices=args.devices,
+        chip=args.chip,
+        devices_per_host=args.devices_per_host,
+        device_memory=budget,
+        optimizer=args.optimizer,
+        top=args.top,
+        confirm=0 if args.no_compile else args.confirm,
+    )
+    live = err.is_terminal and args.format == "text"
+    if live:
+        with Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True
+        ) as bar:
+            task = bar.add_task("tracing the step", total=None)
+            count = [0]
+
+            def progress(line: str) -> None:
+                count[0] += 1
+                bar.update(task, description=f"{count[0]} plans costed; {line}")
+
+            result = planner.suggest(**kw, progress=progress)
+    else:
+        result = planner.suggest(**kw)
+    if args.output:
+        Path(args.output).write_text(result.text)
+    if args.format == "json":
+        out.print_json(json.dumps(dict(result.to_json(), ok=True, output=args.output)))
+        return EXIT_OK
+    if not args.output:  # as written: rich would wrap long comment lines
+        out.file.write(result.text)
+        out.file.flush()
+    for note in result.notes:
+        err.print(f"note: {note}", markup=False, highlight=False)
+    err.print(
+        f"{result.searched} plans costed in {result.search_s:.1f} s ({result.traces} traces)"
+        + (f", the best confirmed in exact mode in {result.confirm_s:.1f} s" if result.best.exact_step_s else "")
+        + (f"; written to {args.output}" if args.output else ""),
+        markup=False,
+        highlight=False,
+    )
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardplan", description="Sharding plans for Flax NNX models.")
     p.add_argument("--version", action="store_true", help="print the version and exit")
@@ -759,6 +820,37 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--timeout", type=_seconds, help="stop every rank after this many seconds")
     la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command")
     la.set_defaults(func=cmd_launch)
+
+    sg = sub.add_parser(
+        "suggest",
+        help="search the plans for a model, step and device count; write the best as a .splan",
+        description="Read what each param dim is from the step's computation, search meshes (data x expert x "
+        "model), tensor parallel splits, FSDP / ZeRO-1 / data parallel and expert splits with fast mode, "
+        "rank them by the step time on --chip within the memory budget, confirm the best few in exact mode, "
+        "and write the winner with its runners-up as comments (docs/suggest.md).",
+    )
+    sg.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY")
+    sg.add_argument("--step", required=True, metavar="FILE:LOSS_FN", help="loss_fn(model, batch) -> scalar")
+    sg.add_argument("--batch", action="append", help="input shapes: 'tokens=int32[8,1024],labels=int32[8,1024]'")
+    sg.add_argument("--devices", type=_count, required=True, help="how many devices the plan's mesh has")
+    sg.add_argument(
+        "--devices-per-host",
+        type=_count,
+        help="devices per host: the model axis stays inside one; axes crossing hosts are @dcn",
+    )
+    sg.add_argument(
+        "--chip", choices=sorted(chips.CHIPS), default="h100", help="rank plans by the step time here (default h100)"
+    )
+    sg.add_argument("--device-memory", help="per-device memory budget, e.g. 80GB (default: the chip's)")
+    sg.add_argument("--optimizer", choices=[n for n in optimizers.NAMES if n != "none"], default="adamw")
+    sg.add_argument("--top", type=_count, default=5, help="plans to list: the winner and runners-up (default 5)")
+    sg.add_argument("--confirm", type=_index, default=3, help="confirm the best N in exact mode (default 3)")
+    sg.add_argument("--no-compile", action="store_true", help="skip the exact-mode confirmation")
+    sg.add_argument("-o", "--output", help="write the plan here (default: print it)")
+    sg.add_argument(
+        "--format", choices=("text", "json"), default="text", help="the plan (default) or one JSON document"
+    )
+    sg.set_defaults(func=cmd_suggest)
 
     ck = sub.add_parser("ckpt", help="inspect checkpoints")
     cks = ck.add_subparsers(dest="ckpt_command", required=True)

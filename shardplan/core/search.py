@@ -1,0 +1,307 @@
+"""The plan search behind ``shardplan suggest``: candidate plans written as .splan text from
+the model's param families, and a local search over them by a cost the caller supplies.
+
+Pure: the families come from ``shardplan.runtime.roles`` (what each param dim is, read from
+the step's computation), the cost from the step-cost engine, through ``Search.cost``.
+
+The space, per mesh (the device count factored into ``data`` x ``expert`` x ``model``, the
+model axis inside a host, axes that cross hosts tagged ``@dcn``):
+- which of the model's logical dims are split over ``model`` (tensor parallel): one decision
+  per dim, shared by every param that has it (the layers of a list, the column side of one
+  matmul and the row side of the next);
+- experts (a dim a matmul batches over) over ``expert``, the expert axis also splitting the
+  batch outside the expert blocks;
+- ``data``: the batch, plus the params and their optimizer state (FSDP), or the optimizer
+  state alone (ZeRO-1), or neither (data parallel): each matrix split on its dim of the
+  model's most common width where it divides, else its largest free dim;
+- vectors (norm scales, biases) and stacked layer dims stay whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+FSDP_MODES = ("params", "opt", "none")
+_FSDP_WORDS = {
+    "params": "FSDP (params and optimizer state over data)",
+    "opt": "optimizer state over data (ZeRO-1)",
+    "none": "data parallel (params whole)",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """Params that share a path template (list indices generalised) and a shape."""
+
+    template: str  # a full-match regex over the param paths
+    shape: tuple[int, ...]
+    units: tuple[int, ...]  # the logical dim deciding each dim's split
+    tags: tuple[frozenset[str], ...]
+    count: int  # arrays in the family
+
+    @property
+    def elements(self) -> int:
+        return self.count * math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Space:
+    families: tuple[Family, ...]
+    sizes: dict[int, int]  # logical dim -> size
+    batch: tuple[int, ...]  # the batch's leading dim size per input (the dim the batch splits)
+    names: dict[int, str] = field(default_factory=dict)  # logical dim -> a readable name for comments
+
+    @property
+    def experts(self) -> tuple[int, ...]:
+        """Dims a matmul batches over on a param (stacked experts)."""
+        return tuple(sorted({u for f in self.families for u, t in zip(f.units, f.tags) if "batch" in t}))
+
+    @property
+    def stacked(self) -> tuple[int, ...]:
+        return tuple(sorted({u for f in self.families for u, t in zip(f.units, f.tags) if "stack" in t}))
+
+    @property
+    def tensor(self) -> tuple[int, ...]:
+        """Dims tensor parallelism may split: those of matrices, not stacked nor experts, the
+        biggest families' first."""
+        skip = set(self.experts) | set(self.stacked)
+        weight: Counter[int] = Counter()
+        for f in self.families:
+            if len(f.shape) >= 2:
+                for u in set(f.units) - skip:
+                    weight[u] += f.elements
+        return tuple(sorted(weight, key=lambda u: (-weight[u], self.signature(u))))
+
+    def signature(self, u: int) -> tuple:
+        """Where a logical dim occurs, by shapes and uses alone (ties broken without names)."""
+        return tuple(
+            sorted(
+                (f.shape, i, tuple(sorted(f.tags[i])), f.count)
+                for f in self.families
+                for i, x in enumerate(f.units)
+                if x == u
+            )
+        )
+
+    @property
+    def width(self) -> int | None:
+        """The dim most matrices share (the residual stream's width): FSDP's first choice."""
+        seen: Counter[int] = Counter()
+        for f in self.families:
+            if len(f.shape) >= 2:
+                seen.update(set(f.units) - set(self.stacked) - set(self.experts))
+        return max(seen, key=lambda u: (seen[u], self.signature(u))) if seen else None
+
+
+@dataclass(frozen=True)
+class Choice:
+    mesh: tuple[tuple[str, int, str], ...]  # (axis, size, link)
+    tp: frozenset[int] = frozenset()  # logical dims split over model
+    fsdp: str = "none"
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {a: n for a, n, _ in self.mesh}
+
+    def describe(self, space: Space) -> str:
+        sizes = self.sizes
+        mesh = " x ".join(f"{a}={n}" + (" @dcn" if link == "dcn" else "") for a, n, link in self.mesh)
+        if sizes.get("data", 1) == 1 and sizes.get("expert", 1) == 1 and not (self.tp and sizes.get("model", 1) > 1):
+            return f"{mesh}; nothing split: every device runs the whole step"
+        parts = [mesh]
+        if sizes.get("data", 1) > 1:
+            parts.append(_FSDP_WORDS[self.fsdp])
+        if sizes.get("model", 1) > 1:
+            dims = [space.names.get(u, str(space.sizes[u])) for u in space.tensor if u in self.tp]
+            parts.append(
+                "tensor parallel over " + ", ".join(dims) if dims else "model: replicas (nothing split over it)"
+            )
+        if sizes.get("expert", 1) > 1:
+            parts.append("experts over expert")
+        return "; ".join(parts)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(space: Space, devices: int, per_host: int | None = None) -> list[tuple[tuple[str, int, str], ...]]:
+    """Every factoring of ``devices`` into data x expert x model that the model's dims allow:
+    experts divisible by the expert axis, some matrix dim by the model axis, the model axis
+    inside a host. Axes that span more devices than a host holds cross hosts (``@dcn``)."""
+    out = []
+    experts = [space.sizes[u] for u in space.experts]
+    tensor = [space.sizes[u] for u in space.tensor]
+    for e in divisors(devices):
+        if e > 1 and (not experts or any(x % e for x in experts)):
+            continue
+        for t in divisors(devices // e):
+            if t > 1 and not any(x % t == 0 for x in tensor):
+                continue
+            if per_host and t > per_host:
+                continue
+            d = devices // (e * t)
+            axes = [(a, n) for a, n in (("data", d), ("expert", e), ("model", t)) if n > 1] or [("data", 1)]
+            inner, linked = 1, []
+            for a, n in reversed(axes):
+                inner *= n
+                linked.append((a, n, "dcn" if per_host and inner > per_host else "ici"))
+            out.append(tuple(reversed(linked)))
+    return out
+
+
+def _axes_text(axes: list[str]) -> str:
+    return "_" if not axes else axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
+
+
+def param_dims(f: Family, space: Space, c: Choice) -> list[list[str]]:
+    """The mesh axes over which each dim of the family's arrays is split."""
+    sizes = c.sizes
+    dims: list[list[str]] = [[] for _ in f.shape]
+    if len(f.shape) < 2:  # vectors (norm scales, biases) stay whole
+        return dims
+    used: set[str] = set()
+
+    def put(i: int, axis: str) -> None:
+        n = sizes.get(axis, 1)
+        if n > 1 and axis not in used and f.shape[i] % (math.prod(sizes[a] for a in dims[i]) * n) == 0:
+            dims[i].append(axis)
+            used.add(axis)
+
+    stacked = set(space.stacked)
+    for i, u in enumerate(f.units):
+        if u in stacked:
+            continue
+        if u in space.experts:
+            put(i, "expert")
+    for i, u in enumerate(f.units):
+        if u in stacked:
+            continue
+        if u in c.tp and u not in space.experts:
+            put(i, "model")
+    if c.fsdp != "none":
+        free = [i for i, u in enumerate(f.units) if u not in stacked and not dims[i]]
+        width = space.width
+        order = sorted(free, key=lambda i: (f.units[i] != width, -f.shape[i], i))
+        for i in order:
+            before = len(dims[i])
+            put(i, "data")
+            if len(dims[i]) > before:
+                break
+    return dims
+
+
+def _spec(dims: list[list[str]]) -> str:
+    return "(" + ", ".join(_axes_text(d) for d in dims) + ")"
+
+
+def _batch_spec(space: Space, c: Choice) -> str:
+    sizes = c.sizes
+    axes = [a for a in ("data", "expert") if sizes.get(a, 1) > 1]
+    while axes and any(b % math.prod(sizes[a] for a in axes) for b in space.batch):
+        axes.pop()
+    return f"({_axes_text(axes)})" if axes else "replicated"
+
+
+def plan_text(space: Space, c: Choice, name: str = "suggested", header: Iterable[str] = ()) -> str:
+    """The plan of a choice as .splan text (one rule per family that is split; the rest
+    ``default replicated``)."""
+    lines = [f"# {h}" if h else "#" for h in header]
+    mesh = ", ".join(f"{a} = {n}" + (" @dcn" if link == "dcn" else "") for a, n, link in c.mesh)
+    lines += [f'plan "{name}"', f"mesh {mesh}", f"batch {_batch_spec(space, c)}"]
+    opt = []
+    for f in space.families:
+        dims = param_dims(f, space, c)
+        if c.fsdp == "opt":
+            with_data = dims
+            dims = [[a for a in d if a != "data"] for d in dims]
+            if with_data != dims:
+                opt.append(f'opt ".*/{f.template}" {_spec(with_data)}')
+        if any(dims):
+            lines.append(f'param "{f.template}" {_spec(dims)}')
+    lines += opt
+    lines.append("default replicated")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class Scored:
+    choice: Choice
+    text: str
+    seconds: float  # the step time the score ranks by
+    peak: int
+    fits: bool
+    cost: Any = field(compare=False, repr=False)  # the StepCost
+    time: Any = field(compare=False, repr=False)  # the StepTime
+
+    @property
+    def key(self) -> tuple:
+        return (not self.fits, self.seconds if self.fits else self.peak)
+
+
+@dataclass
+class Search:
+    """A local search over choices. ``score(text) -> (cost, time, seconds, peak)`` or None when
+    the plan does not apply (a dim that does not divide, say); ``budget``: bytes per device."""
+
+    space: Space
+    score: Callable[[str], tuple | None]
+    budget: float | None = None
+    progress: Callable[[str], None] | None = None
+    seen: dict[str, Scored | None] = field(default_factory=dict)
+
+    def evaluate(self, c: Choice) -> Scored | None:
+        text = plan_text(self.space, c)
+        if text not in self.seen:
+            got = self.score(text)
+            if got is None:
+                self.seen[text] = None
+            else:
+                cost, time, seconds, peak = got
+                fits = self.budget is None or peak <= self.budget
+                self.seen[text] = Scored(c, text, seconds, peak, fits, cost, time)
+            if self.progress:
+                self.progress(c.describe(self.space))
+        return self.seen[text]
+
+    def neighbours(self, c: Choice) -> list[Choice]:
+        out = []
+        sizes = c.sizes
+        if sizes.get("data", 1) > 1:
+            out += [replace(c, fsdp=m) for m in FSDP_MODES if m != c.fsdp]
+        if sizes.get("model", 1) > 1:
+            out += [replace(c, tp=c.tp ^ {u}) for u in self.space.tensor]
+        return out
+
+    def descend(self, start: Choice) -> Scored | None:
+        """First-improvement local search from ``start`` (one change at a time)."""
+        best = self.evaluate(start)
+        improved = True
+        while improved:
+            improved = False
+            for n in self.neighbours(best.choice if best else start):
+                got = self.evaluate(n)
+                if got is not None and (best is None or got.key < best.key):
+                    best, improved = got, True
+        return best
+
+    def run(self, mesh_list: list[tuple[tuple[str, int, str], ...]], descents: int = 3) -> list[Scored]:
+        """Every mesh's starting points costed (data parallel or FSDP, with no tensor parallel
+        and with all of it), then a local search from the best ``descents`` of them."""
+        starts: list[Scored] = []
+        for m in mesh_list:
+            sizes = {a: n for a, n, _ in m}
+            fsdp = "params" if sizes.get("data", 1) > 1 else "none"
+            choices = [Choice(m, frozenset(), fsdp)]
+            if sizes.get("model", 1) > 1:
+                choices.append(Choice(m, frozenset(self.space.tensor), fsdp))
+            if fsdp != "none":
+                choices.append(Choice(m, frozenset(), "none"))
+            starts += [got for c in choices if (got := self.evaluate(c)) is not None]
+        for s in sorted(starts, key=lambda s: s.key)[:descents]:
+            self.descend(s.choice)
+        return sorted((s for s in self.seen.values() if s is not None), key=lambda s: s.key)

@@ -1,0 +1,361 @@
+"""``shardplan suggest``: search the plans for a model, step, device count and memory budget and
+write the best as a readable .splan (docs/suggest.md).
+
+The stages: read what each param dim is from the step's computation (``runtime.roles``), group
+params into families (a path template and a shape), search the space ``core.search`` spans with
+fast mode re-costing every candidate on one trace per mesh, time each on the chip
+(``core.timing``), confirm the best few in exact mode where the mesh compiles here, and write the
+winner in the house style with its runners-up as comments.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shardplan import api
+from shardplan.core import chips, optimizers, search, timing
+from shardplan.core.format import fmt_bytes
+from shardplan.core.stepcost import StepCost
+from shardplan.errors import ShardPlanError, as_error, error
+from shardplan.lang.fmt import format_text
+from shardplan.lang.loader import loads
+
+DEFAULT_CHIP = "h100"
+CONFIRM = 3  # candidates confirmed in exact mode
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan the search costed: its text, what it is, its predicted step and peak."""
+
+    text: str
+    description: str
+    step_s: float  # serial step time on the chip (fast mode)
+    overlapped_s: float
+    peak: int  # bytes per device
+    fits: bool
+    exact_step_s: float | None = None  # the same, from the compiled program (exact mode)
+    exact_peak: int | None = None
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """What ``suggest`` found: the plan's text (formatted, with comments), the winner and the
+    runners-up, and how the search went."""
+
+    text: str
+    best: Candidate
+    alternatives: tuple[Candidate, ...]
+    chip: str
+    devices: int
+    budget: int | None
+    searched: int  # plans costed
+    traces: int
+    search_s: float  # fast-mode search
+    confirm_s: float  # exact-mode confirmation
+    notes: tuple[str, ...]
+    cost: StepCost  # the winner's (exact mode when confirmed)
+
+    def to_json(self) -> dict:
+        def cand(c: Candidate) -> dict:
+            return dict(c.__dict__)
+
+        return {
+            "plan": self.text,
+            "best": cand(self.best),
+            "alternatives": [cand(c) for c in self.alternatives],
+            "chip": self.chip,
+            "devices": self.devices,
+            "device_memory": self.budget,
+            "searched": self.searched,
+            "traces": self.traces,
+            "search_seconds": self.search_s,
+            "confirm_seconds": self.confirm_s,
+            "notes": list(self.notes),
+            "cost": self.cost.to_json(),
+        }
+
+
+def families(roles: Any) -> tuple[search.Family, ...]:
+    """Params grouped by path template and shape, in the model's order."""
+    from shardplan.runtime.roles import template  # jax-free module; imported late like the rest of runtime
+
+    out: dict[tuple[str, tuple[int, ...]], list] = {}
+    for p in roles.params:
+        out.setdefault((template(p.path), p.shape), []).append(p)
+    fams = []
+    for (tpl, shape), ps in out.items():
+        tags = tuple(frozenset().union(*(p.tags[d] for p in ps)) for d in range(len(shape)))
+        fams.append(search.Family(tpl, shape, ps[0].units, tags, len(ps)))
+    return tuple(fams)
+
+
+def _names(space: search.Space) -> dict[int, str]:
+    """Readable names for the logical dims, from what the step does with them and where they
+    occur (never from the params' names)."""
+    names: dict[int, str] = {}
+    width = space.width
+    for u in space.sizes:
+        where = [(f, i) for f in space.families for i, x in enumerate(f.units) if x == u]
+        if not where:
+            continue
+        tags = frozenset().union(*(f.tags[i] for f, i in where))
+        size = space.sizes[u]
+        wholes = sorted({f.shape[i] for f, i in where})
+        of = f"the {'/'.join(map(str, wholes))}-wide dims"
+        writes = sum(f.count for f, i in where if len(f.shape) >= 2 and "free" in f.tags[i])
+        reads = sum(f.count for f, i in where if len(f.shape) >= 2 and "contract" in f.tags[i])
+        if u == width:
+            names[u] = f"the residual width ({size})"
+        elif "rows" in tags:
+            names[u] = f"the table rows ({size})"
+        elif "batch" in tags:
+            names[u] = f"the experts ({size})"
+        elif "stack" in tags:
+            names[u] = f"the stacked layers ({size})"
+        else:
+            what = f"the {size}-wide dim" if wholes == [size] else f"the {size} groups of {of}"
+            names[u] = f"{what} {_n(writes, 'matrix writes', 'matrices write')} and {reads} read"
+    return names
+
+
+def _n(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _fits_nowhere(best: search.Scored, budget: int) -> ShardPlanError:
+    m = best.cost.memory
+    parts = {
+        "params": m.params,
+        "optimizer state": m.opt_state,
+        "activations and temporaries": m.temporaries,
+        "the batch": m.batch,
+    }
+    top = max(parts, key=parts.__getitem__)
+    return as_error(
+        [
+            error(
+                "no-plan-fits",
+                f"no plan searched fits {fmt_bytes(budget)} per device: the smallest peak is {fmt_bytes(best.peak)} "
+                f"({'; '.join(f'{k} {fmt_bytes(v)}' for k, v in parts.items())}; most is {top})",
+                "use more devices, remat in the model (nnx.remat) to drop saved activations, a smaller batch, "
+                "or a device with more memory",
+                path="--device-memory",
+            )
+        ]
+    )
+
+
+def suggest(
+    *,
+    model: str,
+    step: str,
+    batch: dict | list[str],
+    devices: int,
+    chip: str = DEFAULT_CHIP,
+    devices_per_host: int | None = None,
+    device_memory: int | None = None,
+    optimizer: str = "adamw",
+    top: int = 5,
+    confirm: int = CONFIRM,
+    progress: Any = None,
+) -> Suggestion:
+    """Search plans for ``model`` on ``devices`` devices and return the best as .splan text.
+
+    Args:
+        model, step, batch, optimizer: as for :func:`shardplan.api.analyze`.
+        devices: the device count the mesh factors.
+        chip: the accelerator whose step time ranks plans (``shardplan.core.chips``).
+        devices_per_host: devices a host holds: the model axis stays inside one, and axes that
+            cross hosts are tagged ``@dcn`` (network rates).
+        device_memory: bytes per device a plan must fit (default: the chip's memory).
+        top: runners-up to keep.
+        confirm: the best this many are compiled (exact mode) and re-ranked, where the mesh
+            compiles here (at most ``api.MAX_SIMULATED_DEVICES`` devices); 0 to skip.
+        progress: called with a line per plan costed.
+
+    Raises:
+        ShardPlanError: bad arguments, a model or step that fails, or no plan that fits.
+    """
+    for name, value in (("devices", devices), ("devices_per_host", devices_per_host), ("top", top)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise as_error(
+                [
+                    error(
+                        "bad-argument",
+                        f"{name} must be a positive whole number, not {value!r}",
+                        f"pass {name}=8",
+                        path=f"--{name.replace('_', '-')}",
+                    )
+                ]
+            )
+    if isinstance(confirm, bool) or not isinstance(confirm, int) or confirm < 0:
+        raise as_error(
+            [error("bad-argument", f"confirm must be 0 or more, not {confirm!r}", "pass confirm=3", path="confirm")]
+        )
+    if device_memory is not None and (not isinstance(device_memory, int) or device_memory <= 0):
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    f"device_memory must be a positive number of bytes, not {device_memory!r}",
+                    "pass device_memory=80 * 10**9",
+                    path="--device-memory",
+                )
+            ]
+        )
+    hw = chips.lookup(chip)
+    optimizers.lookup(optimizer)
+    budget = device_memory if device_memory is not None else int(hw.hbm_bytes)
+    t0 = time.perf_counter()
+    coster = api.step_coster(model, step, batch, optimizer)
+    roles = coster.roles(devices)
+    fams = families(roles)
+    shapes = coster.shapes
+    space = search.Space(fams, dict(roles.sizes), tuple(int(s[0][0]) for s in shapes.values() if s[0]))
+    space = search.Space(space.families, space.sizes, space.batch, _names(space))
+
+    def score(text: str) -> tuple | None:
+        plan = loads(text, "<suggest>")
+        try:
+            cost = coster.cost(plan, delta=False)
+        except ShardPlanError:
+            return None
+        t = timing.step_time(cost, plan, hw)
+        return cost, t, t.serial_s, cost.memory.peak
+
+    s = search.Search(space, score, budget, progress)
+    ranked = s.run(search.meshes(space, devices, devices_per_host))
+    search_s = time.perf_counter() - t0
+    if not ranked:
+        raise as_error(
+            [
+                error(
+                    "no-plan-fits",
+                    "no plan searched applies to this model and device count",
+                    "try another device count",
+                    path="--devices",
+                )
+            ]
+        )
+    if not ranked[0].fits:
+        raise _fits_nowhere(min(ranked, key=lambda r: r.peak), budget)
+    fitting = [r for r in ranked if r.fits]
+    notes: list[str] = []
+    t1 = time.perf_counter()
+    confirmed: dict[str, tuple[float, int, StepCost]] = {}
+    if confirm and devices <= api.MAX_SIMULATED_DEVICES:
+        for r in fitting[:confirm]:
+            plan = loads(r.text, "<suggest>")
+            try:
+                exact = api.analyze(plan, model=model, step=step, batch=batch, optimizer=optimizer, mode="exact")
+            except ShardPlanError as e:
+                notes.append(f"exact mode failed for {r.choice.describe(space)}: {str(e).splitlines()[0]}")
+                continue
+            confirmed[r.text] = (timing.step_time(exact, plan, hw).serial_s, exact.memory.peak, exact)
+        if confirmed:
+            order = sorted(
+                fitting[:confirm],
+                key=lambda r: (
+                    r.text not in confirmed or confirmed[r.text][1] > budget,
+                    confirmed.get(r.text, (math.inf,))[0],
+                ),
+            )
+            if order[0] is not fitting[0]:
+                notes.append(
+                    f"exact mode re-ranked the best {len(order)}: fast mode's first "
+                    f"({fitting[0].choice.describe(space)}) "
+                    f"compiles to {_ms(confirmed.get(fitting[0].text, (math.inf,))[0])}, "
+                    f"{order[0].choice.describe(space)} to {_ms(confirmed[order[0].text][0])}"
+                )
+            fitting = order + fitting[confirm:]
+    elif confirm:
+        notes.append(f"not confirmed in exact mode: {devices} devices are more than this machine simulates")
+    confirm_s = time.perf_counter() - t1
+
+    def candidate(r: search.Scored) -> Candidate:
+        ex = confirmed.get(r.text)
+        return Candidate(
+            r.text,
+            r.choice.describe(space),
+            r.seconds,
+            r.time.overlapped_s,
+            r.peak,
+            r.fits,
+            ex[0] if ex else None,
+            ex[1] if ex else None,
+        )
+
+    best = candidate(fitting[0])
+    others = [candidate(r) for r in fitting[1:]][: max(top - 1, 0)]
+    ruled_out = [candidate(r) for r in ranked if not r.fits][:2]
+    winner = fitting[0]
+    cost = confirmed[winner.text][2] if winner.text in confirmed else winner.cost
+    text = render(best, others + ruled_out, winner, space, hw, devices, budget, len(s.seen), search_s)
+    return Suggestion(
+        text,
+        best,
+        tuple(others + ruled_out),
+        hw.name,
+        devices,
+        budget,
+        len(s.seen),
+        coster.traces,
+        search_s,
+        confirm_s,
+        tuple(notes),
+        cost,
+    )
+
+
+def _ms(s: float) -> str:
+    return "-" if s == math.inf else f"{s * 1e3:,.3f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def render(
+    best: Candidate,
+    others: list[Candidate],
+    winner: search.Scored,
+    space: search.Space,
+    hw: chips.Chip,
+    devices: int,
+    budget: int,
+    searched: int,
+    seconds: float,
+) -> str:
+    """The winner's plan in the house style, its prediction and the runners-up as comments."""
+    t = winner.time
+    head = [
+        f"Written by shardplan suggest: {searched} plans costed in {seconds:.1f} s for {devices} devices on "
+        f"{hw.name}, at most {fmt_bytes(budget)} per device.",
+        f"This plan: {best.description}.",
+        f"Predicted step {_ms(best.step_s)} with no overlap, {_ms(best.overlapped_s)} with communication "
+        f"hidden (MFU {t.mfu_serial:.0%}..{t.mfu_overlapped:.0%}); peak {fmt_bytes(best.peak)} per device."
+        + (
+            f" Compiled (exact mode): step {_ms(best.exact_step_s)}, peak {fmt_bytes(best.exact_peak or 0)}."
+            if best.exact_step_s is not None
+            else ""
+        ),
+    ]
+    if others:
+        head.append("Runners-up:")
+    for c in others:
+        why = (
+            f"peak {fmt_bytes(c.peak)} does not fit"
+            if not c.fits
+            else f"{(c.step_s / best.step_s - 1):+.0%} step time"
+            if best.step_s
+            else ""
+        )
+        head.append(f"- {c.description}: step {_ms(c.step_s)}, peak {fmt_bytes(c.peak)} ({why})")
+    wrapped = [
+        line
+        for h in head
+        for line in textwrap.wrap(h, 96, subsequent_indent="    " if h.startswith("- ") else "  ") or [""]
+    ]
+    raw = search.plan_text(space, winner.choice, header=wrapped)
+    return format_text(raw, "<suggest>")

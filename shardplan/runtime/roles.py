@@ -1,0 +1,417 @@
+"""What each param dim *is*, read from the step's computation, not from names (for the plan
+search, ``shardplan suggest``).
+
+One walk over the traced step's jaxpr joins array dims that must be the same logical dimension:
+the operand and result dims of elementwise ops, a matmul's contracting dims with each other and
+its batch dims with the result's, a transpose's permuted dims, the dims a reshape keeps, the dims
+a call, loop or branch passes through. A reshape that splits one dim into several (``heads *
+head_dim`` into ``heads, head_dim``) records the whole as made of its parts, so two dims made of
+the same parts are one dimension too. Params whose paths differ only in list indices (the layers
+of a list) share their dims. What is left is a handful of classes, the model's logical axes
+(embedding width, heads, MLP width, vocabulary, stacked layers, experts) found from the
+computation, and each param dim tagged by how the step uses it:
+
+- ``contract``: a matmul contracts it with an activation (the weight's input side);
+- ``free``: it survives a matmul into the result (the weight's output side);
+- ``batch``: a matmul batches over it (a stacked expert dim);
+- ``rows``: a gather looks rows up along it (an embedding table's vocabulary);
+- ``stack``: a ``scan`` iterates over it (stacked layers).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardplan.runtime.primitives import ELEMENTWISE
+
+TAGS = ("contract", "free", "batch", "rows", "stack")
+
+_SAME_SHAPE = ELEMENTWISE | {
+    "select_n",
+    "clamp",
+    "cumsum",
+    "cumprod",
+    "cummax",
+    "cummin",
+    "cumlogsumexp",
+    "sort",
+    "rev",
+    "stop_gradient",
+    "optimization_barrier",
+    "sharding_constraint",
+    "reshard",
+    "mesh_cast",
+    "sharding_cast",
+    "scatter-add",
+    "scatter_add",
+    "scatter",
+    "scatter-mul",
+    "scatter_mul",
+    "dynamic_update_slice",
+    "random_wrap",
+    "random_unwrap",
+    "erf_inv",
+    "name",
+}
+_VIEW_1TO1 = {"convert_element_type", "copy", "copy_p", "optimization_barrier", "sharding_constraint", "name"}
+_REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin"}
+_ALIGNED = {"dynamic_slice", "slice", "pad", "concatenate", "split", "top_k", "reduce_precision"}
+
+
+@dataclass(frozen=True)
+class ParamDims:
+    path: str
+    shape: tuple[int, ...]
+    classes: tuple[int, ...]  # the logical dimension of each dim
+    units: tuple[int, ...]  # what decides each dim's split: its class's major finest part
+    tags: tuple[frozenset[str], ...]  # how the step uses each dim (TAGS)
+
+
+@dataclass(frozen=True)
+class Roles:
+    params: tuple[ParamDims, ...]
+    sizes: dict[int, int]  # class -> size
+    inputs: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # input path, shape, classes
+
+    def class_tags(self, cls: int) -> frozenset[str]:
+        out: set[str] = set()
+        for p in self.params:
+            for c, t in zip(p.classes, p.tags, strict=True):
+                if c == cls:
+                    out |= t
+        return frozenset(out)
+
+
+def template(path: str) -> str:
+    """A path with its list indices generalised (``layers/3/mlp`` -> ``layers/\\d+/mlp``)."""
+    return "/".join(r"\d+" if part.isascii() and part.isdigit() else re.escape(part) for part in path.split("/"))
+
+
+class _Walk:
+    def __init__(self) -> None:
+        self.parent: list[int] = []
+        self.size: list[int] = []
+        self.merges: list[tuple[int, tuple[int, ...]]] = []  # a whole dim made of these parts
+        self.tags: dict[tuple[int, int], set[str]] = {}  # (param, dim) -> tags
+        self.views: dict[Any, tuple[int, tuple[int | None, ...]]] = {}  # var -> (param, param dim per dim)
+        self.first: dict[tuple[int, str], int] = {}  # (param, use) -> the var of its first use
+        self.parts: dict[int, tuple[int, ...]] = {}  # whole -> its parts (settle)
+
+    def new(self, size: int) -> int:
+        self.parent.append(len(self.parent))
+        self.size.append(size)
+        return len(self.parent) - 1
+
+    def find(self, a: int) -> int:
+        root = a
+        while self.parent[root] != root:
+            root = self.parent[root]
+        while self.parent[a] != root:
+            self.parent[a], a = root, self.parent[a]
+        return root
+
+    def union(self, a: int, b: int) -> bool:
+        ra, rb = self.find(a), self.find(b)
+        if ra == rb or self.size[ra] != self.size[rb] or self.size[ra] == 1:
+            return False
+        self.parent[max(ra, rb)] = min(ra, rb)
+        return True
+
+    def fresh(self, aval: Any) -> list[int]:
+        return [self.new(int(s)) for s in getattr(aval, "shape", ())]
+
+    def tag(self, var: Any, dim: int, what: str, use: str, eqn: Any) -> None:
+        """Tag the param dim behind ``var``'s dim ``dim``, from the param's first use by ``use``
+        (a matmul, a gather, a scan): the forward pass's; the backward pass uses the weight again
+        (a matmul contracting its output side)."""
+        view = None if hasattr(var, "val") else self.views.get(var)
+        pdim = None if view is None else view[1][dim]
+        if view is None or pdim is None:
+            return
+        first = self.first.setdefault((view[0], use), id(eqn))
+        if first == id(eqn):
+            self.tags.setdefault((view[0], pdim), set()).add(what)
+
+    def view(self, out: Any, src: Any, dims: Sequence[int | None]) -> None:
+        """``out``'s dims are ``src``'s dims ``dims`` (None: not a dim of it), when ``src`` is a param's view."""
+        v = None if hasattr(src, "val") else self.views.get(src)
+        if v is not None:
+            self.views[out] = (v[0], tuple(None if d is None else v[1][d] for d in dims))
+
+    # -- the walk --
+    def run(self, jaxpr: Any, ins: list[list[int]]) -> list[list[int]]:
+        env: dict[Any, list[int]] = {}
+        for v in jaxpr.constvars:
+            env[v] = self.fresh(v.aval)
+        for v, nodes in zip(jaxpr.invars, ins, strict=True):
+            env[v] = nodes
+
+        def read(x: Any) -> list[int]:
+            return env[x] if not hasattr(x, "val") else self.fresh(x.aval)
+
+        for eqn in jaxpr.eqns:
+            outs = self.eqn(eqn, [read(x) for x in eqn.invars])
+            for v, nodes in zip(eqn.outvars, outs, strict=True):
+                env[v] = nodes
+        return [read(x) for x in jaxpr.outvars]
+
+    def call(self, inner: Any, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        jaxpr = inner.jaxpr if hasattr(inner, "jaxpr") else inner
+        for outer, v in zip(eqn.invars, jaxpr.invars, strict=False):
+            if not hasattr(outer, "val") and outer in self.views:
+                self.views[v] = self.views[outer]
+        outs = self.run(jaxpr, ins[: len(jaxpr.invars)])
+        return self._shaped(eqn, outs)
+
+    def _shaped(self, eqn: Any, outs: list[list[int]]) -> list[list[int]]:
+        got = []
+        for v, nodes in zip(eqn.outvars, outs, strict=False):
+            shape = tuple(getattr(v.aval, "shape", ()))
+            got.append(nodes if tuple(self.size[n] for n in nodes) == shape else self.fresh(v.aval))
+        return got + [self.fresh(v.aval) for v in eqn.outvars[len(got) :]]
+
+    def eqn(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        name = eqn.primitive.name
+        p = eqn.params
+        out_avals = [v.aval for v in eqn.outvars]
+        if name == "dot_general":
+            return [self.dot(eqn, ins)]
+        if name == "scan":
+            return self.scan(eqn, ins)
+        if name == "while":
+            nb, nc = p["body_nconsts"], p["cond_nconsts"]
+            body = p["body_jaxpr"].jaxpr
+            carry = ins[nc + nb :]
+            outs = self.run(body, ins[nc : nc + nb] + carry)
+            for after, before in zip(outs, carry, strict=False):
+                self._align(after, before)
+            return [list(c) for c in carry]
+        if name == "cond":
+            first: list[list[int]] | None = None
+            for branch in p["branches"]:
+                took = self.run(branch.jaxpr, ins[1:])
+                if first is None:
+                    first = took
+                else:
+                    for x, y in zip(first, took, strict=True):
+                        self._align(x, y)
+            return first or []
+        if name in ("shard_map", "pallas_call"):
+            return [self.fresh(a) for a in out_avals]
+        for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+            inner = p.get(key)
+            if inner is not None and hasattr(inner if not hasattr(inner, "jaxpr") else inner.jaxpr, "eqns"):
+                return self.call(inner, eqn, ins)
+        if name == "transpose":
+            perm = p["permutation"]
+            self.view(eqn.outvars[0], eqn.invars[0], list(perm))
+            return [[ins[0][i] for i in perm]]
+        if name == "reshape":
+            return [self.reshape(eqn, ins[0])]
+        if name == "squeeze":
+            keep = [i for i in range(len(ins[0])) if i not in set(d % max(len(ins[0]), 1) for d in p["dimensions"])]
+            self.view(eqn.outvars[0], eqn.invars[0], keep)
+            return [[ins[0][i] for i in keep]]
+        if name == "broadcast_in_dim":
+            out = self.fresh(out_avals[0])
+            dims: list[int | None] = [None] * len(out)
+            for k, d in enumerate(p["broadcast_dimensions"]):
+                if self.union(out[d], ins[0][k]) or self.find(out[d]) == self.find(ins[0][k]):
+                    out[d] = ins[0][k]
+                    dims[d] = k
+            self.view(eqn.outvars[0], eqn.invars[0], dims)
+            return [out]
+        if name in _REDUCE:
+            axes = set(p["axes"])
+            keep = [i for i in range(len(ins[0])) if i not in axes]
+            return [[ins[0][i] for i in keep] for _ in out_avals]
+        if name == "gather":
+            return [self.gather(eqn, ins)]
+        if name in _SAME_SHAPE or name in _ALIGNED:
+            results = []
+            for v in eqn.outvars:
+                out = self.fresh(v.aval)
+                for nodes in ins:
+                    if len(nodes) == len(out):
+                        for a, b in zip(out, nodes, strict=True):
+                            self.union(a, b)
+                if name in _VIEW_1TO1 and eqn.invars and len(ins[0]) == len(out):
+                    self.view(v, eqn.invars[0], list(range(len(out))))
+                results.append(out)
+            return results
+        return [self.fresh(a) for a in out_avals]
+
+    def _align(self, a: list[int], b: list[int]) -> None:
+        if len(a) == len(b):
+            for x, y in zip(a, b, strict=True):
+                self.union(x, y)
+
+    def dot(self, eqn: Any, ins: list[list[int]]) -> list[int]:
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        lhs, rhs = ins[0], ins[1]
+        for a, b in zip(lc, rc, strict=True):
+            self.union(lhs[a], rhs[b])
+        out = [lhs[a] for a in lb]
+        for a, b in zip(lb, rb, strict=True):
+            self.union(lhs[a], rhs[b])
+        lf = [i for i in range(len(lhs)) if i not in lc and i not in lb]
+        rf = [i for i in range(len(rhs)) if i not in rc and i not in rb]
+        out += [lhs[i] for i in lf] + [rhs[i] for i in rf]
+        for x, c, b, f in ((eqn.invars[0], lc, lb, lf), (eqn.invars[1], rc, rb, rf)):
+            for d in c:
+                self.tag(x, d, "contract", "dot", eqn)
+            for d in b:
+                self.tag(x, d, "batch", "dot", eqn)
+            for d in f:
+                self.tag(x, d, "free", "dot", eqn)
+        return out
+
+    def gather(self, eqn: Any, ins: list[list[int]]) -> list[int]:
+        dn = eqn.params["dimension_numbers"]
+        sizes = eqn.params["slice_sizes"]
+        operand, idx = ins[0], ins[1]
+        out = self.fresh(eqn.outvars[0].aval)
+        offset = tuple(dn.offset_dims)
+        skipped = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()) or ())
+        kept = [d for d in range(len(operand)) if d not in skipped]
+        for o, d in zip(offset, kept, strict=False):
+            if sizes[d] == self.size[operand[d]]:
+                self.union(out[o], operand[d])
+        batch_out = [i for i in range(len(out)) if i not in offset]
+        for o, d in zip(batch_out, range(len(idx) - 1), strict=False):
+            self.union(out[o], idx[d])
+        for d in dn.collapsed_slice_dims:
+            self.tag(eqn.invars[0], d, "rows", "gather", eqn)
+        return out
+
+    def reshape(self, eqn: Any, ins: list[int]) -> list[int]:
+        out = self.fresh(eqn.outvars[0].aval)
+        a = [self.size[n] for n in ins]
+        b = [self.size[n] for n in out]
+        dims: list[int | None] = [None] * len(out)
+        ia = [i for i, s in enumerate(a) if s != 1]
+        ib = [j for j, s in enumerate(b) if s != 1]
+        i = j = 0
+        while i < len(ia) and j < len(ib):
+            ga, gb = [ia[i]], [ib[j]]
+            pa, pb = a[ia[i]], b[ib[j]]
+            while pa != pb:
+                if pa < pb and i + 1 < len(ia):
+                    i += 1
+                    ga.append(ia[i])
+                    pa *= a[ia[i]]
+                elif pb < pa and j + 1 < len(ib):
+                    j += 1
+                    gb.append(ib[j])
+                    pb *= b[ib[j]]
+                else:
+                    break
+            if pa != pb:
+                break
+            if len(ga) == 1 and len(gb) == 1:
+                out[gb[0]] = ins[ga[0]]
+                dims[gb[0]] = ga[0]
+            elif len(ga) == 1:
+                self.merges.append((ins[ga[0]], tuple(out[k] for k in gb)))
+            elif len(gb) == 1:
+                self.merges.append((out[gb[0]], tuple(ins[k] for k in ga)))
+            i += 1
+            j += 1
+        self.view(eqn.outvars[0], eqn.invars[0], dims)
+        return out
+
+    def scan(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        p = eqn.params
+        body = p["jaxpr"].jaxpr
+        nc, nk = p["num_consts"], p["num_carry"]
+        consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
+        for outer, v in zip(eqn.invars[:nc], body.invars[:nc], strict=False):
+            if not hasattr(outer, "val") and outer in self.views:
+                self.views[v] = self.views[outer]
+        for k, (outer, v) in enumerate(zip(eqn.invars[nc + nk :], body.invars[nc + nk :], strict=False)):
+            if not hasattr(outer, "val") and outer in self.views:
+                self.tag(outer, 0, "stack", "scan", eqn)
+                self.view(v, outer, list(range(1, len(xs[k]))))
+        outs = self.run(body, consts + carry + [x[1:] for x in xs])
+        for a, b in zip(outs[:nk], carry, strict=True):
+            self._align(a, b)
+        length = self.new(int(p["length"]))
+        for x in xs:
+            if x:
+                self.union(x[0], length)
+        return [list(c) for c in carry] + [[length] + y for y in outs[nk:]]
+
+    def atoms(self, c: int, depth: int = 0) -> tuple[int, ...]:
+        """A dim as the finest parts it is known to be made of, major first (itself if none)."""
+        parts = self.parts.get(self.find(c))
+        if parts is None or depth > 32:
+            return (self.find(c),)
+        return tuple(a for p in parts for a in self.atoms(p, depth + 1))
+
+    def settle(self) -> None:
+        """Dims made of the same finest parts are one dimension, to a fixed point: ``heads *
+        head_dim`` split as ``(heads, head_dim)`` in one place and ``(kv_heads, groups,
+        head_dim)`` in another, with ``heads`` split as ``(kv_heads, groups)``."""
+        changed = True
+        while changed:
+            changed = False
+            self.parts = {}
+            for whole, parts in self.merges:
+                w = self.find(whole)
+                if w not in self.parts or len(parts) > len(self.parts[w]):
+                    self.parts[w] = parts
+            seen: dict[tuple[int, ...], int] = {}
+            for w in list(self.parts):
+                key = self.atoms(w)
+                if key in seen:
+                    changed |= self.union(seen[key], w)
+                else:
+                    seen[key] = w
+
+    def major(self, c: int) -> int:
+        """The dim that decides how ``c`` splits: its first (major) finest part."""
+        return self.atoms(c)[0]
+
+
+def roles(closed: Any, paths: list[str], n_params: int, input_paths: list[str]) -> Roles:
+    """The dims of the first ``n_params`` invars of the traced step ``closed`` (params, with
+    ``paths``), and of its last ``len(input_paths)`` invars (the batch's leaves)."""
+    jaxpr = closed.jaxpr
+    w = _Walk()
+    ins = [w.fresh(v.aval) for v in jaxpr.invars]
+    for i, v in enumerate(jaxpr.invars[:n_params]):
+        w.views[v] = (i, tuple(range(len(ins[i]))))
+    # layers of a list: params whose paths differ only in list indices share their dims
+    first: dict[tuple[str, tuple[int, ...]], int] = {}
+    for i, path in enumerate(paths[:n_params]):
+        key = (template(path), tuple(jaxpr.invars[i].aval.shape))
+        j = first.setdefault(key, i)
+        for a, b in zip(ins[i], ins[j], strict=True):
+            w.union(a, b)
+    w.run(jaxpr, ins)
+    # a param's tags hold for every layer of its list
+    for i, path in enumerate(paths[:n_params]):
+        j = first[(template(path), tuple(jaxpr.invars[i].aval.shape))]
+        for d in range(len(ins[i])):
+            t = w.tags.get((i, d))
+            if t and j != i:
+                w.tags.setdefault((j, d), set()).update(t)
+    w.settle()
+    params = []
+    for i, path in enumerate(paths[:n_params]):
+        j = first[(template(path), tuple(jaxpr.invars[i].aval.shape))]
+        shape = tuple(int(s) for s in jaxpr.invars[i].aval.shape)
+        classes = tuple(w.find(n) for n in ins[i])
+        units = tuple(w.major(c) for c in classes)
+        tags = tuple(frozenset(w.tags.get((j, d), set()) | w.tags.get((i, d), set())) for d in range(len(shape)))
+        params.append(ParamDims(path, shape, classes, units, tags))
+    start = len(jaxpr.invars) - len(input_paths)
+    inputs = tuple(
+        (path, tuple(int(s) for s in jaxpr.invars[start + k].aval.shape), tuple(w.find(n) for n in ins[start + k]))
+        for k, path in enumerate(input_paths)
+    )
+    used = {c for p in params for c in p.classes + p.units} | {c for _, _, cs in inputs for c in cs}
+    return Roles(tuple(params), {c: w.size[c] for c in sorted(used)}, inputs)

@@ -1,0 +1,159 @@
+"""`shardplan suggest`: param roles read from the computation, the search, the plan it writes
+(trains equal to one device on both backends, formatted, strict-clean), names that do not
+matter, and the errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import optax
+import pytest
+
+import shardplan
+from shardplan.core import search
+from shardplan.lang.fmt import format_text
+from shardplan.tools import cli
+from tests import reference
+from tests.helpers import ROOT
+
+RENAMED = ROOT / "tests" / "fixtures" / "renamed_models.py"
+ENGINE = ROOT / "tests" / "fixtures" / "engine_models.py"
+EXAMPLES = ROOT / "examples" / "models.py"
+TRAIN = ROOT / "examples" / "train.py"
+BATCH = ["tokens=int32[16,64],labels=int32[16,64]"]
+TIGHT = 2560 * 2**10  # the tower replicated peaks at 11.8 MiB, data parallel at 3.2: weights must be split
+
+
+@pytest.fixture(scope="module")
+def tight():
+    return shardplan.suggest(model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, devices=8,
+                             device_memory=TIGHT, confirm=1)
+
+
+def _roles(model: str, step: str):
+    return shardplan.api.step_coster(model, step, ["tokens=int32[8,16]", "labels=int32[8,16]"]).roles(8)
+
+
+def test_roles_come_from_the_matmuls_not_the_names():
+    r = _roles(f"{EXAMPLES}:gpt_tiny", f"{TRAIN}:lm_loss")
+    p = {x.path: x for x in r.params}
+    q, k, v, o = (p[f"blocks/0/attn/{n}/kernel"] for n in ("query", "key", "value", "out"))
+    width = q.units[0]
+    # every projection reads the residual stream; o writes it back
+    assert k.units[0] == v.units[0] == width and o.units[1] == width
+    # the heads: q, k, v and o's input are split into the same heads by the step's reshapes
+    assert q.units[1] == k.units[1] == v.units[1] == o.units[0] != width
+    assert q.tags == (frozenset({"contract"}), frozenset({"free"}))  # the forward matmul's sides
+    assert o.tags == (frozenset({"contract"}), frozenset({"free"}))
+    up, down = p["blocks/0/mlp/up/kernel"], p["blocks/0/mlp/down/kernel"]
+    assert up.units[1] == down.units[0] and up.units[1] not in (width, q.units[1])
+    assert p["blocks/1/mlp/up/kernel"].units == up.units  # the layers of a list share their dims
+    assert p["embed/embedding"].tags[0] == {"rows"} and p["embed/embedding"].units[1] == width
+
+
+def test_roles_find_experts_and_stacked_layers():
+    moe = {x.path: x for x in _roles(f"{ENGINE}:moe", f"{ENGINE}:moe_loss").params}
+    w_in = moe["blocks/0/moe/w_in"]
+    assert "batch" in w_in.tags[0] and w_in.units[0] == moe["blocks/0/moe/w_out"].units[0]
+    assert w_in.units[0] == moe["blocks/0/moe/router/kernel"].units[1]  # the router scores each expert
+    scan = {x.path: x for x in _roles(f"{EXAMPLES}:llama_tiny_scan", f"{TRAIN}:lm_loss").params}
+    stacked = {x.units[0] for path, x in scan.items() if path.startswith("layers/")}
+    assert len(stacked) == 1 and all("stack" in x.tags[0] for path, x in scan.items() if path.startswith("layers/"))
+
+
+def test_meshes_keep_the_model_axis_in_a_host_and_tag_axes_that_cross():
+    fam = search.Family("w", (64, 64), (1, 2), (frozenset({"contract"}), frozenset({"free"})), 1)
+    space = search.Space((fam,), {1: 64, 2: 64}, (16,))
+    got = search.meshes(space, 16, per_host=4)
+    assert all(dict((a, n) for a, n, _ in m).get("model", 1) <= 4 for m in got)
+    links = {tuple((a, n) for a, n, _ in m): {a: link for a, _, link in m} for m in got}
+    assert links[(("data", 4), ("model", 4))] == {"data": "dcn", "model": "ici"}
+    assert links[(("data", 16),)] == {"data": "dcn"}
+
+
+def test_a_tight_budget_gets_a_split_plan_that_fits(tight):
+    assert tight.best.fits and tight.best.peak <= TIGHT
+    assert tight.best.exact_peak is not None and tight.best.exact_peak <= TIGHT  # the compiled program fits too
+    plan = shardplan.loads(tight.text, "suggested.splan")
+    assert plan.params, tight.text  # something is split
+    assert format_text(tight.text) == tight.text
+    header = " ".join(line.lstrip("# ") for line in tight.text.splitlines() if line.startswith("#"))
+    assert re.search(r"Predicted step [\d.]+ ms .* peak [\d.]+ [KM]iB per device", header), header
+    assert "# Runners-up:" in tight.text and tight.searched >= 10
+
+
+@pytest.mark.parametrize("backend", ["auto", "shard_map"])
+def test_the_suggested_plan_trains_equal_to_one_device(tight, backend):
+    from tests.fixtures import renamed_models as rm
+
+    plan = shardplan.loads(tight.text, "suggested.splan")
+    rng = np.random.default_rng(0)
+    batches = []
+    for _ in range(3):
+        tokens = rng.integers(0, rm.VOCAB, (16, 64), dtype=np.int32)
+        batches.append({"tokens": tokens, "labels": np.roll(tokens, -1, axis=1)})
+    tx = optax.adamw(1e-2, eps=1e-5)
+    model, opt, placement = shardplan.init_sharded(plan, rm.tower, tx, mesh=shardplan.make_mesh(plan))
+    step = shardplan.train_step(placement, rm.loss, model, opt, backend=backend)
+    losses = [float(step(model, opt, b)) for b in batches]
+    ref_losses, ref_params = reference.train(rm.tower, tx, rm.loss, batches, key="adamw-1e-2")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = reference.params_of(model)
+    for path, want in ref_params.items():
+        np.testing.assert_allclose(got[path], want, rtol=1e-4, atol=5e-6, err_msg=path)
+
+
+def _body(text: str) -> list[str]:
+    """The plan's statements and the comments saying what each candidate is (no timings)."""
+    return [" ".join(re.sub(r"[\d.]+ (ms|s|MiB|KiB|GiB)\b", "#", line).split()) for line in text.splitlines()
+            if not line.startswith("# Written by")]
+
+
+def test_the_same_model_with_other_names_gets_the_same_plan():
+    from tests.fixtures import renamed_models as rm
+
+    kw = dict(batch=BATCH, devices=8, device_memory=TIGHT, confirm=0, step=f"{RENAMED}:loss")
+    a = shardplan.suggest(model=f"{RENAMED}:tower", **kw)
+    b = shardplan.suggest(model=f"{RENAMED}:stack_of_cells", **kw)
+    renamed = a.text
+    for key in sorted(rm.A, key=lambda k: -len(rm.A[k])):  # longest first: "norm" inside "norm1"
+        renamed = re.sub(rf"(?<![\w]){re.escape(rm.A[key])}(?![\w])", "\0" + key + "\0", renamed)
+    for key, name in rm.B.items():
+        renamed = renamed.replace("\0" + key + "\0", name)
+    assert sorted(_body(renamed)) == sorted(_body(b.text))  # rules in path order, which names change
+    assert a.best.step_s == pytest.approx(b.best.step_s) and a.best.peak == b.best.peak
+
+
+def test_nothing_fits_names_the_smallest_peak_and_what_would_fit():
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        shardplan.suggest(model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, devices=8,
+                          device_memory=200 * 2**10, confirm=0)
+    (d,) = info.value.diagnostics
+    assert d.code == "no-plan-fits" and "smallest peak" in d.message and "most is" in d.message
+    assert "more devices" in d.hint and "remat" in d.hint and d.path == "--device-memory"
+
+
+@pytest.mark.parametrize("kw,where", [(dict(devices=0), "--devices"), (dict(devices=8, top=0), "--top"),
+                                      (dict(devices=8, device_memory=-1), "--device-memory"),
+                                      (dict(devices=8, chip="h1000"), "--chip"),
+                                      (dict(devices=8, confirm=-2), "confirm")])
+def test_bad_arguments_are_located_errors(kw, where):
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        shardplan.suggest(model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, **kw)
+    assert info.value.diagnostics[0].path == where
+
+
+def test_cli_writes_the_plan_and_json(tmp_path, capsys):
+    out = tmp_path / "plan.splan"
+    rc = cli.main(["suggest", "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss", "--batch", BATCH[0],
+                   "--devices", "8", "--device-memory", "2560KiB", "--no-compile", "-o", str(out), "--format", "json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["ok"] and doc["plan"] == out.read_text() and doc["best"]["fits"]
+    assert doc["searched"] >= 10 and doc["alternatives"] and doc["cost"]["mode"] == "fast"
+    assert cli.main(["fmt", "--check", str(out)]) == 0
+    assert cli.main(["check", str(out), "--model", f"{RENAMED}:tower", "--strict"]) == 0
+    capsys.readouterr()
+    assert cli.main(["suggest", "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss", "--devices", "8"]) == 2
+    assert "--batch" in capsys.readouterr().err
