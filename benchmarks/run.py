@@ -540,6 +540,12 @@ def _bench_random_plans(quick: bool) -> dict:
     return random_plans.run(quick)
 
 
+def _bench_suggest(quick: bool) -> dict:
+    from benchmarks import suggest
+
+    return suggest.run(quick)
+
+
 def _bench_lsp(quick: bool) -> dict:
     from benchmarks import lsp
 
@@ -563,6 +569,7 @@ SECTIONS = [
     ("lsp", "9. language server", _bench_lsp),
     ("recost", "10. re-cost on one trace", _bench_recost),
     ("random_plans", "11. random plans, fast vs exact", _bench_random_plans),
+    ("suggest", "12. suggest vs the shipped plans", _bench_suggest),
 ]
 
 
@@ -648,6 +655,10 @@ def checks(res: dict) -> list[dict]:
         from benchmarks import random_plans
 
         out += random_plans.checks(res["random_plans"])
+    if "suggest" in res:
+        from benchmarks import suggest
+
+        out += suggest.checks(res["suggest"])
     if "reshard" in res:
         d70 = res["reshard"]["diff_70b"]
         out.append(_check(f"shardplan diff {d70['model']} ({d70['leaves']} params) from cached shapes, seconds",

@@ -277,11 +277,13 @@ def suggest(
         notes.append(f"not confirmed in exact mode: {devices} devices are more than this machine simulates")
     confirm_s = time.perf_counter() - t1
 
+    winner = fitting[0]
+
     def candidate(r: search.Scored) -> Candidate:
         ex = confirmed.get(r.text)
         return Candidate(
             r.text,
-            r.choice.describe(space),
+            r.choice.describe(space) if r is winner else r.choice.versus(winner.choice, space),
             r.seconds,
             r.time.overlapped_s,
             r.peak,
@@ -293,7 +295,6 @@ def suggest(
     best = candidate(fitting[0])
     others = [candidate(r) for r in fitting[1:]][: max(top - 1, 0)]
     ruled_out = [candidate(r) for r in ranked if not r.fits][:2]
-    winner = fitting[0]
     cost = confirmed[winner.text][2] if winner.text in confirmed else winner.cost
     text = render(best, others + ruled_out, winner, space, hw, devices, budget, len(s.seen), search_s)
     return Suggestion(

@@ -39,7 +39,7 @@ def test_quick_sections_cover_every_section():
 
 # Each group well under a minute on 2 cores (one subprocess each, jax imported anew).
 QUICK_GROUPS = [("resolution", "apply", "steps"), ("fsdp_llama", "scaling"), ("cost",), ("generation",),
-                ("step_cost", "step_cost_scale", "reshard", "shape_cache", "lsp"), ("recost",)]
+                ("step_cost", "step_cost_scale", "reshard", "shape_cache", "lsp"), ("recost", "suggest")]
 
 
 def test_benchmarks_quick_resolution_apply_and_steps(tmp_path):
@@ -124,13 +124,20 @@ def test_benchmarks_quick_step_cost_reshard_and_tools(tmp_path):
     assert sum(not c["timing"] for c in checks) == step_checks + len(reshard["rows"])
 
 
-def test_benchmarks_quick_recost(tmp_path):
+def test_benchmarks_quick_recost_and_suggest(tmp_path):
     res, checks = quick(tmp_path, *QUICK_GROUPS[5])
     (case,) = res["recost"]["cases"]
     assert case["traces"] >= 1 and len(case["rows"]) == 3
     assert all(r["equal"] for r in case["rows"]), "a re-cost differs from the full analysis"
     assert all(0 < r["recost_s"] and 0 < r["full_s"] for r in case["rows"])
-    assert [c["met"] for c in checks if not c["timing"]] == ["yes"]
+    assert [c["met"] for c in checks if not c["timing"] and c["measurement"].startswith("re-cost")] == ["yes"]
+    # suggest: the suggested plan, compiled, is no slower on the h100 formula than the best shipped one
+    (m,) = res["suggest"]["models"]
+    assert {r["plan"] for r in m["shipped"]} == {"dp.splan", "gpt_tp.splan"}
+    for label in ("free", "tight"):
+        assert m[label]["exact"]["step_s"] > 0 and m[label]["fits"], m[label]
+    assert m["tight"]["exact"]["peak"] <= m["tight"]["budget"]
+    assert all(c["met"] == "yes" for c in checks if not c["timing"] and c["measurement"].startswith("suggest"))
 
 
 @pytest.mark.parametrize("args, message", [(["--only", "steps,nope"], "unknown section(s) nope"),

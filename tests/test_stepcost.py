@@ -474,6 +474,25 @@ def test_step_time_adds_compute_memory_and_each_axis_links():
     assert set(relinked.comm_by_link) == {"ici"}
 
 
+def test_a_collective_across_and_inside_hosts_is_timed_hierarchically():
+    """An all-gather over (data @dcn, fsdp): NVLink over the whole buffer inside each host, then the
+    network over the 1/8 of it each device holds; param collectives share their launches' latency."""
+    from shardplan.core import chips, timing
+    from shardplan.core.stepcost import Communication, Memory, StepCost
+
+    plan = shardplan.loads("mesh data = 4 @dcn, fsdp = 8\ndefault replicated")
+    h100 = chips.lookup("h100")
+    gather = Communication("all-gather", ("data", "fsdp"), 8 * 10**9, 1)
+    t = timing.step_time(StepCost("exact", "auto", {"data": 4, "fsdp": 8}, 0.0, Memory(0, 0, 0), (gather,)),
+                         plan, h100)
+    assert t.comm_by_link["ici"] == pytest.approx(7 / 8 * 8e9 / 450e9)
+    assert t.comm_by_link["dcn"] == pytest.approx(3 / 4 * 1e9 / 50e9 + 5 * 8e-6)  # 32 devices: 5 doublings
+    # fast mode: 40 weight gathers of 1 MB each are combined into 2 launches of up to 30 MiB for the latency
+    weights = tuple(Communication("all-gather", ("fsdp",), 10**6, 1, moves=f"w{i}") for i in range(40))
+    t = timing.step_time(StepCost("fast", "auto", {"data": 4, "fsdp": 8}, 0.0, Memory(0, 0, 0), weights), plan, h100)
+    assert t.latency_s == pytest.approx(2 * 3 * 3e-6)
+
+
 def test_unknown_chip_and_link_are_located_errors():
     from shardplan.core import chips
 

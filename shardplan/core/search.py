@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 FSDP_MODES = ("params", "opt", "none")
+DATA_AXES = ("data", "fsdp")  # the batch axes: across hosts, and (hybrid FSDP) inside each
 _FSDP_WORDS = {
     "params": "FSDP (params and optimizer state over data)",
     "opt": "optimizer state over data (ZeRO-1)",
@@ -110,19 +111,35 @@ class Choice:
     def describe(self, space: Space) -> str:
         sizes = self.sizes
         mesh = " x ".join(f"{a}={n}" + (" @dcn" if link == "dcn" else "") for a, n, link in self.mesh)
-        if sizes.get("data", 1) == 1 and sizes.get("expert", 1) == 1 and not (self.tp and sizes.get("model", 1) > 1):
+        batch = math.prod(sizes.get(a, 1) for a in (*DATA_AXES, "expert"))
+        if batch == 1 and not (self.tp and sizes.get("model", 1) > 1):
             return f"{mesh}; nothing split: every device runs the whole step"
         parts = [mesh]
-        if sizes.get("data", 1) > 1:
+        if math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1:
             parts.append(_FSDP_WORDS[self.fsdp])
         if sizes.get("model", 1) > 1:
             dims = [space.names.get(u, str(space.sizes[u])) for u in space.tensor if u in self.tp]
+            more = f" and {len(dims) - 3} more (see the rules)" if len(dims) > 3 else ""
             parts.append(
-                "tensor parallel over " + ", ".join(dims) if dims else "model: replicas (nothing split over it)"
+                "tensor parallel over " + ", ".join(dims[:3]) + more
+                if dims
+                else "model: replicas (nothing split over it)"
             )
         if sizes.get("expert", 1) > 1:
             parts.append("experts over expert")
         return "; ".join(parts)
+
+    def versus(self, other: Choice, space: Space) -> str:
+        """What ``self`` changes against ``other``, for a runner-up beside the winner."""
+        if self.mesh != other.mesh:
+            return self.describe(space)
+        out = []
+        if self.fsdp != other.fsdp:
+            out.append(_FSDP_WORDS[self.fsdp])
+        for u in space.tensor:
+            if (u in self.tp) != (u in other.tp):
+                out.append(("also split " if u in self.tp else "keep whole ") + space.names.get(u, str(space.sizes[u])))
+        return "the same " + ("but " + "; ".join(out) if out else "plan")
 
 
 def divisors(n: int) -> list[int]:
@@ -145,12 +162,17 @@ def meshes(space: Space, devices: int, per_host: int | None = None) -> list[tupl
             if per_host and t > per_host:
                 continue
             d = devices // (e * t)
-            axes = [(a, n) for a, n in (("data", d), ("expert", e), ("model", t)) if n > 1] or [("data", 1)]
-            inner, linked = 1, []
-            for a, n in reversed(axes):
-                inner *= n
-                linked.append((a, n, "dcn" if per_host and inner > per_host else "ici"))
-            out.append(tuple(reversed(linked)))
+            splits = [(d, 1)]
+            inside = per_host // (e * t) if per_host and per_host % (e * t) == 0 else 1
+            if per_host and d * e * t > per_host and inside > 1 and d % inside == 0:
+                splits.append((d // inside, inside))  # data across hosts x fsdp inside each (hybrid)
+            for dd, f in splits:
+                axes = [(a, n) for a, n in (("data", dd), ("fsdp", f), ("expert", e), ("model", t)) if n > 1]
+                inner, linked = 1, []
+                for a, n in reversed(axes or [("data", 1)]):
+                    inner *= n
+                    linked.append((a, n, "dcn" if per_host and inner > per_host else "ici"))
+                out.append(tuple(reversed(linked)))
     return out
 
 
@@ -162,17 +184,18 @@ def param_dims(f: Family, space: Space, c: Choice) -> list[list[str]]:
     """The mesh axes over which each dim of the family's arrays is split."""
     sizes = c.sizes
     dims: list[list[str]] = [[] for _ in f.shape]
-    if len(f.shape) < 2:  # vectors (norm scales, biases) stay whole
+    stacked = set(space.stacked)
+    if sum(u not in stacked for u in f.units) < 2:  # vectors (norm scales, biases; stacked or not) stay whole
         return dims
     used: set[str] = set()
 
-    def put(i: int, axis: str) -> None:
-        n = sizes.get(axis, 1)
-        if n > 1 and axis not in used and f.shape[i] % (math.prod(sizes[a] for a in dims[i]) * n) == 0:
-            dims[i].append(axis)
-            used.add(axis)
+    def put(i: int, *axes: str) -> None:
+        axes = tuple(a for a in axes if sizes.get(a, 1) > 1 and a not in used)
+        n = math.prod(sizes[a] for a in axes)
+        if axes and f.shape[i] % (math.prod(sizes[a] for a in dims[i]) * n) == 0:
+            dims[i].extend(axes)
+            used.update(axes)
 
-    stacked = set(space.stacked)
     for i, u in enumerate(f.units):
         if u in stacked:
             continue
@@ -189,7 +212,7 @@ def param_dims(f: Family, space: Space, c: Choice) -> list[list[str]]:
         order = sorted(free, key=lambda i: (f.units[i] != width, -f.shape[i], i))
         for i in order:
             before = len(dims[i])
-            put(i, "data")
+            put(i, *DATA_AXES)
             if len(dims[i]) > before:
                 break
     return dims
@@ -201,7 +224,7 @@ def _spec(dims: list[list[str]]) -> str:
 
 def _batch_spec(space: Space, c: Choice) -> str:
     sizes = c.sizes
-    axes = [a for a in ("data", "expert") if sizes.get(a, 1) > 1]
+    axes = [a for a in (*DATA_AXES, "expert") if sizes.get(a, 1) > 1]
     while axes and any(b % math.prod(sizes[a] for a in axes) for b in space.batch):
         axes.pop()
     return f"({_axes_text(axes)})" if axes else "replicated"
@@ -218,7 +241,7 @@ def plan_text(space: Space, c: Choice, name: str = "suggested", header: Iterable
         dims = param_dims(f, space, c)
         if c.fsdp == "opt":
             with_data = dims
-            dims = [[a for a in d if a != "data"] for d in dims]
+            dims = [[a for a in d if a not in DATA_AXES] for d in dims]
             if with_data != dims:
                 opt.append(f'opt ".*/{f.template}" {_spec(with_data)}')
         if any(dims):
@@ -271,7 +294,7 @@ class Search:
     def neighbours(self, c: Choice) -> list[Choice]:
         out = []
         sizes = c.sizes
-        if sizes.get("data", 1) > 1:
+        if math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1:
             out += [replace(c, fsdp=m) for m in FSDP_MODES if m != c.fsdp]
         if sizes.get("model", 1) > 1:
             out += [replace(c, tp=c.tp ^ {u}) for u in self.space.tensor]
@@ -295,7 +318,7 @@ class Search:
         starts: list[Scored] = []
         for m in mesh_list:
             sizes = {a: n for a, n, _ in m}
-            fsdp = "params" if sizes.get("data", 1) > 1 else "none"
+            fsdp = "params" if math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1 else "none"
             choices = [Choice(m, frozenset(), fsdp)]
             if sizes.get("model", 1) > 1:
                 choices.append(Choice(m, frozenset(self.space.tensor), fsdp))

@@ -67,13 +67,24 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
     for c in cost.communication:
         group = math.prod(cost.mesh.get(a, 1) for a in c.axes)
         link = "dcn" if any(links.get(a) == "dcn" for a in c.axes) else "ici"
-        bw = chip.dcn_bandwidth if link == "dcn" else chip.ici_bandwidth
         if c.moves and cost.mode == "fast":  # combined with the others of its kind (see COMBINE_BYTES)
             combined[(c.kind, c.axes)] = combined.get((c.kind, c.axes), 0) + c.bytes // max(c.count, 1)
             lat = 0.0
         else:
             lat = collective_latency(c.count, group, chip.dcn_latency if link == "dcn" else chip.ici_latency)
         latency += lat
+        inside = math.prod(cost.mesh.get(a, 1) for a in c.axes if links.get(a) != "dcn")
+        if link == "dcn" and inside > 1:
+            # Over axes inside and across hosts: hierarchically, the fast links first over the whole
+            # buffer, then the network over the 1/inside of it each device holds.
+            by_link["ici"] = by_link.get("ici", 0.0) + collective_seconds(c.kind, c.bytes, inside, chip.ici_bandwidth)
+            by_link["dcn"] = (
+                by_link.get("dcn", 0.0)
+                + lat
+                + collective_seconds(c.kind, c.bytes / inside, group // inside, chip.dcn_bandwidth)
+            )
+            continue
+        bw = chip.dcn_bandwidth if link == "dcn" else chip.ici_bandwidth
         by_link[link] = by_link.get(link, 0.0) + collective_seconds(c.kind, c.bytes, group, bw) + lat
     for (_, axes), nbytes in combined.items():
         group = math.prod(cost.mesh.get(a, 1) for a in axes)
