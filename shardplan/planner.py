@@ -360,3 +360,192 @@ def render(
     ]
     raw = search.plan_text(space, winner.choice, header=wrapped)
     return format_text(raw, "<suggest>")
+
+
+@dataclass(frozen=True)
+class Change:
+    """One rule an improvement adds (before the plan's own rules: the first match wins)."""
+
+    rule: str  # 'param "REGEX" SPEC'
+    before: str  # the spec the family had
+    step_s: float  # the plan's predicted step with this and every earlier change
+    peak: int
+
+
+@dataclass(frozen=True)
+class Improvement:
+    """What ``improve`` found: the fewest rule changes that gain the most, in the order they pay."""
+
+    text: str  # the plan with the changes
+    diff: str  # unified diff against the plan as given
+    changes: tuple[Change, ...]
+    step_s: float  # the plan as given
+    peak: int
+    searched: int
+    search_s: float
+    chip: str
+
+    @property
+    def gain(self) -> float:
+        """The predicted step time saved, as a share of the plan's."""
+        end = self.changes[-1].step_s if self.changes else self.step_s
+        return 1 - end / self.step_s if self.step_s else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "plan": self.text,
+            "diff": self.diff,
+            "changes": [dict(c.__dict__) for c in self.changes],
+            "step_s": self.step_s,
+            "peak": self.peak,
+            "gain": self.gain,
+            "searched": self.searched,
+            "search_seconds": self.search_s,
+            "chip": self.chip,
+        }
+
+
+MIN_GAIN = 0.002  # a change must save at least this share of the step to be proposed
+
+
+def _spec_text(dims: list[tuple[str, ...]]) -> str:
+    if not any(dims):
+        return "replicated"
+    return "(" + ", ".join("_" if not d else d[0] if len(d) == 1 else "(" + ", ".join(d) + ")" for d in dims) + ")"
+
+
+def _options(f: search.Family, axes: dict[str, int], stacked: set[int]) -> list[str]:
+    """Every spec of a family's arrays over the plan's axes: each axis on one dim or none (stacked
+    dims whole), where the sizes divide."""
+    import itertools
+
+    dims = [i for i, u in enumerate(f.units) if u not in stacked]
+    out = []
+    names = list(axes)
+    for placed in itertools.product([None, *dims], repeat=len(names)):
+        spec: list[tuple[str, ...]] = [() for _ in f.shape]
+        for a, d in zip(names, placed, strict=True):
+            if d is not None:
+                spec[d] += (a,)
+        if all(f.shape[i] % math.prod(axes[a] for a in spec[i]) == 0 for i in range(len(f.shape))):
+            out.append(_spec_text(spec))
+    return out
+
+
+def _with_rules(text: str, rules: list[str]) -> str:
+    """``text`` with ``rules`` before its first param or default statement (they win: first match)."""
+    lines = text.splitlines()
+    at = next(
+        (i for i, line in enumerate(lines) if line.lstrip().startswith(("param ", "default ", "opt "))), len(lines)
+    )
+    return "\n".join(lines[:at] + rules + lines[at:]) + "\n"
+
+
+def search_template(path: str) -> str:
+    from shardplan.runtime.roles import template
+
+    return template(path)
+
+
+def _decided(plan: Any, path: str) -> str:
+    """The spec the plan's own rules give ``path`` (first full match), or its default."""
+    import re
+
+    for r in plan.params:
+        try:
+            if re.fullmatch(r.pattern, path):
+                return str(r.spec)
+        except re.error:  # RE2 syntax Python lacks: say so rather than guess
+            return "(decided by the plan)"
+    return str(plan.default) if plan.default is not None else "(decided by the plan)"
+
+
+def improve(
+    plan_path: str,
+    *,
+    model: str,
+    step: str,
+    batch: dict | list[str],
+    devices: int | None = None,
+    chip: str = DEFAULT_CHIP,
+    device_memory: int | None = None,
+    optimizer: str = "adamw",
+    rounds: int = 4,
+    progress: Any = None,
+) -> Improvement:
+    """The fewest rule changes to an existing plan that gain the most (``suggest --from``): a
+    greedy search over one family's spec at a time (every placement of the plan's own mesh axes on
+    its dims), each round keeping the change that saves the most, while it saves at least 1% and
+    the plan fits ``device_memory``.
+
+    Raises:
+        ShardPlanError: an unreadable plan, a model or step that fails, bad arguments.
+    """
+    import difflib
+    from pathlib import Path
+
+    from shardplan.lang.loader import load, read_file
+
+    hw = chips.lookup(chip)
+    optimizers.lookup(optimizer)
+    budget = device_memory if device_memory is not None else int(hw.hbm_bytes)
+    t0 = time.perf_counter()
+    base = load(plan_path)
+    sizes = base.mesh_shape(devices)
+    n = math.prod(sizes.values())
+    original = read_file(Path(plan_path))
+    base_dir = str(Path(plan_path).resolve().parent)
+    coster = api.step_coster(model, step, batch, optimizer)
+    roles = coster.roles(n)
+    fams = families(roles)
+    space = search.Space(fams, dict(roles.sizes), ())
+    stacked = set(space.stacked)
+    seen: dict[str, tuple[float, int] | None] = {}
+
+    def score(text: str) -> tuple[float, int] | None:
+        if text not in seen:
+            try:
+                plan = loads(text, str(plan_path), base_dir=base_dir, mesh=dict(sizes))
+                cost = coster.cost(plan, delta=False)
+                seen[text] = (timing.step_time(cost, plan, hw).serial_s, cost.memory.peak)
+            except ShardPlanError:
+                seen[text] = None
+            if progress:
+                progress(f"{len(seen)} plans costed")
+        return seen[text]
+
+    start = score(original)
+    if start is None:
+        coster.cost(loads(original, str(plan_path), base_dir=base_dir, mesh=dict(sizes)), delta=False)  # raises
+        raise AssertionError("unreachable")
+    current_s, current_peak = start
+    rules: list[str] = []
+    changes: list[Change] = []
+    decided: dict[str, str] = {}  # family template -> spec chosen
+    first_path: dict[str, str] = {}
+    for p in roles.params:
+        first_path.setdefault(search_template(p.path), p.path)
+    axes = {a: s for a, s in sizes.items() if s > 1}
+    for _ in range(rounds):
+        best: tuple[float, int, str, str, str] | None = None
+        for f in fams:
+            if sum(u not in stacked for u in f.units) < 2 or f.template in decided:
+                continue
+            for spec in _options(f, axes, stacked):
+                rule = f'param "{f.template}" {spec}'
+                got = score(_with_rules(original, rules + [rule]))
+                if got is None or got[1] > budget:
+                    continue
+                if best is None or got[0] < best[0]:
+                    best = (got[0], got[1], rule, f.template, spec)
+        if best is None or best[0] > (changes[-1].step_s if changes else current_s) * (1 - MIN_GAIN):
+            break
+        rules.append(best[2])
+        decided[best[3]] = best[4]
+        changes.append(Change(best[2], _decided(base, first_path[best[3]]), best[0], best[1]))
+    text = format_text(_with_rules(original, rules), str(plan_path)) if rules else original
+    ends = (original if original.endswith("\n") else original + "\n").splitlines(True)
+    diff = "".join(difflib.unified_diff(ends, text.splitlines(True), str(plan_path), "suggested"))
+    return Improvement(
+        text, diff, tuple(changes), current_s, current_peak, len(seen), time.perf_counter() - t0, hw.name
+    )

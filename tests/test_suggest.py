@@ -157,3 +157,43 @@ def test_cli_writes_the_plan_and_json(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["suggest", "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss", "--devices", "8"]) == 2
     assert "--batch" in capsys.readouterr().err
+
+
+BAD = """plan "bad"
+mesh data = 2, model = 4
+batch (data)
+param ".*/kernel" (model, _)
+default replicated
+"""
+
+
+def test_from_an_existing_plan_the_fewest_changes_that_pay(tmp_path):
+    from shardplan import planner
+
+    path = tmp_path / "bad.splan"
+    path.write_text(BAD)
+    got = planner.improve(str(path), model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, rounds=2)
+    assert len(got.changes) == 2 and got.gain > 0.05
+    steps = [got.step_s] + [c.step_s for c in got.changes]
+    assert all(b < a for a, b in zip(steps, steps[1:]))  # each change pays on its own, in order
+    assert all(c.before == "(model, _)" and c.rule.startswith('param "') for c in got.changes)
+    # the diff adds the changes (and realigns the plan's own rules beside them)
+    assert got.diff.startswith(f"--- {path}")
+    assert got.diff.count("\n+param") == len(got.changes) + got.diff.count("\n-param")
+    # the improved plan, costed on its own, is what the last change says
+    coster = shardplan.api.step_coster(f"{RENAMED}:tower", f"{RENAMED}:loss", BATCH)
+    from shardplan.core import chips, timing
+
+    plan = shardplan.loads(got.text, str(path))
+    assert timing.step_time(coster.cost(plan), plan, chips.lookup("h100")).serial_s == pytest.approx(
+        got.changes[-1].step_s)
+    assert format_text(got.text) == got.text
+
+
+def test_from_on_the_command_line(tmp_path, capsys):
+    path = tmp_path / "bad.splan"
+    path.write_text(BAD)
+    rc = cli.main(["suggest", "--from", str(path), "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss",
+                   "--batch", BATCH[0], "--format", "json", "-o", str(tmp_path / "better.splan")])
+    doc = json.loads(capsys.readouterr().out)
+    assert rc == 0 and doc["ok"] and doc["changes"] and doc["plan"] == (tmp_path / "better.splan").read_text()

@@ -562,6 +562,10 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
         )
     if args.output and Path(args.output).is_dir():
         raise _UsageError(f"-o {args.output}: is a directory; name the .splan file to write")
+    if args.start:
+        return _improve(args, out, err, budget)
+    if args.devices is None:
+        raise _UsageError("--devices: how many devices the plan's mesh has (or --from PLAN.splan)")
     kw = dict(
         model=args.model,
         step=args.step,
@@ -605,6 +609,58 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
         + (f"; written to {args.output}" if args.output else ""),
         markup=False,
         highlight=False,
+    )
+    return EXIT_OK
+
+
+def _improve(args, out: Console, err: Console, budget: int | None) -> int:
+    from shardplan import planner
+
+    result = planner.improve(
+        args.start,
+        model=args.model,
+        step=args.step,
+        batch=args.batch,
+        devices=args.devices,
+        chip=args.chip,
+        device_memory=budget,
+        optimizer=args.optimizer,
+    )
+    if args.output:
+        Path(args.output).write_text(result.text)
+    if args.format == "json":
+        out.print_json(json.dumps(dict(result.to_json(), ok=True, output=args.output)))
+        return EXIT_OK
+    if not result.changes:
+        err.print(
+            f"{args.start}: no single rule change saves {planner.MIN_GAIN:.0%} of its predicted step "
+            f"({result.step_s * 1e3:,.3f} ms on {result.chip}); "
+            f"{result.searched} plans costed in {result.search_s:.1f} s",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return EXIT_OK
+    out.file.write(result.diff)
+    out.file.flush()
+    prev = result.step_s
+    for c in result.changes:
+        err.print(
+            f"+ {c.rule}  (was {c.before}): step {c.step_s * 1e3:,.3f} ms ({c.step_s / prev - 1:+.1%}), "
+            f"peak {fmt_bytes(c.peak)}",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        prev = c.step_s
+    err.print(
+        f"{len(result.changes)} change(s): predicted step {result.step_s * 1e3:,.3f} -> "
+        f"{result.changes[-1].step_s * 1e3:,.3f} ms on {result.chip} ({-result.gain:+.1%}); "
+        f"{result.searched} plans costed in {result.search_s:.1f} s"
+        + (f"; written to {args.output}" if args.output else ""),
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
     )
     return EXIT_OK
 
@@ -832,7 +888,13 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY")
     sg.add_argument("--step", required=True, metavar="FILE:LOSS_FN", help="loss_fn(model, batch) -> scalar")
     sg.add_argument("--batch", action="append", help="input shapes: 'tokens=int32[8,1024],labels=int32[8,1024]'")
-    sg.add_argument("--devices", type=_count, required=True, help="how many devices the plan's mesh has")
+    sg.add_argument("--devices", type=_count, help="how many devices the plan's mesh has (with --from: for a '*' axis)")
+    sg.add_argument(
+        "--from",
+        dest="start",
+        metavar="PLAN",
+        help="improve this plan instead: the fewest rule changes that gain the most, as a diff",
+    )
     sg.add_argument(
         "--devices-per-host",
         type=_count,
