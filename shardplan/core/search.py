@@ -103,6 +103,7 @@ class Choice:
     mesh: tuple[tuple[str, int, str], ...]  # (axis, size, link)
     tp: frozenset[int] = frozenset()  # logical dims split over model
     fsdp: str = "none"
+    sp: bool = False  # sequence parallel: the outputs of the row-split matmuls' modules split by sequence
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -113,7 +114,10 @@ class Choice:
         mesh = " x ".join(f"{a}={n}" + (" @dcn" if link == "dcn" else "") for a, n, link in self.mesh)
         batch = math.prod(sizes.get(a, 1) for a in (*DATA_AXES, "expert"))
         if batch == 1 and not (self.tp and sizes.get("model", 1) > 1):
-            return f"{mesh}; nothing split: every device runs the whole step"
+            return (
+                f"{math.prod(sizes.values())} devices, nothing split: every device runs the whole step (on this "
+                "chip splitting costs this model more than it saves)"
+            )
         parts = [mesh]
         if math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1:
             parts.append(_FSDP_WORDS[self.fsdp])
@@ -127,6 +131,8 @@ class Choice:
             )
         if sizes.get("expert", 1) > 1:
             parts.append("experts over expert")
+        if self.sp:
+            parts.append("sequence parallel (act rules)")
         return "; ".join(parts)
 
     def versus(self, other: Choice, space: Space) -> str:
@@ -136,6 +142,8 @@ class Choice:
         out = []
         if self.fsdp != other.fsdp:
             out.append(_FSDP_WORDS[self.fsdp])
+        if self.sp != other.sp:
+            out.append("sequence parallel" if self.sp else "no sequence parallelism")
         for u in space.tensor:
             if (u in self.tp) != (u in other.tp):
                 out.append(("also split " if u in self.tp else "keep whole ") + space.names.get(u, str(space.sizes[u])))
@@ -218,6 +226,23 @@ def param_dims(f: Family, space: Space, c: Choice) -> list[list[str]]:
     return dims
 
 
+def sp_modules(space: Space, c: Choice) -> list[str]:
+    """The modules whose outputs sequence parallelism splits by sequence: those holding a matrix
+    split over ``model`` on the side a matmul contracts and writing the residual width (the
+    row-parallel projections that end an attention or MLP block). Not inside stacked (scanned)
+    layers: an ``act`` rule does not reach calls inside an NNX transform."""
+    out = []
+    for f in space.families:
+        if set(f.units) & set(space.stacked) or "/" not in f.template:
+            continue
+        dims = param_dims(f, space, c)
+        row = any("model" in d and "contract" in t for d, t in zip(dims, f.tags, strict=True))
+        writes = any(u == space.width and "free" in t for u, t in zip(f.units, f.tags, strict=True))
+        if row and writes:
+            out.append(f.template.rsplit("/", 1)[0])
+    return out
+
+
 def _spec(dims: list[list[str]]) -> str:
     return "(" + ", ".join(_axes_text(d) for d in dims) + ")"
 
@@ -235,7 +260,11 @@ def plan_text(space: Space, c: Choice, name: str = "suggested", header: Iterable
     ``default replicated``)."""
     lines = [f"# {h}" if h else "#" for h in header]
     mesh = ", ".join(f"{a} = {n}" + (" @dcn" if link == "dcn" else "") for a, n, link in c.mesh)
-    lines += [f'plan "{name}"', f"mesh {mesh}", f"batch {_batch_spec(space, c)}"]
+    batch = _batch_spec(space, c)
+    if batch == "replicated" and not any(any(param_dims(f, space, c)) for f in space.families):
+        # nothing split: every device runs the whole step, whatever the axes are called
+        mesh = f"data = {math.prod(c.sizes.values())}"
+    lines += [f'plan "{name}"', f"mesh {mesh}", f"batch {batch}"]
     opt = []
     for f in space.families:
         dims = param_dims(f, space, c)
@@ -247,6 +276,10 @@ def plan_text(space: Space, c: Choice, name: str = "suggested", header: Iterable
         if any(dims):
             lines.append(f'param "{f.template}" {_spec(dims)}')
     lines += opt
+    if c.sp:
+        batch = [a for a in (*DATA_AXES, "expert") if c.sizes.get(a, 1) > 1]
+        for m in sp_modules(space, c):
+            lines.append(f'act "{m}" ({_axes_text(batch)}, model, ...)')
     lines.append("default replicated")
     return "\n".join(lines) + "\n"
 
@@ -298,6 +331,8 @@ class Search:
             out += [replace(c, fsdp=m) for m in FSDP_MODES if m != c.fsdp]
         if sizes.get("model", 1) > 1:
             out += [replace(c, tp=c.tp ^ {u}) for u in self.space.tensor]
+            if c.sp or sp_modules(self.space, c):
+                out.append(replace(c, sp=not c.sp))
         return out
 
     def descend(self, start: Choice) -> Scored | None:
