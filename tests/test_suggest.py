@@ -197,3 +197,22 @@ def test_from_on_the_command_line(tmp_path, capsys):
                    "--batch", BATCH[0], "--format", "json", "-o", str(tmp_path / "better.splan")])
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and doc["ok"] and doc["changes"] and doc["plan"] == (tmp_path / "better.splan").read_text()
+
+
+def test_sequence_parallel_pins_the_outputs_of_the_row_split_matmuls():
+    from shardplan import planner
+
+    coster = shardplan.api.step_coster(f"{RENAMED}:tower", f"{RENAMED}:loss", BATCH)
+    r = coster.roles(8)
+    fams = planner.families(r)
+    space = search.Space(fams, dict(r.sizes), (16,))
+    mesh = (("data", 4, "ici"), ("model", 2, "ici"))
+    choice = search.Choice(mesh, frozenset(space.tensor) - {space.width}, "none", sp=True)
+    text = search.plan_text(space, choice)
+    acts = sorted(line for line in text.splitlines() if line.startswith("act "))
+    # the modules that end the attention and the MLP (their matmuls row-split, writing the residual)
+    assert acts == ['act "blocks/\\d+/attn/o" (data, model, ...)', 'act "blocks/\\d+/mlp/w_out" (data, model, ...)']
+    plan = shardplan.loads(text, "sp.splan")
+    cost = coster.cost(plan)
+    assert cost.constrained and all("act rule" in c.what for c in cost.constrained)
+    assert cost.bytes_by_kind()["reduce-scatter"] > 0  # the block outputs' all-reduces become reduce-scatters
