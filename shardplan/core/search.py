@@ -12,8 +12,8 @@ model axis inside a host, axes that cross hosts tagged ``@dcn``):
 - experts (a dim a matmul batches over) over ``expert``, the expert axis also splitting the
   batch outside the expert blocks;
 - ``data``: the batch, plus the params and their optimizer state (FSDP), or the optimizer
-  state alone (ZeRO-1), or neither (data parallel): each matrix split on its dim of the
-  model's most common width where it divides, else its largest free dim;
+  state alone (ZeRO-1), or neither (data parallel): a lookup table split by its rows, each
+  matrix on its dim of the model's most common width where it divides, else its largest free dim;
 - vectors (norm scales, biases) and stacked layer dims stay whole.
 """
 
@@ -217,7 +217,9 @@ def param_dims(f: Family, space: Space, c: Choice) -> list[list[str]]:
     if c.fsdp != "none":
         free = [i for i, u in enumerate(f.units) if u not in stacked and not dims[i]]
         width = space.width
-        order = sorted(free, key=lambda i: (f.units[i] != width, -f.shape[i], i))
+        # a table by its rows (split on its width over a batch axis, the lookup carries that split into
+        # the activations and XLA moves them: measured), a matrix on the residual width, else its largest dim
+        order = sorted(free, key=lambda i: ("rows" not in f.tags[i], f.units[i] != width, -f.shape[i], i))
         for i in order:
             before = len(dims[i])
             put(i, *DATA_AXES)
