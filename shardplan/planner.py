@@ -217,7 +217,8 @@ def suggest(
     fams = families(roles)
     shapes = coster.shapes
     space = search.Space(fams, dict(roles.sizes), tuple(int(s[0][0]) for s in shapes.values() if s[0]))
-    space = search.Space(space.families, space.sizes, space.batch, _names(space))
+    seq = tuple(int(s[0][1]) for s in shapes.values() if len(s[0]) > 1)
+    space = search.Space(space.families, space.sizes, space.batch, _names(space), seq)
 
     def score(text: str) -> tuple | None:
         plan = loads(text, "<suggest>")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 FSDP_MODES = ("params", "opt", "none")
-DATA_AXES = ("data", "fsdp")  # the batch axes: across hosts, and (hybrid FSDP) inside each
+DATA_AXES = ("data", "fsdp", "seq")  # FSDP's axes: across hosts, inside each (hybrid), the sequence's
 _FSDP_WORDS = {
     "params": "FSDP (params and optimizer state over data)",
     "opt": "optimizer state over data (ZeRO-1)",
@@ -55,6 +55,7 @@ class Space:
     sizes: dict[int, int]  # logical dim -> size
     batch: tuple[int, ...]  # the batch's leading dim size per input (the dim the batch splits)
     names: dict[int, str] = field(default_factory=dict)  # logical dim -> a readable name for comments
+    seq: tuple[int, ...] = ()  # the inputs' second dim (a sequence), for a seq axis when the batch runs out
 
     @property
     def experts(self) -> tuple[int, ...]:
@@ -170,6 +171,17 @@ def meshes(space: Space, devices: int, per_host: int | None = None) -> list[tupl
             if per_host and t > per_host:
                 continue
             d = devices // (e * t)
+            if space.batch and space.seq and any(b % d for b in space.batch):
+                # the batch runs out of rows: split the sequence too (a seq axis inside the data axis)
+                rows = math.gcd(d, *space.batch)
+                q = d // rows
+                if q > 1 and all(n % q == 0 for n in space.seq):
+                    axes = [(a, n) for a, n in (("data", rows), ("seq", q), ("expert", e), ("model", t)) if n > 1]
+                    inner, linked = 1, []
+                    for a, n in reversed(axes):
+                        inner *= n
+                        linked.append((a, n, "dcn" if per_host and inner > per_host else "ici"))
+                    out.append(tuple(reversed(linked)))
             splits = [(d, 1)]
             inside = per_host // (e * t) if per_host and per_host % (e * t) == 0 else 1
             if per_host and d * e * t > per_host and inside > 1 and d % inside == 0:
@@ -251,9 +263,11 @@ def _spec(dims: list[list[str]]) -> str:
 
 def _batch_spec(space: Space, c: Choice) -> str:
     sizes = c.sizes
-    axes = [a for a in (*DATA_AXES, "expert") if sizes.get(a, 1) > 1]
+    axes = [a for a in ("data", "fsdp", "expert") if sizes.get(a, 1) > 1]
     while axes and any(b % math.prod(sizes[a] for a in axes) for b in space.batch):
         axes.pop()
+    if sizes.get("seq", 1) > 1:
+        return f"({_axes_text(axes)}, seq)"
     return f"({_axes_text(axes)})" if axes else "replicated"
 
 
@@ -279,9 +293,9 @@ def plan_text(space: Space, c: Choice, name: str = "suggested", header: Iterable
             lines.append(f'param "{f.template}" {_spec(dims)}')
     lines += opt
     if c.sp:
-        batch = [a for a in (*DATA_AXES, "expert") if c.sizes.get(a, 1) > 1]
+        rows = [a for a in ("data", "fsdp", "expert") if c.sizes.get(a, 1) > 1]
         for m in sp_modules(space, c):
-            lines.append(f'act "{m}" ({_axes_text(batch)}, model, ...)')
+            lines.append(f'act "{m}" ({_axes_text(rows)}, model, ...)')
     lines.append("default replicated")
     return "\n".join(lines) + "\n"
 
@@ -337,8 +351,17 @@ class Search:
                 out.append(replace(c, sp=not c.sp))
         return out
 
+    def pairs(self, c: Choice) -> list[Choice]:
+        """Two changes at once, where one alone may not pay: the FSDP mode with a tensor-parallel dim
+        (memory moved from one to the other)."""
+        sizes = c.sizes
+        if math.prod(sizes.get(a, 1) for a in DATA_AXES) == 1 or sizes.get("model", 1) == 1:
+            return []
+        return [replace(c, fsdp=m, tp=c.tp ^ {u}) for m in FSDP_MODES if m != c.fsdp for u in self.space.tensor]
+
     def descend(self, start: Choice) -> Scored | None:
-        """First-improvement local search from ``start`` (one change at a time)."""
+        """First-improvement local search from ``start``: one change at a time, then pairs of
+        changes where no single one pays, until neither does."""
         best = self.evaluate(start)
         improved = True
         while improved:
@@ -347,6 +370,11 @@ class Search:
                 got = self.evaluate(n)
                 if got is not None and (best is None or got.key < best.key):
                     best, improved = got, True
+            if not improved and best is not None:
+                for n in self.pairs(best.choice):
+                    got = self.evaluate(n)
+                    if got is not None and got.key < best.key:
+                        best, improved = got, True
         return best
 
     def run(self, mesh_list: list[tuple[tuple[str, int, str], ...]], descents: int = 3) -> list[Scored]:
