@@ -216,3 +216,20 @@ def test_sequence_parallel_pins_the_outputs_of_the_row_split_matmuls():
     cost = coster.cost(plan)
     assert cost.constrained and all("act rule" in c.what for c in cost.constrained)
     assert cost.bytes_by_kind()["reduce-scatter"] > 0  # the block outputs' all-reduces become reduce-scatters
+
+
+def test_the_residual_stream_is_found_from_the_matmuls_and_can_be_pinned():
+    from shardplan import planner
+
+    for model in ("tower", "stack_of_cells"):  # the same structure, other names
+        coster = shardplan.api.step_coster(f"{RENAMED}:{model}", f"{RENAMED}:loss", BATCH)
+        r = coster.roles(8)
+        space = search.Space(planner.families(r), dict(r.sizes), (16,))
+        block = search.residual_module(space)
+        assert block == {"tower": "blocks/\\d+", "stack_of_cells": "cells/\\d+"}[model]
+        choice = search.Choice((("data", 4, "ici"), ("model", 2, "ici")), frozenset(), "params", pin=True)
+        plan = shardplan.loads(search.plan_text(space, choice), "pin.splan")
+        assert [r.pattern for r in plan.acts] == [block]
+        cost = coster.cost(plan)
+        (pinned,) = cost.constrained  # every block's output, (batch, sequence, width) split by rows
+        assert pinned.spec == "(data, _, _)" and pinned.shape == (16, 64, 32) and "act rule" in pinned.what

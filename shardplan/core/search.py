@@ -105,6 +105,7 @@ class Choice:
     tp: frozenset[int] = frozenset()  # logical dims split over model
     fsdp: str = "none"
     sp: bool = False  # sequence parallel: the outputs of the row-split matmuls' modules split by sequence
+    pin: bool = False  # the residual stream (the blocks' outputs) pinned to the batch's layout
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -134,6 +135,8 @@ class Choice:
             parts.append("experts over expert")
         if self.sp:
             parts.append("sequence parallel (act rules)")
+        if self.pin:
+            parts.append("the residual stream pinned to the batch's layout (act rule)")
         return "; ".join(parts)
 
     def versus(self, other: Choice, space: Space) -> str:
@@ -145,6 +148,8 @@ class Choice:
             out.append(_FSDP_WORDS[self.fsdp])
         if self.sp != other.sp:
             out.append("sequence parallel" if self.sp else "no sequence parallelism")
+        if self.pin != other.pin:
+            out.append("the residual stream pinned" if self.pin else "the residual stream not pinned")
         for u in space.tensor:
             if (u in self.tp) != (u in other.tp):
                 out.append(("also split " if u in self.tp else "keep whole ") + space.names.get(u, str(space.sizes[u])))
@@ -257,6 +262,28 @@ def sp_modules(space: Space, c: Choice) -> list[str]:
     return out
 
 
+def residual_module(space: Space) -> str | None:
+    """The modules whose outputs are the residual stream: the deepest common parent of the
+    modules that write the residual width from another dim (a block holding an attention's
+    output projection and an MLP's down projection), outside stacked layers."""
+    writers = []
+    for f in space.families:
+        if set(f.units) & set(space.stacked) or len(f.shape) < 2:
+            continue
+        writes = any(u == space.width and "free" in t for u, t in zip(f.units, f.tags, strict=True))
+        reads_other = any(u != space.width and "contract" in t for u, t in zip(f.units, f.tags, strict=True))
+        if writes and reads_other and "rows" not in frozenset().union(*f.tags):
+            writers.append(f.template.split("/")[:-1])
+    if len(writers) < 2:
+        return None
+    common: list[str] = []
+    for parts in zip(*writers, strict=False):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    return "/".join(common) if common and all(len(w) > len(common) for w in writers) else None
+
+
 def _spec(dims: list[list[str]]) -> str:
     return "(" + ", ".join(_axes_text(d) for d in dims) + ")"
 
@@ -296,6 +323,9 @@ def plan_text(space: Space, c: Choice, name: str = "suggested", header: Iterable
         rows = [a for a in ("data", "fsdp", "expert") if c.sizes.get(a, 1) > 1]
         for m in sp_modules(space, c):
             lines.append(f'act "{m}" ({_axes_text(rows)}, model, ...)')
+    if c.pin and (block := residual_module(space)):
+        rows = [a for a in ("data", "fsdp", "expert") if c.sizes.get(a, 1) > 1]
+        lines.append(f'act "{block}" ({_axes_text(rows)}, ...)')
     lines.append("default replicated")
     return "\n".join(lines) + "\n"
 
@@ -349,6 +379,8 @@ class Search:
             out += [replace(c, tp=c.tp ^ {u}) for u in self.space.tensor]
             if c.sp or sp_modules(self.space, c):
                 out.append(replace(c, sp=not c.sp))
+        if c.pin or (residual_module(self.space) and len([a for a in sizes if sizes[a] > 1]) > 1):
+            out.append(replace(c, pin=not c.pin))
         return out
 
     def pairs(self, c: Choice) -> list[Choice]:

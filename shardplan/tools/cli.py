@@ -888,7 +888,12 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--model", required=True, help="FILE.py:FACTORY or package.module:FACTORY")
     sg.add_argument("--step", required=True, metavar="FILE:LOSS_FN", help="loss_fn(model, batch) -> scalar")
     sg.add_argument("--batch", action="append", help="input shapes: 'tokens=int32[8,1024],labels=int32[8,1024]'")
-    sg.add_argument("--devices", type=_count, help="how many devices the plan's mesh has (with --from: for a '*' axis)")
+    sg.add_argument(
+        "--devices",
+        "--mesh-size",
+        type=_count,
+        help="how many devices the plan's mesh has (with --from: for a '*' axis)",
+    )
     sg.add_argument(
         "--from",
         dest="start",
