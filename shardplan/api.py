@@ -624,10 +624,11 @@ class StepCoster:
             traced = self._traces[key] = fast.trace(
                 p, self.factory, self.loss_fn, self.shapes, self.optimizer, sizes, self.built
             )
-        params, _ = specs.model_resolver(traced.abs_model, traced.abs_opt)(p, sizes)
+        params, opt = specs.model_resolver(traced.abs_model, traced.abs_opt)(p, sizes)
         inputs = specs.resolve_batch(p, traced.batch_abs, mesh=sizes)
         paths = [d.path for d in params.decisions]
-        return roles.roles(traced.closed, paths, len(paths), [d.path for d in inputs.decisions])
+        opt_paths = [d.path for d in opt.decisions] if opt is not None else []
+        return roles.roles(traced.closed, paths, len(paths), [d.path for d in inputs.decisions], opt_paths)
 
 
 def step_coster(model: str, step: str, batch: dict | list[str], optimizer: str = "adamw") -> StepCoster:

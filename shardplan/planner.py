@@ -81,17 +81,33 @@ class Suggestion:
 
 
 def families(roles: Any) -> tuple[search.Family, ...]:
-    """Params grouped by path template and shape, in the model's order."""
+    """Params grouped by path template and shape, in the model's order. Where arrays of several
+    shapes share a template (a list of layers of two kinds), each family's regex names its own
+    list indices, so one rule never decides arrays of two shapes."""
     from shardplan.runtime.roles import template  # jax-free module; imported late like the rest of runtime
 
     out: dict[tuple[str, tuple[int, ...]], list] = {}
     for p in roles.params:
         out.setdefault((template(p.path), p.shape), []).append(p)
+    shapes_of: dict[str, int] = {}
+    for tpl, _ in out:
+        shapes_of[tpl] = shapes_of.get(tpl, 0) + 1
     fams = []
     for (tpl, shape), ps in out.items():
         tags = tuple(frozenset().union(*(p.tags[d] for p in ps)) for d in range(len(shape)))
-        fams.append(search.Family(tpl, shape, ps[0].units, tags, len(ps)))
+        regex = tpl if shapes_of[tpl] == 1 else _indices(tpl, [p.path for p in ps])
+        fams.append(search.Family(regex, shape, ps[0].units, tags, len(ps)))
     return tuple(fams)
+
+
+def _indices(tpl: str, paths: list[str]) -> str:
+    """``tpl`` with each ``\\d+`` narrowed to the indices ``paths`` have there."""
+    parts = tpl.split("/")
+    for k, part in enumerate(parts):
+        if part == r"\d+":
+            seen = sorted({p.split("/")[k] for p in paths}, key=int)
+            parts[k] = seen[0] if len(seen) == 1 else "(?:" + "|".join(seen) + ")"
+    return "/".join(parts)
 
 
 def _names(space: search.Space) -> dict[int, str]:
@@ -218,11 +234,11 @@ def suggest(
     shapes = coster.shapes
     space = search.Space(fams, dict(roles.sizes), tuple(int(s[0][0]) for s in shapes.values() if s[0]))
     seq = tuple(int(s[0][1]) for s in shapes.values() if len(s[0]) > 1)
-    space = search.Space(space.families, space.sizes, space.batch, _names(space), seq)
+    space = search.Space(space.families, space.sizes, space.batch, _names(space), seq, roles.opt_prefixes)
 
     def score(text: str) -> tuple | None:
-        plan = loads(text, "<suggest>")
-        try:
+        try:  # a candidate the plan checker or the model refuses is dropped, not the search
+            plan = loads(text, "<suggest>")
             cost = coster.cost(plan, delta=False)
         except ShardPlanError:
             return None
@@ -258,13 +274,20 @@ def suggest(
                 notes.append(f"exact mode failed for {r.choice.describe(space)}: {str(e).splitlines()[0]}")
                 continue
             confirmed[r.text] = (timing.step_time(exact, plan, hw).serial_s, exact.memory.peak, exact)
-        if confirmed:
+        over = [r for r in fitting[:confirm] if r.text in confirmed and confirmed[r.text][1] > budget]
+        for r in over:
+            notes.append(
+                f"{r.choice.describe(space)}: fast mode's peak {fmt_bytes(r.peak)} fits, the compiled program's "
+                f"{fmt_bytes(confirmed[r.text][1])} does not: left out"
+            )
+        if over:
+            fitting = [r for r in fitting if r not in over]
+            if not fitting:
+                raise _fits_nowhere(min(over, key=lambda r: confirmed[r.text][1]), budget)
+        if confirmed and fitting:
             order = sorted(
                 fitting[:confirm],
-                key=lambda r: (
-                    r.text not in confirmed or confirmed[r.text][1] > budget,
-                    confirmed.get(r.text, (math.inf,))[0],
-                ),
+                key=lambda r: (r.text not in confirmed, confirmed.get(r.text, (math.inf,))[0]),
             )
             if order[0] is not fitting[0]:
                 notes.append(
@@ -434,18 +457,22 @@ def _options(f: search.Family, axes: dict[str, int], stacked: set[int]) -> list[
 
 
 def _with_rules(text: str, rules: list[str]) -> str:
-    """``text`` with ``rules`` before its first param or default statement (they win: first match)."""
+    """``text`` with ``rules`` before its first param or default statement (they win: first match);
+    a rule of the plan with the same regex is replaced where it stands."""
     lines = text.splitlines()
+    rest = []
+    for rule in rules:
+        head = rule[: rule.index('" ') + 1]  # 'param "REGEX"'
+        at = next((i for i, line in enumerate(lines) if line.strip().startswith(head + " ")), None)
+        if at is None:
+            rest.append(rule)
+        else:
+            lines[at] = rule
+    rules = rest
     at = next(
         (i for i, line in enumerate(lines) if line.lstrip().startswith(("param ", "default ", "opt "))), len(lines)
     )
     return "\n".join(lines[:at] + rules + lines[at:]) + "\n"
-
-
-def search_template(path: str) -> str:
-    from shardplan.runtime.roles import template
-
-    return template(path)
 
 
 def _decided(plan: Any, path: str) -> str:
@@ -476,7 +503,8 @@ def improve(
 ) -> Improvement:
     """The fewest rule changes to an existing plan that gain the most (``suggest --from``): a
     greedy search over one family's spec at a time (every placement of the plan's own mesh axes on
-    its dims), each round keeping the change that saves the most, while it saves at least 1% and
+    its dims), each round keeping the change that saves the most, while it saves at least
+    ``MIN_GAIN`` and
     the plan fits ``device_memory``.
 
     Raises:
@@ -523,9 +551,12 @@ def improve(
     rules: list[str] = []
     changes: list[Change] = []
     decided: dict[str, str] = {}  # family template -> spec chosen
-    first_path: dict[str, str] = {}
-    for p in roles.params:
-        first_path.setdefault(search_template(p.path), p.path)
+    import re
+
+    first_path = {
+        f.template: next(p.path for p in roles.params if p.shape == f.shape and re.fullmatch(f.template, p.path))
+        for f in fams
+    }
     axes = {a: s for a, s in sizes.items() if s > 1}
     for _ in range(rounds):
         best: tuple[float, int, str, str, str] | None = None

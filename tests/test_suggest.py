@@ -233,3 +233,23 @@ def test_the_residual_stream_is_found_from_the_matmuls_and_can_be_pinned():
         cost = coster.cost(plan)
         (pinned,) = cost.constrained  # every block's output, (batch, sequence, width) split by rows
         assert pinned.spec == "(data, _, _)" and pinned.shape == (16, 64, 32) and "act rule" in pinned.what
+
+
+def test_one_rule_never_decides_arrays_of_two_shapes_and_opt_rules_match_only_their_own():
+    import re as std_re
+
+    from shardplan import planner
+    from shardplan.runtime.roles import ParamDims, Roles
+
+    cf = (frozenset({"contract"}), frozenset({"free"}))
+    params = tuple(ParamDims(f"layers/{i}/w", shape, (1, 2) if shape[0] == 4 else (2, 1), (1, 2) if shape[0] == 4
+                             else (2, 1), cf) for i, shape in enumerate([(4, 8), (8, 4), (4, 8)]))
+    params += (ParamDims("out/w", (8, 4), (2, 1), (2, 1), cf),)
+    fams = planner.families(Roles(params, {1: 4, 2: 8}, (), ("opt_state/0/mu/", "opt_state/0/nu/")))
+    assert [f.template for f in fams] == ["layers/(?:0|2)/w", "layers/1/w", "out/w"]
+    space = search.Space(fams, {1: 4, 2: 8}, (8,), opt_prefixes=("opt_state/0/mu/", "opt_state/0/nu/"))
+    text = search.plan_text(space, search.Choice((("data", 4, "ici"),), frozenset(), "opt"))
+    rules = {line.split('"')[1]: line for line in text.splitlines() if line.startswith("opt ")}
+    out = next(r for r in rules if r.endswith("out/w"))
+    # the root family's optimizer rule does not reach a layer's moments whose path also ends in out/w
+    assert std_re.fullmatch(out, "opt_state/0/nu/out/w") and not std_re.fullmatch(out, "opt_state/0/nu/layers/1/out/w")

@@ -20,6 +20,7 @@ model axis inside a host, axes that cross hosts tagged ``@dcn``):
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -56,6 +57,26 @@ class Space:
     batch: tuple[int, ...]  # the batch's leading dim size per input (the dim the batch splits)
     names: dict[int, str] = field(default_factory=dict)  # logical dim -> a readable name for comments
     seq: tuple[int, ...] = ()  # the inputs' second dim (a sequence), for a seq axis when the batch runs out
+    opt_prefixes: tuple[str, ...] = ()  # what optimizer-state paths put before the param path (opt rules)
+
+    @property
+    def opt_regex(self) -> str:
+        """An ``opt`` rule's regex before a family's template: exactly the optimizer's prefixes."""
+        if not self.opt_prefixes:
+            return ".*/"
+        if len(self.opt_prefixes) == 1:
+            return re.escape(self.opt_prefixes[0])
+        split = [p.rstrip("/").split("/") for p in self.opt_prefixes]
+        head = 0
+        while all(len(x) > head + 1 for x in split) and len({x[head] for x in split}) == 1:
+            head += 1
+        tail = 0
+        while all(len(x) > head + tail + 1 for x in split) and len({x[-1 - tail] for x in split}) == 1:
+            tail += 1
+        mids = sorted({"/".join(x[head : len(x) - tail]) for x in split})
+        parts = [re.escape("/".join(split[0][:head])), "(?:" + "|".join(re.escape(m) for m in mids) + ")"]
+        parts.append(re.escape("/".join(split[0][len(split[0]) - tail :])) if tail else "")
+        return "/".join(x for x in parts if x) + "/"
 
     @property
     def experts(self) -> tuple[int, ...]:
@@ -288,12 +309,18 @@ def _spec(dims: list[list[str]]) -> str:
     return "(" + ", ".join(_axes_text(d) for d in dims) + ")"
 
 
-def _batch_spec(space: Space, c: Choice) -> str:
+def _batch_rows(space: Space, c: Choice) -> list[str]:
+    """The axes the batch's rows split over: data, fsdp and expert, as far as the rows divide."""
     sizes = c.sizes
     axes = [a for a in ("data", "fsdp", "expert") if sizes.get(a, 1) > 1]
     while axes and any(b % math.prod(sizes[a] for a in axes) for b in space.batch):
         axes.pop()
-    if sizes.get("seq", 1) > 1:
+    return axes
+
+
+def _batch_spec(space: Space, c: Choice) -> str:
+    axes = _batch_rows(space, c)
+    if c.sizes.get("seq", 1) > 1:
         return f"({_axes_text(axes)}, seq)"
     return f"({_axes_text(axes)})" if axes else "replicated"
 
@@ -304,7 +331,7 @@ def plan_text(space: Space, c: Choice, name: str = "suggested", header: Iterable
     lines = [f"# {h}" if h else "#" for h in header]
     mesh = ", ".join(f"{a} = {n}" + (" @dcn" if link == "dcn" else "") for a, n, link in c.mesh)
     batch = _batch_spec(space, c)
-    if batch == "replicated" and not any(any(param_dims(f, space, c)) for f in space.families):
+    if batch == "replicated" and not c.pin and not any(any(param_dims(f, space, c)) for f in space.families):
         # nothing split: every device runs the whole step, whatever the axes are called
         mesh = f"data = {math.prod(c.sizes.values())}"
     lines += [f'plan "{name}"', f"mesh {mesh}", f"batch {batch}"]
@@ -315,17 +342,17 @@ def plan_text(space: Space, c: Choice, name: str = "suggested", header: Iterable
             with_data = dims
             dims = [[a for a in d if a not in DATA_AXES] for d in dims]
             if with_data != dims:
-                opt.append(f'opt ".*/{f.template}" {_spec(with_data)}')
+                opt.append(f'opt "{space.opt_regex}{f.template}" {_spec(with_data)}')
         if any(dims):
             lines.append(f'param "{f.template}" {_spec(dims)}')
     lines += opt
-    if c.sp:
-        rows = [a for a in ("data", "fsdp", "expert") if c.sizes.get(a, 1) > 1]
+    rows = _axes_text(_batch_rows(space, c))
+    seq = c.sizes.get("seq", 1) > 1
+    if c.sp and not seq:
         for m in sp_modules(space, c):
-            lines.append(f'act "{m}" ({_axes_text(rows)}, model, ...)')
+            lines.append(f'act "{m}" ({rows}, model, ...)')
     if c.pin and (block := residual_module(space)):
-        rows = [a for a in ("data", "fsdp", "expert") if c.sizes.get(a, 1) > 1]
-        lines.append(f'act "{block}" ({_axes_text(rows)}, ...)')
+        lines.append(f'act "{block}" ({rows}, seq, ...)' if seq else f'act "{block}" ({rows}, ...)')
     lines.append("default replicated")
     return "\n".join(lines) + "\n"
 
@@ -377,7 +404,7 @@ class Search:
             out += [replace(c, fsdp=m) for m in FSDP_MODES if m != c.fsdp]
         if sizes.get("model", 1) > 1:
             out += [replace(c, tp=c.tp ^ {u}) for u in self.space.tensor]
-            if c.sp or sp_modules(self.space, c):
+            if c.sp or (sp_modules(self.space, c) and sizes.get("seq", 1) == 1):
                 out.append(replace(c, sp=not c.sp))
         if c.pin or (residual_module(self.space) and len([a for a in sizes if sizes[a] > 1]) > 1):
             out.append(replace(c, pin=not c.pin))

@@ -63,18 +63,20 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
     links = {a.name: a.link for a in plan.mesh}
     by_link: dict[str, float] = {}
     latency = 0.0
-    combined: dict[tuple[str, tuple[str, ...]], int] = {}  # param/gradient collectives, bytes per launch
+    combined: dict[tuple[str, tuple[str, ...], int], int] = {}  # (kind, axes, runs) -> bytes per run
     for c in cost.communication:
         group = math.prod(cost.mesh.get(a, 1) for a in c.axes)
         link = "dcn" if any(links.get(a) == "dcn" for a in c.axes) else "ici"
         if c.moves and cost.mode == "fast":  # combined with the others of its kind (see COMBINE_BYTES)
-            combined[(c.kind, c.axes)] = combined.get((c.kind, c.axes), 0) + c.bytes // max(c.count, 1)
+            # combined within one run (a scanned layer's gathers run once per layer: not across runs)
+            key = (c.kind, c.axes, max(c.count, 1))
+            combined[key] = combined.get(key, 0) + c.bytes // key[2]
             lat = 0.0
         else:
             lat = collective_latency(c.count, group, chip.dcn_latency if link == "dcn" else chip.ici_latency)
         latency += lat
         inside = math.prod(cost.mesh.get(a, 1) for a in c.axes if links.get(a) != "dcn")
-        if link == "dcn" and inside > 1:
+        if link == "dcn" and inside > 1 and c.kind in ("all-reduce", "all-gather", "reduce-scatter"):
             # Over axes inside and across hosts: hierarchically, the fast links first over the whole
             # buffer, then the network over the 1/inside of it each device holds.
             by_link["ici"] = by_link.get("ici", 0.0) + collective_seconds(c.kind, c.bytes, inside, chip.ici_bandwidth)
@@ -86,11 +88,13 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
             continue
         bw = chip.dcn_bandwidth if link == "dcn" else chip.ici_bandwidth
         by_link[link] = by_link.get(link, 0.0) + collective_seconds(c.kind, c.bytes, group, bw) + lat
-    for (_, axes), nbytes in combined.items():
+    for (_, axes, runs), nbytes in combined.items():
         group = math.prod(cost.mesh.get(a, 1) for a in axes)
         link = "dcn" if any(links.get(a) == "dcn" for a in axes) else "ici"
         lat = collective_latency(
-            max(1, math.ceil(nbytes / COMBINE_BYTES)), group, chip.dcn_latency if link == "dcn" else chip.ici_latency
+            runs * max(1, math.ceil(nbytes / COMBINE_BYTES)),
+            group,
+            chip.dcn_latency if link == "dcn" else chip.ici_latency,
         )
         latency += lat
         by_link[link] = by_link.get(link, 0.0) + lat

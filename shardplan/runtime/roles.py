@@ -57,6 +57,7 @@ _SAME_SHAPE = ELEMENTWISE | {
     "name",
 }
 _VIEW_1TO1 = {"convert_element_type", "copy", "copy_p", "optimization_barrier", "sharding_constraint", "name"}
+_INTO_OPERAND = {"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"}
 _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin"}
 _ALIGNED = {"dynamic_slice", "slice", "pad", "concatenate", "split", "top_k", "reduce_precision"}
 
@@ -75,6 +76,7 @@ class Roles:
     params: tuple[ParamDims, ...]
     sizes: dict[int, int]  # class -> size
     inputs: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # input path, shape, classes
+    opt_prefixes: tuple[str, ...] = ()  # what optimizer-state paths put before the param path they mirror
 
     def class_tags(self, cls: int) -> frozenset[str]:
         out: set[str] = set()
@@ -232,14 +234,21 @@ class _Walk:
             return [self.gather(eqn, ins)]
         if name in _SAME_SHAPE or name in _ALIGNED:
             results = []
-            for v in eqn.outvars:
+            for k, v in enumerate(eqn.outvars):
                 out = self.fresh(v.aval)
-                for nodes in ins:
-                    if len(nodes) == len(out):
-                        for a, b in zip(out, nodes, strict=True):
+                if len(eqn.outvars) > 1 and len(eqn.outvars) == len(ins):
+                    sources = [k]  # a tuple through (optimization_barrier): result k is operand k
+                elif name in _INTO_OPERAND:
+                    sources = [0]  # the result is the operand updated: the updates' dims are others
+                else:
+                    sources = list(range(len(ins)))
+                for j in sources:
+                    if len(ins[j]) == len(out):
+                        for a, b in zip(out, ins[j], strict=True):
                             self.union(a, b)
-                if name in _VIEW_1TO1 and eqn.invars and len(ins[0]) == len(out):
-                    self.view(v, eqn.invars[0], list(range(len(out))))
+                src = sources[0] if len(sources) == 1 else 0
+                if name in _VIEW_1TO1 and eqn.invars and len(ins[src]) == len(out):
+                    self.view(v, eqn.invars[src], list(range(len(out))))
                 results.append(out)
             return results
         outs = [self.fresh(a) for a in out_avals]
@@ -381,9 +390,10 @@ class _Walk:
         return self.atoms(c)[0]
 
 
-def roles(closed: Any, paths: list[str], n_params: int, input_paths: list[str]) -> Roles:
+def roles(closed: Any, paths: list[str], n_params: int, input_paths: list[str], opt_paths: Sequence[str] = ()) -> Roles:
     """The dims of the first ``n_params`` invars of the traced step ``closed`` (params, with
-    ``paths``), and of its last ``len(input_paths)`` invars (the batch's leaves)."""
+    ``paths``), and of its last ``len(input_paths)`` invars (the batch's leaves); ``opt_paths``:
+    the optimizer state's, to read the prefixes its leaves put before the params they mirror."""
     jaxpr = closed.jaxpr
     w = _Walk()
     ins = [w.fresh(v.aval) for v in jaxpr.invars]
@@ -419,4 +429,12 @@ def roles(closed: Any, paths: list[str], n_params: int, input_paths: list[str]) 
         for k, path in enumerate(input_paths)
     )
     used = {c for p in params for c in p.classes + p.units} | {c for _, _, cs in inputs for c in cs}
-    return Roles(tuple(params), {c: w.size[c] for c in sorted(used)}, inputs)
+    names = set(paths[:n_params])
+    prefixes = set()
+    for op in opt_paths:
+        parts = op.split("/")
+        for k in range(1, len(parts)):
+            if "/".join(parts[k:]) in names:
+                prefixes.add("/".join(parts[:k]) + "/")
+                break
+    return Roles(tuple(params), {c: w.size[c] for c in sorted(used)}, inputs, tuple(sorted(prefixes)))

@@ -562,6 +562,8 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
         )
     if args.output and Path(args.output).is_dir():
         raise _UsageError(f"-o {args.output}: is a directory; name the .splan file to write")
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise _UsageError(f"-o {args.output}: its folder does not exist; create it or name another file")
     if args.start:
         return _improve(args, out, err, budget)
     if args.devices is None:
