@@ -12,7 +12,6 @@ cached but what no plan changes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -88,14 +87,9 @@ def checks(res: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from shardplan.runtime.devices import simulate
+    from benchmarks.run import standalone
 
-    simulate(8)
+    args = standalone(__doc__, argv)
     res = run(args.quick)
     for c in res["cases"]:
         print(f"{c['model']} mesh {c['mesh']}: first plan (trace + cost) {c['first_s']:.2f} s, {c['traces']} trace(s)")

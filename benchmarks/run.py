@@ -573,6 +573,20 @@ SECTIONS = [
 ]
 
 
+def standalone(doc: str, argv=None) -> argparse.Namespace:
+    """A section's own command line (``python -m benchmarks.NAME [--quick] [--json OUT]``): its
+    arguments read, the repository importable, 8 simulated devices (before jax is imported)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from shardplan.runtime.devices import simulate
+
+    simulate(8)
+    return args
+
+
 def _check(name, value, target, op, fmt="{:.2f}x", timing=False) -> dict:
     """One target. ``timing``: the figure is a time or a rate, so it depends on the machine and
     its load (quick mode's sizes are too small for it to mean anything); every other figure

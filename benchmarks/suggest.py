@@ -16,7 +16,6 @@ search <= 60 s on 2,048.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -230,14 +229,9 @@ def checks(res: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from shardplan.runtime.devices import simulate
+    from benchmarks.run import standalone
 
-    simulate(8)
+    args = standalone(__doc__, argv)
     res = run(args.quick)
     for m in res["models"]:
         print(f"{m['model']} {m['batch'][0]}: shipped plans (exact, {CHIP}):")

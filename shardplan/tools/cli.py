@@ -564,19 +564,22 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
         raise _UsageError(f"-o {args.output}: is a directory; name the .splan file to write")
     if args.output and not Path(args.output).resolve().parent.is_dir():
         raise _UsageError(f"-o {args.output}: its folder does not exist; create it or name another file")
-    if args.start:
-        return _improve(args, out, err, budget)
-    if args.devices is None:
-        raise _UsageError("--devices: how many devices the plan's mesh has (or --from PLAN.splan)")
-    kw = dict(
+    common = dict(
         model=args.model,
         step=args.step,
         batch=args.batch,
         devices=args.devices,
         chip=args.chip,
-        devices_per_host=args.devices_per_host,
         device_memory=budget,
         optimizer=args.optimizer,
+    )
+    if args.start:
+        return _improve(args, out, err, common)
+    if args.devices is None:
+        raise _UsageError("--devices: how many devices the plan's mesh has (or --from PLAN.splan)")
+    kw = dict(
+        common,
+        devices_per_host=args.devices_per_host,
         top=args.top,
         confirm=0 if args.no_compile else args.confirm,
     )
@@ -615,19 +618,10 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
     return EXIT_OK
 
 
-def _improve(args, out: Console, err: Console, budget: int | None) -> int:
+def _improve(args, out: Console, err: Console, common: dict) -> int:
     from shardplan import planner
 
-    result = planner.improve(
-        args.start,
-        model=args.model,
-        step=args.step,
-        batch=args.batch,
-        devices=args.devices,
-        chip=args.chip,
-        device_memory=budget,
-        optimizer=args.optimizer,
-    )
+    result = planner.improve(args.start, **common)
     if args.output:
         Path(args.output).write_text(result.text)
     if args.format == "json":
