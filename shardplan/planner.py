@@ -369,12 +369,15 @@ def render(
     if others:
         head.append("Runners-up:")
     for c in others:
+        both = c.exact_step_s is not None and best.exact_step_s is not None and best.exact_step_s > 0
+        if c.exact_step_s is not None and best.exact_step_s:
+            ratio = c.exact_step_s / best.exact_step_s
+        else:
+            ratio = c.step_s / best.step_s if best.step_s else 1.0
         why = (
             f"peak {fmt_bytes(c.peak)} does not fit"
             if not c.fits
-            else f"{(c.step_s / best.step_s - 1):+.0%} step time"
-            if best.step_s
-            else ""
+            else f"{ratio - 1:+.0%} step time" + (" compiled" if both else "")
         )
         head.append(f"- {c.description}: step {_ms(c.step_s)}, peak {fmt_bytes(c.peak)} ({why})")
     wrapped = [

@@ -197,6 +197,10 @@ def test_from_on_the_command_line(tmp_path, capsys):
                    "--batch", BATCH[0], "--format", "json", "-o", str(tmp_path / "better.splan")])
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and doc["ok"] and doc["changes"] and doc["plan"] == (tmp_path / "better.splan").read_text()
+    # the plan's mesh is kept: flags about choosing meshes or confirming candidates are refused, not ignored
+    assert cli.main(["suggest", "--from", str(path), "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss",
+                     "--batch", BATCH[0], "--devices-per-host", "4"]) == 2
+    assert "do not apply" in capsys.readouterr().err
 
 
 def test_sequence_parallel_pins_the_outputs_of_the_row_split_matmuls():

@@ -574,6 +574,11 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
         optimizer=args.optimizer,
     )
     if args.start:
+        if args.devices_per_host or args.top != 5 or args.confirm != 3 or args.no_compile:
+            raise _UsageError(
+                "--from keeps the plan's mesh and proposes rule changes: --devices-per-host, --top, --confirm "
+                "and --no-compile do not apply"
+            )
         return _improve(args, out, err, common)
     if args.devices is None:
         raise _UsageError("--devices: how many devices the plan's mesh has (or --from PLAN.splan)")
