@@ -8,6 +8,9 @@
   ``scan_layers`` its blocks are stacked with ``nnx.vmap`` and run with ``nnx.scan`` under
   ``nnx.remat`` (each param gets a leading layer dimension), as large models are built.
 - ``MLP``: a stack of Linear layers.
+- ``MoE``: a decoder whose feed-forward layers are top-k routed experts (renormalised weights,
+  a load-balancing loss, an optional shared expert; capacity or dropless dispatch), returning
+  ``(logits, aux)`` (``examples/train.py:moe_lm_loss``).
 
 Param paths (what plan regexes match): ``embed/embedding``, ``pos_embed/embedding``,
 ``blocks/<i>/attn/(query|key|value|out)/kernel``, ``blocks/<i>/mlp/(up|gate|down)/kernel``,
@@ -19,7 +22,8 @@ Llama param paths: ``embed/embedding``, ``layers/<i>/attn/(q|k|v|o)/kernel``,
 each with a leading layer dimension (``layers/attn/q/kernel`` is (L, d_model, q_dim)).
 
 Factories with no required arguments (``gpt_tiny``, ``gpt_small``, ``mlp_small``,
-``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_1b``) are what
+``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_1b``, ``moe_tiny``, ``moe_tiny_dropless``,
+``mixtral_8x7b``, ``deepseek_v3``) are what
 ``shardplan check --model examples/models.py:FACTORY`` calls.
 """
 
@@ -500,3 +504,159 @@ def llama2_70b(seed: int = 0) -> GPT:
     Build it abstractly only: ``nnx.eval_shape(llama2_70b)`` (or ``shardplan check``).
     """
     return GPT(LLAMA2_70B, nnx.Rngs(seed))
+
+
+# -- mixture of experts ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoEConfig:
+    vocab: int = 64
+    d_model: int = 32
+    n_heads: int = 4
+    n_layers: int = 2
+    max_len: int = 16
+    n_experts: int = 4
+    top_k: int = 2
+    d_expert: int = 64
+    # "capacity": GShard's one-hot dispatch and combine einsums, each batch row one group, at most
+    # capacity_factor * tokens * top_k / n_experts tokens per expert and group (the rest dropped);
+    # "dropless": the tokens sorted by expert and run through jax.lax.ragged_dot (grouped matmul)
+    dispatch: str = "capacity"
+    capacity_factor: float = 2.0
+    shared_expert: bool = False  # one expert every token also goes through (DeepSeek's)
+    aux_weight: float = 0.01  # the load-balancing loss's weight (moe_lm_loss in examples/train.py)
+    dtype: str = "float32"
+
+
+class MoEFeedForward(nnx.Module):
+    """A top-k routed mixture of SwiGLU-less (GELU) experts, weights stacked ``(experts, d, f)``."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = nnx.initializers.normal(0.02)
+        dt = jnp.dtype(cfg.dtype)
+        self.router = nnx.Linear(cfg.d_model, cfg.n_experts, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.w_in = nnx.Param(init(rngs.params(), (cfg.n_experts, cfg.d_model, cfg.d_expert), dt))
+        self.w_out = nnx.Param(init(rngs.params(), (cfg.n_experts, cfg.d_expert, cfg.d_model), dt))
+        self.shared = (
+            nnx.Sequential(nnx.Linear(cfg.d_model, cfg.d_expert, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs),
+                           jax.nn.gelu,
+                           nnx.Linear(cfg.d_expert, cfg.d_model, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs))
+            if cfg.shared_expert else None
+        )
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        e, k = cfg.n_experts, cfg.top_k
+        gates = jax.nn.softmax(self.router(x).astype(jnp.float32), axis=-1)  # (g, s, E)
+        weights, index = jax.lax.top_k(gates, k)  # (g, s, k)
+        weights = (weights / jnp.sum(weights, axis=-1, keepdims=True)).astype(x.dtype)
+        # Load balancing (Switch Transformer): E * sum_e (share of first choices on e) * (mean gate of e)
+        first = jax.nn.one_hot(index[..., 0], e, dtype=jnp.float32)
+        aux = e * jnp.sum(jnp.mean(first, axis=(0, 1)) * jnp.mean(gates, axis=(0, 1)))
+        y = self._capacity(x, weights, index) if cfg.dispatch == "capacity" else self._dropless(x, weights, index)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, aux
+
+    def _capacity(self, x, weights, index):
+        cfg = self.cfg
+        g, s, _ = x.shape
+        e, k = cfg.n_experts, cfg.top_k
+        cap = max(1, int(cfg.capacity_factor * s * k / e))
+        combine = jnp.zeros((g, s, e, cap), x.dtype)
+        taken = jnp.zeros((g, 1, e), x.dtype)  # slots filled per expert by earlier choices
+        for i in range(k):  # first choices get their slots before second choices
+            mask = jax.nn.one_hot(index[..., i], e, dtype=x.dtype)  # (g, s, E)
+            pos = jnp.cumsum(mask, axis=1) - mask + taken
+            mask = mask * (pos < cap)
+            taken = taken + jnp.sum(mask, axis=1, keepdims=True)
+            slot = jax.nn.one_hot(jnp.sum(pos * mask, axis=-1).astype(jnp.int32), cap, dtype=x.dtype)  # (g, s, C)
+            combine = combine + (weights[..., i] * jnp.sum(mask, -1))[..., None, None] * mask[..., None] * slot[
+                :, :, None, :]
+        dispatch = (combine > 0).astype(x.dtype)
+        xe = jnp.einsum("gsec,gsd->egcd", dispatch, x)
+        h = jax.nn.gelu(jnp.einsum("egcd,edf->egcf", xe, self.w_in[...]))
+        ye = jnp.einsum("egcf,efd->egcd", h, self.w_out[...])
+        return jnp.einsum("gsec,egcd->gsd", combine, ye)
+
+    def _dropless(self, x, weights, index):
+        cfg = self.cfg
+        g, s, d = x.shape
+        k = cfg.top_k
+        flat = x.reshape(g * s, d)
+        expert = index.reshape(-1)  # (T * k,)
+        order = jnp.argsort(expert)
+        token = order // k
+        sizes = jnp.bincount(expert, length=cfg.n_experts).astype(jnp.int32)
+        h = jax.nn.gelu(jax.lax.ragged_dot(flat[token], self.w_in[...], sizes))
+        ye = jax.lax.ragged_dot(h, self.w_out[...], sizes) * weights.reshape(-1)[order][:, None]
+        return jnp.zeros_like(flat).at[token].add(ye).reshape(g, s, d)
+
+
+class MoEBlock(nnx.Module):
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        gcfg = GPTConfig(vocab=cfg.vocab, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_expert,
+                         max_len=cfg.max_len, norm="rms", dtype=cfg.dtype)
+        self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.attn = Attention(gcfg, rngs)
+        self.moe_norm = nnx.RMSNorm(cfg.d_model, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.moe = MoEFeedForward(cfg, rngs)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        b, t, _ = x.shape
+        x = x + self.attn(self.attn_norm(x), jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)))
+        y, aux = self.moe(self.moe_norm(x))
+        return x + y, aux
+
+
+class MoE(nnx.Module):
+    """A decoder whose feed-forward layers are routed experts: ``model(tokens) -> (logits, aux)``,
+    ``aux`` the load-balancing loss summed over layers. Param paths: ``embed/embedding``,
+    ``blocks/<i>/attn/(query|key|value|out)/kernel``, ``blocks/<i>/moe/router/kernel``,
+    ``blocks/<i>/moe/(w_in|w_out)`` ``(experts, d, f)`` / ``(experts, f, d)``,
+    ``blocks/<i>/moe/shared/layers/(0|2)/kernel`` (with a shared expert), norms, ``head/kernel``."""
+
+    def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        dt = jnp.dtype(cfg.dtype)
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.blocks = nnx.List([MoEBlock(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.norm = nnx.RMSNorm(cfg.d_model, dtype=dt, param_dtype=dt, rngs=rngs)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = self.embed(tokens)
+        aux = jnp.zeros((), jnp.float32)
+        for block in self.blocks:
+            x, a = block(x)
+            aux = aux + a
+        return self.head(self.norm(x)), aux
+
+
+MOE_TINY = MoEConfig()
+# Shapes for offline checks (`shardplan check --model examples/models.py:mixtral_8x7b ...`): Mixtral
+# 8x7B (32 layers, d_model 4096, 8 experts of 14336, top-2; its attention's 8 kv heads are 32 here)
+# and DeepSeek-V3 (61 layers, d_model 7168, 256 experts of 2048, top-8, a shared expert; its
+# multi-head latent attention is plain attention with 128 heads here).
+MIXTRAL_8X7B = MoEConfig(vocab=32000, d_model=4096, n_heads=32, n_layers=32, max_len=4096, n_experts=8, top_k=2,
+                         d_expert=14336, dtype="bfloat16")
+DEEPSEEK_V3 = MoEConfig(vocab=129280, d_model=7168, n_heads=128, n_layers=61, max_len=4096, n_experts=256, top_k=8,
+                        d_expert=2048, shared_expert=True, dispatch="dropless", dtype="bfloat16")
+
+
+def moe_tiny(seed: int = 0) -> MoE:
+    return MoE(MOE_TINY, nnx.Rngs(seed))
+
+
+def moe_tiny_dropless(seed: int = 0) -> MoE:
+    return MoE(MoEConfig(dispatch="dropless", shared_expert=True), nnx.Rngs(seed))
+
+
+def mixtral_8x7b(seed: int = 0) -> MoE:
+    """Build it abstractly only (``shardplan check``)."""
+    return MoE(MIXTRAL_8X7B, nnx.Rngs(seed))
+
+
+def deepseek_v3(seed: int = 0) -> MoE:
+    """Build it abstractly only (``shardplan check``)."""
+    return MoE(DEEPSEEK_V3, nnx.Rngs(seed))

@@ -90,6 +90,16 @@ def lm_loss(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
 
+def moe_lm_loss(model, batch):
+    """The LM loss of a model returning (logits, load-balancing loss): cross-entropy plus the
+    balancing term at the model's weight (examples/models.py's MoE)."""
+    import optax
+
+    logits, aux = model(batch["tokens"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+    return ce + model.blocks[0].moe.cfg.aux_weight * aux
+
+
 def mse_loss(model, batch):
     return ((model(batch["x"]) - batch["y"]) ** 2).mean()
 

@@ -1,0 +1,58 @@
+"""Mixture of experts (issue 31, first part): the example MoE (top-k router, renormalised weights,
+load-balancing loss; capacity and dropless dispatch) under the expert-parallel plan trains equal to
+a plain-NNX run on one device, on both backends."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import optax
+import pytest
+
+import shardplan
+from examples import models
+from examples import train as example
+from tests import reference
+from tests.helpers import PLANS
+
+# float32 round-off differs with the reduction order (the dispatch einsums, the experts' split)
+LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-4, 5e-6
+
+
+def _batches():
+    rng = np.random.default_rng(0)
+    return [example.synthetic_batch(rng, 64, 16, 16) for _ in range(3)]
+
+
+@pytest.mark.parametrize("factory", ["moe_tiny", "moe_tiny_dropless"])
+@pytest.mark.parametrize("backend", ["auto", "shard_map"])
+def test_expert_parallel_trains_as_on_one_device(factory, backend):
+    tx = optax.adamw(1e-2, eps=1e-5)
+    batches = _batches()
+    ref_losses, ref_params = reference.train(getattr(models, factory), tx, example.moe_lm_loss, batches,
+                                             key="adamw-1e-2-moe")
+    plan = shardplan.load(PLANS / "moe_ep.splan")
+    model, optimizer, placement = shardplan.init_sharded(plan, getattr(models, factory), tx)
+    from jax.sharding import PartitionSpec as P
+
+    assert model.blocks[0].moe.w_in[...].sharding.spec == P("expert")  # each expert on one slice
+    with warnings.catch_warnings():
+        # shard_map runs the dropless path's grouped matmuls on whole operands, and says so
+        warnings.simplefilter("ignore", shardplan.ShardMapFallbackWarning)
+        step = shardplan.train_step(placement, example.moe_lm_loss, model, optimizer, backend=backend)
+        losses = [float(step(model, optimizer, b)) for b in batches]
+    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    assert losses[-1] < losses[0]
+    got = reference.params_of(model)
+    for path, want in ref_params.items():
+        np.testing.assert_allclose(got[path], want, rtol=PARAM_RTOL, atol=PARAM_ATOL, err_msg=path)
+
+
+def test_moe_shapes_check_offline():
+    """Mixtral-8x7B and DeepSeek-V3 shapes build abstractly and their experts split over `expert`."""
+    for factory, experts in (("mixtral_8x7b", 8), ("deepseek_v3", 256)):
+        res = shardplan.check(PLANS / "moe_ep.splan", model=f"{PLANS.parent / 'examples' / 'models.py'}:{factory}",
+                              devices=64)
+        w_in = next(d for d in res.resolution.decisions if d.path == "blocks/0/moe/w_in")
+        assert w_in.shape[0] == experts and w_in.spec.dims[0] == ("expert",)
