@@ -527,6 +527,9 @@ class MoEConfig:
     dtype: str = "float32"
 
 
+EXPERT_TOKENS = ("activation_expert", "activation_group", None, "activation_embed")
+
+
 class MoEFeedForward(nnx.Module):
     """A top-k routed mixture of SwiGLU-less (GELU) experts, weights stacked ``(experts, d, f)``."""
 
@@ -574,9 +577,12 @@ class MoEFeedForward(nnx.Module):
             combine = combine + (weights[..., i] * jnp.sum(mask, -1))[..., None, None] * mask[..., None] * slot[
                 :, :, None, :]
         dispatch = (combine > 0).astype(x.dtype)
-        xe = jnp.einsum("gsec,gsd->egcd", dispatch, x)
+        # The dispatched tokens by expert: a plan's `axis activation_expert -> expert` puts each
+        # expert's tokens where its weights are (the dispatch and combine become all-to-alls);
+        # without axis rules a no-op.
+        xe = nn.with_logical_constraint(jnp.einsum("gsec,gsd->egcd", dispatch, x), EXPERT_TOKENS)
         h = jax.nn.gelu(jnp.einsum("egcd,edf->egcf", xe, self.w_in[...]))
-        ye = jnp.einsum("egcf,efd->egcd", h, self.w_out[...])
+        ye = nn.with_logical_constraint(jnp.einsum("egcf,efd->egcd", h, self.w_out[...]), EXPERT_TOKENS)
         return jnp.einsum("gsec,egcd->gsd", combine, ye)
 
     def _dropless(self, x, weights, index):

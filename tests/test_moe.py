@@ -56,3 +56,14 @@ def test_moe_shapes_check_offline():
                               devices=64)
         w_in = next(d for d in res.resolution.decisions if d.path == "blocks/0/moe/w_in")
         assert w_in.shape[0] == experts and w_in.spec.dims[0] == ("expert",)
+
+
+def test_expert_weights_stay_on_their_slice_in_the_compiled_step():
+    """Under the expert-parallel plan XLA's program moves tokens, not expert weights: no collective
+    of the compiled step gathers w_in or w_out (their gradients stay on their slice too, summed
+    over `data` only)."""
+    cost = shardplan.api.analyze(PLANS / "moe_ep.splan", model=f"{PLANS.parent / 'examples' / 'models.py'}:moe_tiny",
+                                 step=f"{PLANS.parent / 'examples' / 'train.py'}:moe_lm_loss",
+                                 batch=["tokens=int32[16,16],labels=int32[16,16]"], mode="exact", devices=8)
+    experts = [c for c in cost.communication if "/moe/w_" in c.moves]
+    assert experts and all(c.kind == "all-reduce" and c.axes == ("data",) for c in experts), experts
