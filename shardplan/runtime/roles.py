@@ -78,14 +78,6 @@ class Roles:
     inputs: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # input path, shape, classes
     opt_prefixes: tuple[str, ...] = ()  # what optimizer-state paths put before the param path they mirror
 
-    def class_tags(self, cls: int) -> frozenset[str]:
-        out: set[str] = set()
-        for p in self.params:
-            for c, t in zip(p.classes, p.tags, strict=True):
-                if c == cls:
-                    out |= t
-        return frozenset(out)
-
 
 def template(path: str) -> str:
     """A path with its list indices generalised (``layers/3/mlp`` -> ``layers/\\d+/mlp``)."""
