@@ -69,3 +69,22 @@ def test_expert_weights_stay_on_their_slice_in_the_compiled_step():
     # only to sum their weights' gradients over `data`: no gather of a weight, nothing over `expert`
     experts = [c for c in cost.communication if "egcd,edf" in c.op or "egcf,efd" in c.op]
     assert experts and all(c.kind == "all-reduce" and c.axes == ("data",) for c in experts), experts
+
+
+def test_shard_map_dispatches_tokens_with_all_to_alls_and_compiles_what_it_records():
+    """On the capacity path the shard_map backend moves the dispatched tokens to their experts'
+    devices and back with all-to-alls over `expert` (not a gather of every device's tokens), runs
+    nothing on whole operands, and XLA's compiled program has exactly the collectives it recorded."""
+    from tests.test_shard_map import compiled_vs_predicted
+
+    got, want, record = compiled_vs_predicted("moe_ep.splan", "moe_tiny", example.moe_lm_loss)
+    assert got == want
+    assert record.fallbacks == []
+    a2a = [c for c in record.issued if c.kind == "all-to-all"]
+    assert {c.axes for c in a2a} == {("expert",)}
+    # the dispatched tokens (models.py's "gsec,gsd->egcd", constrained to the expert axis) and
+    # the experts' outputs (its "egcf,efd->egcd") each cross once forward, as one device's buffer
+    lines = {c.source.rsplit(":", 1)[1] for c in a2a if c.why == "sharding_constraint"}
+    assert len(lines) == 2, a2a
+    # no gather of the tokens forward: what is gathered over `expert` is smaller than the buffers
+    assert sum(c.bytes for c in record.issued if c.kind == "all-gather") < sum(c.bytes for c in a2a)

@@ -182,10 +182,12 @@ def test_emitted_auto_module_runs_and_matches(tmp_path):
 
 
 @functools.cache
-def compiled_vs_predicted(plan_name, model_name):
+def compiled_vs_predicted(plan_name, model_name, loss=example.lm_loss):
+    """Per (kind, axes): (count, bytes) of the compiled shard_map step's collectives and of the
+    partitioner's record, and the record."""
     plan = shardplan.load(PLANS / plan_name)
     model, optimizer, placement = shardplan.init_sharded(plan, getattr(models, model_name), optax.adamw(1e-3))
-    step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend="shard_map")
+    step = shardplan.train_step(placement, loss, model, optimizer, backend="shard_map")
     b = batches(1)[0]
     compiled = step.lower(model, optimizer, b).compile()
     got: dict = {}

@@ -270,8 +270,18 @@ class Partitioner:
     def _to(self, v: V, target: Dims) -> V:
         dims = [list(d) for d in v.dims]
         x = v.x
+        # An axis that leaves one dim's minor end for the next place of another: one all_to_all
+        # (each device sends the blocks of the new split and keeps its share of the old), the
+        # same bytes on the wire as the buffer, where gather-then-slice moves the axis-size times more.
+        while (move := _a2a_move(dims, target, v.shape, self.n)) is not None:
+            i, j, a = move
+            self.issue("all-to-all", (a,), self.nbytes(v.shape, dims, v.dtype))
+            if not self.dry:
+                x = jax.lax.all_to_all(x, a, split_axis=j, concat_axis=i, tiled=True)
+            dims[i].pop()
+            dims[j].append(a)
         # Gather what the target does not keep as a prefix, minor axes first.
-        for i, (cur, tgt) in enumerate(zip(v.dims, target, strict=True)):
+        for i, (cur, tgt) in enumerate(zip(_t(dims), target, strict=True)):
             k = 0
             while k < len(cur) and k < len(tgt) and cur[k] == tgt[k]:
                 k += 1
@@ -1169,6 +1179,21 @@ def permuted(out: Dims, perm) -> Dims:
     for i, p in enumerate(perm):
         inv[p] = out[i]
     return tuple(inv)
+
+
+def _a2a_move(dims: list[list[str]], target: Dims, shape, n: Callable) -> tuple[int, int, str] | None:
+    """A mesh axis the relayout from ``dims`` to ``target`` moves by one all-to-all: the minor
+    axis of dim ``i``, which ``target`` does not keep there, and the next axis ``target`` adds to
+    dim ``j`` (whose local size it divides). None when no axis moves that way."""
+    for i, cur in enumerate(dims):
+        if not cur or list(target[i][: len(cur)]) == cur:
+            continue
+        a = cur[-1]
+        for j, (dj, tj) in enumerate(zip(dims, target, strict=True)):
+            if (j != i and len(tj) > len(dj) and list(tj[: len(dj)]) == dj and tj[len(dj)] == a
+                    and (shape[j] // n(dj)) % n((a,)) == 0):
+                return i, j, a
+    return None
 
 
 def _common(a: Dims, b: Dims) -> Dims:
