@@ -30,6 +30,7 @@ Factories with no required arguments (``gpt_tiny``, ``gpt_small``, ``mlp_small``
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -609,11 +610,15 @@ class MoEBlock(nnx.Module):
         self.moe_norm = nnx.RMSNorm(cfg.d_model, dtype=dt, param_dtype=dt, rngs=rngs)
         self.moe = MoEFeedForward(cfg, rngs)
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        b, t, _ = x.shape
-        x = x + self.attn(self.attn_norm(x), jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)))
+    def __call__(self, x: jax.Array, mask: jax.Array, cache: dict | None = None,
+                 positions: jax.Array | None = None):
+        if cache is None:
+            x = x + self.attn(self.attn_norm(x), mask)
+        else:
+            y, cache = self.attn(self.attn_norm(x), mask, cache, positions)
+            x = x + y
         y, aux = self.moe(self.moe_norm(x))
-        return x + y, aux
+        return x + y, aux, cache
 
 
 class MoE(nnx.Module):
@@ -624,19 +629,37 @@ class MoE(nnx.Module):
     ``blocks/<i>/moe/shared/layers/(0|2)/kernel`` (with a shared expert), norms, ``head/kernel``."""
 
     def __init__(self, cfg: MoEConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
         dt = jnp.dtype(cfg.dtype)
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=dt, param_dtype=dt, rngs=rngs)
         self.blocks = nnx.List([MoEBlock(cfg, rngs) for _ in range(cfg.n_layers)])
         self.norm = nnx.RMSNorm(cfg.d_model, dtype=dt, param_dtype=dt, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dt, param_dtype=dt, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+        """A zero KV cache: per block, keys and values of shape (batch, max_len, heads, head_dim)."""
+        shape = (batch, max_len, self.cfg.n_heads, self.cfg.d_model // self.cfg.n_heads)
+        return {str(i): {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+                for i in range(self.cfg.n_layers)}
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, mask: jax.Array | None = None,
+                 cache: dict | None = None) -> tuple[jax.Array, Any]:
+        """``(logits, aux)``; with ``cache`` (from ``init_cache``) keys and values are written at
+        ``positions``, attention runs over the cache under ``mask`` (batch, time, max_len) and the
+        result is ``(logits, cache)``: the convention ``shardplan.Generator`` drives. Each batch row
+        is one dispatch group, so a row's experts never see another row's tokens."""
+        b, t = tokens.shape
         x = self.embed(tokens)
+        if mask is None:
+            mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
         aux = jnp.zeros((), jnp.float32)
-        for block in self.blocks:
-            x, a = block(x)
+        new_cache = {}
+        for i, block in enumerate(self.blocks):
+            x, a, layer = block(x, mask, None if cache is None else cache[str(i)], positions)
             aux = aux + a
-        return self.head(self.norm(x)), aux
+            new_cache[str(i)] = layer
+        logits = self.head(self.norm(x))
+        return (logits, aux) if cache is None else (logits, new_cache)
 
 
 MOE_TINY = MoEConfig()
