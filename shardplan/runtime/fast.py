@@ -505,9 +505,21 @@ class _Propagator:
             if seen.get(x, target) != target:
                 clash.add(x)
             seen[x] = target
+        producer = {o: eqn for eqn in jaxpr.eqns for o in eqn.outvars}
         for x, target in seen.items():
-            if x not in clash:
+            if x in clash:
+                continue
+            self.claimed.setdefault(x, target)
+            # Through transposes (einsum's reorder of a matmul's result) to the op that computes it.
+            eqn = producer.get(x)
+            while eqn is not None and eqn.primitive.name == "transpose" and eqn.invars[0] in made:
+                perm = eqn.params["permutation"]
+                inner: list = [()] * len(perm)
+                for k, p in enumerate(perm):
+                    inner[p] = target[k]
+                x, target = eqn.invars[0], tuple(inner)
                 self.claimed.setdefault(x, target)
+                eqn = producer.get(x)
 
     def _wants(self, jaxpr: Any) -> None:
         """Backward pass: the splits a value's readers want, from constrained activations back
@@ -799,6 +811,7 @@ class _Propagator:
         if lhs.partial and rhs.partial:
             rhs = self.resolve(rx, rhs, None, mult, "dot_general")
         partial = set(lhs.partial | rhs.partial)
+        pending = set(partial)
         lhs, rhs = replace(lhs, partial=frozenset()), replace(rhs, partial=frozenset())
         lfree = [i for i in range(len(lhs.shape)) if i not in lc and i not in lb]
         rfree = [i for i in range(len(rhs.shape)) if i not in rc and i not in rb]
@@ -862,6 +875,24 @@ class _Propagator:
                 else:
                     for i in lfree:
                         ldims[i] = [x for x in ldims[i] if x not in clash]
+        claimed = self.claimed.get(eqn.outvars[0])
+        if claimed is not None and not pending and len(claimed) == len(lb) + len(lfree) + len(rfree):
+            # A constraint's layout given to the matmul's result (Shardy's apply-sharding-constraints):
+            # XLA's partitioner then lays the operands out to produce it, each batch and free dim
+            # split as the result is (measured: tokens split over data x expert, dispatched to
+            # experts split over expert, are gathered over expert first, not moved after).
+            taken = {a for d in claimed for a in d}
+            for k, (i, j) in enumerate(zip(lb, rb, strict=True)):
+                ldims[i], rdims[j] = list(claimed[k]), list(claimed[k])
+            for p, i in enumerate(lfree):
+                ldims[i] = list(claimed[len(lb) + p])
+            for q, j in enumerate(rfree):
+                rdims[j] = list(claimed[len(lb) + len(lfree) + q])
+            partial = set()
+            for i, j in zip(lc, rc, strict=True):
+                if ldims[i] != rdims[j] or any(a in taken for a in ldims[i]):
+                    ldims[i], rdims[j] = [], []
+                partial |= set(ldims[i])
         lt, rt = _tuple(ldims), _tuple(rdims)
         self.reshard(lx, lhs, lt, mult, "dot_general")
         self.reshard(rx, rhs, rt, mult, "dot_general")
