@@ -421,7 +421,9 @@ def bench_step_cost(quick: bool) -> dict:
     every plan in plans/ x both model families (GPT, Llama)."""
     import shardplan
 
-    plans = ["gpt_tp.splan"] if quick else sorted(p.name for p in (ROOT / "plans").glob("*.splan"))
+    # the MoE plans' rows are benchmarks/moe.py's (section 13), on the MoE model
+    plans = ["gpt_tp.splan"] if quick else sorted(p.name for p in (ROOT / "plans").glob("*.splan")
+                                                  if not p.name.startswith("moe"))
     seq = 16 if quick else 32
     batch = [f"tokens=int32[32,{seq}],labels=int32[32,{seq}]"]
     rows = []
@@ -546,6 +548,12 @@ def _bench_suggest(quick: bool) -> dict:
     return suggest.run(quick)
 
 
+def _bench_moe(quick: bool) -> dict:
+    from benchmarks import moe
+
+    return moe.run(quick)
+
+
 def _bench_lsp(quick: bool) -> dict:
     from benchmarks import lsp
 
@@ -570,6 +578,7 @@ SECTIONS = [
     ("recost", "10. re-cost on one trace", _bench_recost),
     ("random_plans", "11. random plans, fast vs exact", _bench_random_plans),
     ("suggest", "12. suggest vs the shipped plans", _bench_suggest),
+    ("moe", "13. mixture of experts", _bench_moe),
 ]
 
 
@@ -673,6 +682,10 @@ def checks(res: dict) -> list[dict]:
         from benchmarks import suggest
 
         out += suggest.checks(res["suggest"])
+    if "moe" in res:
+        from benchmarks import moe
+
+        out += moe.checks(res["moe"])
     if "reshard" in res:
         d70 = res["reshard"]["diff_70b"]
         out.append(_check(f"shardplan diff {d70['model']} ({d70['leaves']} params) from cached shapes, seconds",

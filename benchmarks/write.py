@@ -187,6 +187,12 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         for name, d in rp["distribution"].items():
             lines.append(f"| {name} | {d['median']:.1%} | {d['p90']:.1%} | {d['worst']:.1%} |")
         lines.append("")
+    if "moe" in res:
+        from benchmarks import moe
+
+        lines += ["## 13. Mixture of experts", "`python -m benchmarks.moe`: the MoE step under each expert plan on "
+                  "both backends beside plain data parallel (8 devices, batch 32 x 64), and fast mode against exact "
+                  "mode for every expert plan (batch 32 x 32).", "", "```", *moe.report(res["moe"]), "```", ""]
     path.write_text("\n".join(lines))
 
 

@@ -22,7 +22,7 @@ Llama param paths: ``embed/embedding``, ``layers/<i>/attn/(q|k|v|o)/kernel``,
 each with a leading layer dimension (``layers/attn/q/kernel`` is (L, d_model, q_dim)).
 
 Factories with no required arguments (``gpt_tiny``, ``gpt_small``, ``mlp_small``,
-``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_1b``, ``moe_tiny``, ``moe_tiny_dropless``,
+``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_1b``, ``moe_tiny``, ``moe_small``, ``moe_tiny_dropless``,
 ``mixtral_8x7b``, ``deepseek_v3``) are what
 ``shardplan check --model examples/models.py:FACTORY`` calls.
 """
@@ -663,6 +663,7 @@ class MoE(nnx.Module):
 
 
 MOE_TINY = MoEConfig()
+MOE_SMALL = MoEConfig(vocab=256, d_model=128, n_heads=8, n_layers=2, max_len=64, n_experts=8, top_k=2, d_expert=256)
 # Shapes for offline checks (`shardplan check --model examples/models.py:mixtral_8x7b ...`): Mixtral
 # 8x7B (32 layers, d_model 4096, 8 experts of 14336, top-2; its attention's 8 kv heads are 32 here)
 # and DeepSeek-V3 (61 layers, d_model 7168, 256 experts of 2048, top-8, a shared expert; its
@@ -675,6 +676,10 @@ DEEPSEEK_V3 = MoEConfig(vocab=129280, d_model=7168, n_heads=128, n_layers=61, ma
 
 def moe_tiny(seed: int = 0) -> MoE:
     return MoE(MOE_TINY, nnx.Rngs(seed))
+
+
+def moe_small(seed: int = 0) -> MoE:
+    return MoE(MOE_SMALL, nnx.Rngs(seed))
 
 
 def moe_tiny_dropless(seed: int = 0) -> MoE:

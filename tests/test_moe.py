@@ -129,3 +129,41 @@ def test_generation_with_experts_split_matches_one_device(mode):
         out = gen.generate(prompts)
         for p, toks in zip(prompts, out.tokens):
             assert len(toks) == 8 and check(p, toks), (mode, length, p, toks)
+
+
+def test_quick_moe_benchmark_measures_side_by_side_and_reports_each_target_honestly():
+    """benchmarks/moe.py's quick run: the step on both backends and under data parallel, timed in
+    one run; fast vs exact rows whose errors are the two modes' figures and whose checks say "yes"
+    exactly where the error is within the target (fast mode misses the dispatch: it is reported)."""
+    from benchmarks import moe
+
+    res = moe.run(quick=True)
+    (step,) = res["steps"]
+    assert step["plan"] == "moe_ep.splan" and step["shard_map_fallbacks"] == 0
+    assert all(step[k] > 0 for k in ("auto_ms", "shard_map_ms", "dp_ms"))
+    assert step["shard_map_vs_auto"] == step["shard_map_ms"] / step["auto_ms"]
+    (row,) = res["fast_vs_exact"]
+    assert row["comm"]["all-to-all"]["exact"] > 0  # XLA's program dispatches by all-to-all over expert
+    checks = {c["measurement"]: c for c in moe.checks(res)}
+    for kind, c in row["comm"].items():
+        assert c["error"] == abs(c["fast"] - c["exact"]) / c["exact"]
+        check = checks[f"fast vs exact moe_ep.splan x moe_tiny: {kind} bytes error"]
+        assert (check["met"] == "yes") == (c["error"] <= 0.10) and not check["timing"]
+    assert (checks["fast vs exact moe_ep.splan x moe_tiny: peak memory error"]["met"] == "yes") == (
+        row["peak_error"] <= 0.15)
+    assert any(line.startswith("moe_ep.splan") for line in moe.report(res))
+
+
+def test_exact_mode_of_the_shard_map_backend_compiles_the_step_that_trains():
+    """`check --step --compile --backend shard_map` compiles the program training runs: the plan's
+    logical-axis constraints traced over global values, so its all-to-alls are there (it once traced
+    them per device, where they do nothing, and reported gathers instead)."""
+    from tests.test_shard_map import compiled_vs_predicted
+
+    got, _, _ = compiled_vs_predicted("moe_ep.splan", "moe_tiny", example.moe_lm_loss)
+    cost = shardplan.api.analyze(PLANS / "moe_ep.splan", model=f"{PLANS.parent / 'examples' / 'models.py'}:moe_tiny",
+                                 step=f"{PLANS.parent / 'examples' / 'train.py'}:moe_lm_loss",
+                                 batch=["tokens=int32[16,16],labels=int32[16,16]"], mode="exact", devices=8,
+                                 backend="shard_map")
+    assert sum(c.bytes for c in cost.communication if c.kind == "all-to-all") == got[("all-to-all", ("expert",))][1]
+    assert sum(c.bytes for c in cost.communication) == sum(b for _, b in got.values())

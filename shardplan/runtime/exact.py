@@ -100,7 +100,7 @@ def compile_step(
     acts = Activations(plan, mesh, backend)
     with cudnn_traceable(), nnx.use_eager_sharding(False):  # a cuDNN kernel traces; XLA:CPU refuses it below
         check_loss(acts.wrap(loss_fn, mesh_context=True), abs_model, batch_abs, where="--step", plan=plan)
-        step = backends.get(backend).build(placement, acts.wrap(loss_fn), abs_model, abs_opt)
+        step = backends.get(backend).build(placement, acts.wrap(loss_fn, mesh_context=True), abs_model, abs_opt)
         try:
             compiled = step.lower(sm, so, batch_in).compile()
         except Exception as e:

@@ -1,0 +1,156 @@
+"""Mixture of experts on 8 simulated devices, side by side in one run: the training step under
+each MoE plan on both backends and under plain data parallelism, and fast mode against XLA's
+compiled program (exact mode) for every MoE plan.
+
+    python -m benchmarks.moe            # a small MoE (8 experts of 256, d_model 128), batch 32 x 64
+    python -m benchmarks.moe --quick    # moe_tiny, one plan, one step: proves it runs
+
+Targets (issue 31): step time shard_map / auto <= 1.15x (a timing); fast vs exact within the
+engine's targets (each collective kind's bytes within 10%, peak within 15%, FLOPs within 2%).
+Expert parallel / data parallel is reported without a target: on CPU it measures XLA:CPU's
+collectives, not a network.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLANS = ("moe_ep.splan", "moe_ep_tp.splan", "moe_ep_fsdp.splan")
+
+
+def _config(quick: bool, dispatch: str = "capacity"):
+    from dataclasses import replace
+
+    from examples import models
+
+    return replace(models.MOE_TINY if quick else models.MOE_SMALL, dispatch=dispatch)
+
+
+def _setup(plan_name: str, backend: str, cfg, batch: int):
+    """A step of ``plan_name`` on ``backend`` in benchmarks/run.py's setup form."""
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import shardplan
+    from examples import models
+    from examples import train as example
+
+    plan = shardplan.load(ROOT / "plans" / plan_name)
+    model, optimizer, placement = shardplan.init_sharded(plan, lambda: models.MoE(cfg, nnx.Rngs(0)),
+                                                         optax.adamw(1e-3))
+    data = example.synthetic_batch(np.random.default_rng(0), cfg.vocab, batch, cfg.max_len)
+    step = shardplan.train_step(placement, example.moe_lm_loss, model, optimizer, backend=backend)
+    placed = step.place(data)
+    return lambda: step.fn(nnx.state(model), nnx.state(optimizer), placed), step, model, optimizer, data
+
+
+def bench_steps(quick: bool) -> list[dict]:
+    import warnings
+
+    import shardplan
+    from benchmarks.run import _time_steps
+
+    steps, repeat, batch = (1, 1, 16) if quick else (10, 5, 32)
+    cases = [("moe_ep.splan", "capacity")] if quick else [(p, "capacity") for p in PLANS] + [("moe_ep.splan",
+                                                                                              "dropless")]
+    rows = []
+    for plan, dispatch in cases:
+        cfg = _config(quick, dispatch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", shardplan.ShardMapFallbackWarning)  # dropless: whole operands, said
+            setups = [_setup(plan, "auto", cfg, batch), _setup(plan, "shard_map", cfg, batch),
+                      _setup("dp.splan", "auto", cfg, batch)]
+            t_auto, t_sm, t_dp = _time_steps(setups, steps, repeat)
+        fallbacks = len(setups[1][1].fn.record(setups[1][1].place(setups[1][4])).fallbacks)
+        rows.append({"plan": plan, "dispatch": dispatch, "auto_ms": 1e3 * t_auto, "shard_map_ms": 1e3 * t_sm,
+                     "dp_ms": 1e3 * t_dp, "shard_map_vs_auto": t_sm / t_auto, "ep_vs_dp": t_auto / t_dp,
+                     "shard_map_fallbacks": fallbacks})
+    return rows
+
+
+def bench_fast_vs_exact(quick: bool) -> list[dict]:
+    import shardplan
+
+    plans = PLANS[:1] if quick else PLANS
+    seq = 16 if quick else 32
+    batch = [f"tokens=int32[32,{seq}],labels=int32[32,{seq}]"]
+    factory = "moe_tiny" if quick else "moe_small"
+    rows = []
+    for plan in plans:
+        kw = dict(model=f"{ROOT / 'examples' / 'models.py'}:{factory}",
+                  step=f"{ROOT / 'examples' / 'train.py'}:moe_lm_loss", batch=batch, devices=8)
+        fast = shardplan.api.analyze(ROOT / "plans" / plan, mode="fast", **kw)
+        exact = shardplan.api.analyze(ROOT / "plans" / plan, mode="exact", **kw)
+        fk, ek = fast.bytes_by_kind(), exact.bytes_by_kind()
+        comm = {k: {"fast": fk.get(k, 0), "exact": ek.get(k, 0),
+                    "error": abs(fk.get(k, 0) - ek.get(k, 0)) / ek[k] if ek.get(k) else
+                    (0.0 if not fk.get(k) else float("inf"))} for k in sorted(set(fk) | set(ek))
+                if fk.get(k) or ek.get(k)}
+        rows.append({"plan": plan, "model": factory, "comm": comm,
+                     "peak_fast": fast.memory.peak, "peak_exact": exact.memory.peak,
+                     "peak_error": abs(fast.memory.peak - exact.memory.peak) / exact.memory.peak,
+                     "flops_fast": fast.flops, "flops_exact": exact.flops,
+                     "flops_error": abs(fast.flops - exact.flops) / exact.flops})
+    return rows
+
+
+def run(quick: bool) -> dict:
+    return {"steps": bench_steps(quick), "fast_vs_exact": bench_fast_vs_exact(quick)}
+
+
+def checks(res: dict) -> list[dict]:
+    """Target rows in benchmarks/run.py's form."""
+    from benchmarks.run import _check
+
+    out = []
+    for r in res["steps"]:
+        name = f"MoE step {r['plan']} ({r['dispatch']})"
+        out.append(_check(f"{name}: shard_map / auto", r["shard_map_vs_auto"], 1.15, "<=", timing=True))
+        out.append(_check(f"{name}: shard_map ops on whole operands (fallbacks)", r["shard_map_fallbacks"], 0, "<=",
+                          "{:d}"))
+    for r in res["fast_vs_exact"]:
+        name = f"fast vs exact {r['plan']} x {r['model']}"
+        for kind, c in r["comm"].items():
+            out.append(_check(f"{name}: {kind} bytes error", c["error"], 0.10, "<=", "{:.1%}"))
+        out.append(_check(f"{name}: peak memory error", r["peak_error"], 0.15, "<=", "{:.1%}"))
+        out.append(_check(f"{name}: FLOPs error", r["flops_error"], 0.02, "<=", "{:.2%}"))
+    return out
+
+
+def report(res: dict) -> list[str]:
+    lines = ["step (ms)               dispatch   auto  shard_map  data parallel  sm/auto  EP/DP  fallbacks"]
+    for r in res["steps"]:
+        lines.append(f"{r['plan']:22} {r['dispatch']:9} {r['auto_ms']:6.1f} {r['shard_map_ms']:9.1f} "
+                     f"{r['dp_ms']:13.1f} {r['shard_map_vs_auto']:7.2f}x {r['ep_vs_dp']:5.2f}x {r['shard_map_fallbacks']:9d}")
+    for r in res["fast_vs_exact"]:
+        lines.append(f"fast vs exact, {r['plan']} x {r['model']}:")
+        for kind, c in r["comm"].items():
+            lines.append(f"  {kind:18} fast {c['fast'] / 1024:9.1f} KiB   exact {c['exact'] / 1024:9.1f} KiB"
+                         f"   error {c['error']:.0%}")
+        lines.append(f"  peak               fast {r['peak_fast'] / 2**20:9.2f} MiB   exact "
+                     f"{r['peak_exact'] / 2**20:9.2f} MiB   error {r['peak_error']:.0%}")
+        lines.append(f"  FLOPs              fast {r['flops_fast']:.3g}   exact {r['flops_exact']:.3g}   error "
+                     f"{r['flops_error']:.1%}")
+    return lines
+
+
+def main(argv=None) -> int:
+    from benchmarks.run import standalone
+
+    args = standalone(__doc__, argv)
+    res = run(args.quick)
+    for line in report(res):
+        print(line)
+    for row in checks(res):
+        print(f"{row['measurement']}: {row['value']} (target {row['target']}) {row['met']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
