@@ -111,6 +111,10 @@ class _Ctx:
 
     memo: dict[Any, int] = field(default_factory=dict)  # split and local sizes asked again and again
 
+    def split_dims(self, dims: Dims) -> int:
+        """Devices a layout splits a value over (the product of its dims' splits)."""
+        return math.prod(self.split(tuple(d)) for d in dims)
+
     def split(self, axes: tuple[str, ...]) -> int:
         key = axes if type(axes) is tuple else tuple(axes)
         n = self.memo.get(key)
@@ -195,6 +199,7 @@ class _Propagator:
         self.names = names  # top-level invar -> leaf path (for 'moves')
         self.hints: dict[Any, Dims] = {}
         self.claimed: dict[Any, Dims] = {}  # values a closed sharding constraint lays out (see _claims)
+        self.back: dict[Any, Dims] = {}  # layouts propagated back from those (see _claims_back, _back_claim)
         self.wants: dict[Any, Dims] = {}  # splits readers want (see _wants)
         # Whole values an elementwise op met with split ones (XLA's propagation would have computed
         # them split: slicing a whole value is free); a second propagation takes them as ``free``.
@@ -505,21 +510,12 @@ class _Propagator:
             if seen.get(x, target) != target:
                 clash.add(x)
             seen[x] = target
-        producer = {o: eqn for eqn in jaxpr.eqns for o in eqn.outvars}
         for x, target in seen.items():
-            if x in clash:
-                continue
-            self.claimed.setdefault(x, target)
-            # Through transposes (einsum's reorder of a matmul's result) to the op that computes it.
-            eqn = producer.get(x)
-            while eqn is not None and eqn.primitive.name == "transpose" and eqn.invars[0] in made:
-                perm = eqn.params["permutation"]
-                inner: list = [()] * len(perm)
-                for k, p in enumerate(perm):
-                    inner[p] = target[k]
-                x, target = eqn.invars[0], tuple(inner)
+            if x not in clash:
                 self.claimed.setdefault(x, target)
-                eqn = producer.get(x)
+        for x, target in _claims_back(jaxpr, {**self.back, **self.claimed}, self.ctx.split_dims).items():
+            if x not in self.claimed:
+                self.back.setdefault(x, target)
 
     def _wants(self, jaxpr: Any) -> None:
         """Backward pass: the splits a value's readers want, from constrained activations back
@@ -624,6 +620,8 @@ class _Propagator:
                     self.wants.setdefault(inner_var, self.wants[outer_var])
                 if outer_var in self.claimed and not hasattr(inner_var, "val"):
                     self.claimed.setdefault(inner_var, self.claimed[outer_var])
+                if outer_var in self.back and not hasattr(inner_var, "val"):
+                    self.back.setdefault(inner_var, self.back[outer_var])
             outer_call, self.call_source = self.call_source, self.ctx.source
             outer = self._frame
             assert outer is not None  # equations run inside a jaxpr
@@ -683,6 +681,18 @@ class _Propagator:
             v = ins[0]
             bdims = eqn.params["broadcast_dimensions"]
             shape = tuple(outs_avals[0].shape)
+            natural = tuple(
+                v.dims[bdims.index(j)] if j in bdims and v.shape[bdims.index(j)] == shape[j] else ()
+                for j in range(len(shape))
+            )
+            claim = self._back_claim(eqn.outvars[0], natural)
+            if claim is not None and not v.partial and _fits(shape, claim, self.ctx):
+                # Built in the layout its readers were given (Shardy): the operand moved first, at
+                # its own (smaller) size; the new dims are split for free.
+                mine = tuple(claim[j] if v.shape[i] == shape[j] else () for i, j in enumerate(bdims))
+                if mine != v.dims and _fits(v.shape, mine, self.ctx):
+                    self.reshard(eqn.invars[0], v, mine, mult, name)
+                    return [Val(shape, itemsize(outs_avals[0]), _norm(claim, len(shape)))]
             dims: list[tuple[str, ...]] = [()] * len(shape)
             for i, j in enumerate(bdims):
                 if v.shape[i] == shape[j]:
@@ -735,6 +745,17 @@ class _Propagator:
         self.ctx.unmodeled[name] = self.ctx.unmodeled.get(name, 0) + 1
         return [_replicated(a) for a in outs_avals]
 
+    def _back_claim(self, var: Any, natural: Dims) -> Dims | None:
+        """The layout propagated back to ``var`` from a constraint (``_claims_back``), where it
+        splits over at least as many devices as ``natural``, the layout the value would have: the
+        more split layout wins where the two meet (measured on XLA:CPU: a dispatch mask is built
+        split over data x expert on two dims rather than over both on one, while the tokens
+        stay split over both and are gathered at the dispatch)."""
+        claim = self.back.get(var)
+        if claim is None or self.ctx.split_dims(claim) < self.ctx.split_dims(natural):
+            return None
+        return claim
+
     def _flops(self, n: float, mult: int, name: str) -> None:
         self.ctx.flops += n * mult
         if name in TRANSCENDENTAL:
@@ -752,6 +773,20 @@ class _Propagator:
             if rank and len(v.shape) == rank
         ]
         outvar = eqn.outvars[0]
+        back = None
+        if full and outvar not in self.hints and outvar not in self.claimed and not any(v.partial for v in ins):
+            back = self._back_claim(outvar, max((v.dims for _, v in full), key=self.ctx.split_dims))
+        if back is not None and _fits(shape, back, self.ctx):
+            # Built in the layout propagated back from a constraint: each operand moved to it at its
+            # own size (one broadcast over a size-1 dim is gathered there, not after; measured).
+            for x, v in zip(eqn.invars, ins, strict=True):
+                if len(v.shape) == rank:
+                    own = tuple(t if v.shape[i] == shape[i] else () for i, t in enumerate(_norm(back, rank)))
+                    if own != v.dims:
+                        self.reshard(x, v, own, mult, name)
+            out = Val(shape, itemsize(out_aval), _norm(back, rank))
+            self._flops(self.ctx.local(out) / out.itemsize, mult, name)
+            return out
         if full and outvar not in self.hints and outvar not in self.claimed and outvar not in self.free:
             first = full[0][1].dims
             if all(v.dims == first and not v.partial for _, v in full):  # operands laid out alike: nothing moves
@@ -829,6 +864,14 @@ class _Propagator:
         if conflict:
             for i, j in zip(lc, rc, strict=True):
                 ldims[i], rdims[j] = [], []
+            # an axis the batch dims now take leaves the operands' other dims (gathered there)
+            taken_b = {a for i in lb for a in ldims[i]}
+            for k in range(len(ldims)):
+                if k not in lb:
+                    ldims[k] = [a for a in ldims[k] if a not in taken_b]
+            for k in range(len(rdims)):
+                if k not in rb:
+                    rdims[k] = [a for a in rdims[k] if a not in taken_b]
         # Contracting dims: split the same way on both sides -> local, then a pending sum.
         for i, j in zip(lc, rc, strict=True):
             a, b = ldims[i], rdims[j]
@@ -876,6 +919,13 @@ class _Propagator:
                     for i in lfree:
                         ldims[i] = [x for x in ldims[i] if x not in clash]
         claimed = self.claimed.get(eqn.outvars[0])
+        if claimed is None and lb:  # a plain matmul keeps its pending sum (reduce-scattered later)
+            claimed = self._back_claim(
+                eqn.outvars[0],
+                tuple(
+                    [tuple(ldims[i]) for i in lb] + [tuple(ldims[i]) for i in lfree] + [tuple(rdims[j]) for j in rfree]
+                ),
+            )
         if claimed is not None and not pending and len(claimed) == len(lb) + len(lfree) + len(rfree):
             # A constraint's layout given to the matmul's result (Shardy's apply-sharding-constraints):
             # XLA's partitioner then lays the operands out to produce it, each batch and free dim
@@ -1521,6 +1571,103 @@ def _batch_scatter(v: Val, ctx: _Ctx) -> Dims:
         if axes and v.shape[0] % ctx.split(axes) == 0:
             dims[0] = axes
     return tuple(dims)
+
+
+def _adapts(eqn: Any) -> bool:
+    """A reader that takes its operand in any layout (an elementwise op, a matmul or a call of one,
+    ``jnp.einsum``'s body), where a reduction or a gather keeps the layout it finds."""
+    if eqn is None:
+        return False
+    if eqn.primitive.name == "dot_general" or eqn.primitive.name in ELEMENTWISE:
+        return True
+    sub = _subjaxpr(eqn) if eqn.primitive.name in ("jit", "pjit", "closed_call") else None
+    return sub is not None and any(e.primitive.name == "dot_general" for e in sub.eqns)
+
+
+def _claims_back(jaxpr: Any, claimed: dict[Any, Dims], split: Callable[[Dims], int]) -> dict[Any, Dims]:
+    """The layouts Shardy's propagation gives the ops that build a claimed value, walking back
+    from it: through transposes and elementwise ops (to operands of the same shape: an operand
+    broadcast over a size-1 dim, or by ``broadcast_in_dim``, keeps its own layout), into calls
+    (an einsum's body) and through a batched matmul to its operands (batch and free dims as the
+    result's, contracting dims whole). Only values made in ``jaxpr`` (or a call's inputs, mapped
+    out to the caller's values) are claimed; params and inputs keep their own layouts. Where a
+    claim applies is ``_back_claim``'s decision. Pure: returns the claims, ``claimed`` included."""
+    out = dict(claimed)
+    made = {o for eqn in jaxpr.eqns for o in eqn.outvars} | set(jaxpr.invars)  # invars: a call's, mapped out
+    readers: dict[Any, list] = {}
+    for eqn in jaxpr.eqns:
+        for x in eqn.invars:
+            if not hasattr(x, "val"):
+                readers.setdefault(x, []).append(eqn)
+    for x in jaxpr.outvars:
+        if not hasattr(x, "val"):
+            readers.setdefault(x, []).append(None)
+    proposed: dict[Any, dict] = {}  # value -> {reading eqn id: the layout it asks for}
+    reader: list = [None]
+
+    def claim(x: Any, dims: Dims) -> None:
+        if not hasattr(x, "val") and x in made and x not in out and any(dims):
+            proposed.setdefault(x, {})[id(reader[0])] = tuple(dims)
+
+    def settle(x: Any) -> None:
+        # Claimed where every reader asks for it or takes any layout (an elementwise op, a matmul);
+        # a reader that keeps the value's own layout (a reduction, a gather) keeps it. Readers that
+        # ask for different layouts: the most split wins (a tie, neither).
+        asks = proposed.get(x)
+        if x in out or not asks or not all(id(r) in asks or _adapts(r) for r in readers.get(x, [])):
+            return
+        ranked = sorted(set(asks.values()), key=lambda d: -split(d))
+        if len(ranked) == 1 or split(ranked[0]) > split(ranked[1]):
+            out[x] = ranked[0]
+
+    for eqn in reversed(jaxpr.eqns):
+        for o in eqn.outvars:
+            settle(o)
+        reader[0] = eqn
+        target = next((out[o] for o in eqn.outvars if o in out), None)
+        if target is None:
+            continue
+        name = eqn.primitive.name
+        shape = tuple(eqn.outvars[0].aval.shape)
+        if name == "transpose":
+            inner: list = [()] * len(shape)
+            for k, p in enumerate(eqn.params["permutation"]):
+                inner[p] = target[k]
+            claim(eqn.invars[0], tuple(inner))
+        elif name in ELEMENTWISE or name == "convert_element_type":
+            for x in eqn.invars:
+                if tuple(getattr(x.aval, "shape", ())) == shape and shape:  # not through a size-1 broadcast
+                    claim(x, target)
+        elif name == "dot_general":
+            (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+            if not lb:
+                continue  # a plain matmul: its operands keep their own splits (weights, sequence)
+            lx, rx = eqn.invars
+            lfree = [i for i in range(len(lx.aval.shape)) if i not in lc and i not in lb]
+            rfree = [i for i in range(len(rx.aval.shape)) if i not in rc and i not in rb]
+            ld: list = [()] * len(lx.aval.shape)
+            rd: list = [()] * len(rx.aval.shape)
+            for k, (i, j) in enumerate(zip(lb, rb, strict=True)):
+                ld[i], rd[j] = target[k], target[k]
+            for p, i in enumerate(lfree):
+                ld[i] = target[len(lb) + p]
+            for q, j in enumerate(rfree):
+                rd[j] = target[len(lb) + len(lfree) + q]
+            claim(lx, tuple(ld))
+            claim(rx, tuple(rd))
+        elif name in ("jit", "pjit", "closed_call", "core_call"):
+            sub = _subjaxpr(eqn)
+            if sub is None:
+                continue
+            pairs = zip(sub.outvars, eqn.outvars, strict=False)
+            seeds = {i: out[o] for i, o in pairs if o in out and not hasattr(i, "val")}
+            inner_claims = _claims_back(sub, seeds, split)
+            for i, o in zip(sub.invars, eqn.invars, strict=False):
+                if i in inner_claims and not hasattr(o, "val"):
+                    claim(o, inner_claims[i])
+    for x in jaxpr.invars:
+        settle(x)
+    return out
 
 
 def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:
