@@ -27,5 +27,7 @@ _os.environ.setdefault("SHARDPLAN_CACHE_DIR", _tempfile.mkdtemp(prefix="shardpla
 if "SHARDPLAN_TEST_RUN" not in _os.environ:
     _os.environ["SHARDPLAN_TEST_RUN"] = "1"
     _os.environ["JAX_COMPILATION_CACHE_DIR"] = _tempfile.mkdtemp(prefix="shardplan-xla-")
+    # The plain-NNX one-device reference runs (tests/reference.py), made once per run for all workers.
+    _os.environ["SHARDPLAN_REF_DIR"] = _tempfile.mkdtemp(prefix="shardplan-ref-")
     _os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     _os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"

@@ -5,6 +5,11 @@ as a difference instead of being repeated on both sides."""
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+
 import jax
 import numpy as np
 from flax import nnx
@@ -32,7 +37,7 @@ def train(factory, tx, loss_fn, batches, *, key=None) -> tuple[list[float], dict
     if key is not None:
         full = (factory, loss_fn, key, tuple(_digest(b) for b in batches))
         if full not in _RUNS:
-            _RUNS[full] = train(factory, tx, loss_fn, batches)
+            _RUNS[full] = _shared(full, lambda: train(factory, tx, loss_fn, batches))
         return _RUNS[full]
     with nnx.use_eager_sharding(False):  # annotated models name logical axes no mesh has here
         model = factory()
@@ -46,6 +51,30 @@ def train(factory, tx, loss_fn, batches, *, key=None) -> tuple[list[float], dict
 
     losses = [float(step(model, optimizer, b)) for b in batches]
     return losses, params_of(model)
+
+
+def _shared(full: tuple, run) -> tuple[list[float], dict[str, np.ndarray]]:
+    """``run()``'s result, made once per test run and shared by the xdist workers through
+    $SHARDPLAN_REF_DIR (tests/conftest.py: a fresh folder per run), a lock per run so a second
+    worker waits for the first instead of training again. Without the folder: ``run()``."""
+    folder = os.environ.get("SHARDPLAN_REF_DIR")
+    if not folder:
+        return run()
+    factory, loss_fn, key, digests = full
+    name = hashlib.sha256(repr((getattr(factory, "__module__", ""), getattr(factory, "__qualname__", repr(factory)),
+                                getattr(loss_fn, "__module__", ""), getattr(loss_fn, "__qualname__", repr(loss_fn)),
+                                key, digests)).encode()).hexdigest()[:32]
+    path = Path(folder) / f"{name}.npz"
+    with open(Path(folder) / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            with np.load(path) as z:
+                return [float(x) for x in z["__losses__"]], {k: z[k] for k in z.files if k != "__losses__"}
+        losses, params = run()
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, __losses__=np.asarray(losses, np.float64), **params)
+        os.replace(tmp, path)
+        return losses, params
 
 
 def _digest(batch) -> tuple:
