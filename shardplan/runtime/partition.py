@@ -1190,8 +1190,13 @@ def _a2a_move(dims: list[list[str]], target: Dims, shape, n: Callable) -> tuple[
             continue
         a = cur[-1]
         for j, (dj, tj) in enumerate(zip(dims, target, strict=True)):
-            if (j != i and len(tj) > len(dj) and list(tj[: len(dj)]) == dj and tj[len(dj)] == a
-                    and (shape[j] // n(dj)) % n((a,)) == 0):
+            if (
+                j != i
+                and len(tj) > len(dj)
+                and list(tj[: len(dj)]) == dj
+                and tj[len(dj)] == a
+                and (shape[j] // n(dj)) % n((a,)) == 0
+            ):
                 return i, j, a
     return None
 
