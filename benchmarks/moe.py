@@ -13,7 +13,6 @@ collectives, not a network.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -139,17 +138,13 @@ def report(res: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from benchmarks.run import standalone
+    from benchmarks.run import finish, standalone
 
     args = standalone(__doc__, argv)
     res = run(args.quick)
     for line in report(res):
         print(line)
-    for row in checks(res):
-        print(f"{row['measurement']}: {row['value']} (target {row['target']}) {row['met']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    return 0
+    return finish(res, checks(res), args.json)
 
 
 if __name__ == "__main__":

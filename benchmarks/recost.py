@@ -12,7 +12,6 @@ cached but what no plan changes.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -87,7 +86,7 @@ def checks(res: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from benchmarks.run import standalone
+    from benchmarks.run import finish, standalone
 
     args = standalone(__doc__, argv)
     res = run(args.quick)
@@ -96,11 +95,7 @@ def main(argv=None) -> int:
         for r in c["rows"]:
             print(f"  {r['plan']:8} full analysis {r['full_s'] * 1e3:8.0f} ms   re-cost {r['recost_s'] * 1e3:7.0f} ms"
                   f"   ({r['full_s'] / r['recost_s']:.1f}x)   equal: {r['equal']}")
-    for row in checks(res):
-        print(f"{row['measurement']}: {row['value']} (target {row['target']}) {row['met']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    return 0
+    return finish(res, checks(res), args.json)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import platform
 import sys
@@ -594,6 +595,15 @@ def standalone(doc: str, argv=None) -> argparse.Namespace:
 
     simulate(8)
     return args
+
+
+def finish(res: dict, rows: list[dict], json_path: str | None) -> int:
+    """A section's command line ends: its target rows printed, its figures written to ``json_path``."""
+    for row in rows:
+        print(f"{row['measurement']}: {row['value']} (target {row['target']}) {row['met']}")
+    if json_path:
+        Path(json_path).write_text(json.dumps(res, indent=1, default=str))
+    return 0
 
 
 def _check(name, value, target, op, fmt="{:.2f}x", timing=False) -> dict:

@@ -16,7 +16,6 @@ search <= 60 s on 2,048.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -229,7 +228,7 @@ def checks(res: dict) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from benchmarks.run import standalone
+    from benchmarks.run import finish, standalone
 
     args = standalone(__doc__, argv)
     res = run(args.quick)
@@ -260,11 +259,7 @@ def main(argv=None) -> int:
             print("    " + "\n    ".join(line for line in b["plan"].splitlines() if not line.startswith("#")))
         else:
             print(f"  suggest: {b['error']} ({b['search_s']:.1f} s)")
-    for row in checks(res):
-        print(f"{row['measurement']}: {row['value']} (target {row['target']}) {row['met']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str))
-    return 0
+    return finish(res, checks(res), args.json)
 
 
 if __name__ == "__main__":

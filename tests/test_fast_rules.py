@@ -62,6 +62,15 @@ def xfail(reason):
 
 
 mm = jnp.matmul
+
+
+def dispatch(x, m, s):
+    """GShard's dispatch: tokens x (g, t, d) into per-expert buffers by one-hots m (g, t, e) and
+    s (g, t, c), the buffers constrained (model, data) on (experts, groups)."""
+    return jax.lax.with_sharding_constraint(jnp.einsum("gtec,gtd->egcd", m[..., None] * s[:, :, None, :], x),
+                                            P("model", "data"))
+
+
 CASES = [
     # dot_general
     ("dot/column-parallel", mm, (S(B, D), S(D, F)), (P("data"), P(None, "model")), P("data", "model")),
@@ -305,18 +314,14 @@ CASES = [
     # all-to-all, the slot one-hot gathered), the tokens gathered at the dispatch
     (
         "constraint/carried back into the dispatch mask",
-        lambda x, m, s: jax.lax.with_sharding_constraint(
-            jnp.einsum("gtec,gtd->egcd", m[..., None] * s[:, :, None, :], x), P("model", "data")
-        ),
+        dispatch,
         (S(8, 16, 32), S(8, 16, 4), S(8, 16, 8)),
         (P(("data", "model")),) * 3,
         None,
     ),
     pytest.param(
         "constraint/carried back, one expert per device",
-        lambda x, m, s: jax.lax.with_sharding_constraint(
-            jnp.einsum("gtec,gtd->egcd", m[..., None] * s[:, :, None, :], x), P("model", "data")
-        ),
+        dispatch,
         (S(8, 16, 32), S(8, 16, 2), S(8, 16, 8)),
         (P(("data", "model")),) * 3,
         None,
