@@ -4,7 +4,6 @@ launched by `shardplan launch`, against 1 process x 8 devices. Every run is boun
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -71,7 +70,7 @@ def test_two_processes_match_one(plan, backend, reference, tmp_path):
     np.testing.assert_allclose(losses(m), reference[plan], rtol=LOSS_RTOL)
 
 
-def test_checkpoints_cross_process_counts(tmp_path):
+def test_checkpoints_cross_process_counts(reference, tmp_path):
     plan = PLANS / "gpt_tp.splan"
     one, two = tmp_path / "one", tmp_path / "two"
     # Saved by 1 process (3 steps), and by 2 processes (the same 3 steps).
@@ -92,16 +91,13 @@ def test_checkpoints_cross_process_counts(tmp_path):
         # 1 and 2 processes sum gradients in another order (gloo): float32 rounding, 1.5e-6 measured
         np.testing.assert_allclose(restored[1][path], restored[0][path], rtol=1e-5, atol=1e-5, err_msg=path)
 
-    # The 1-process checkpoint restores in 2 processes: resuming there continues as in 1.
-    shutil.copytree(one, tmp_path / "one_copy")
+    # The 1-process checkpoint restores in 2 processes: resuming there continues as in 1 (steps 4
+    # and 5 of the same run straight through in 1 process, the reference's).
     r = launch(sys.executable, TRAIN, "--plan", plan, "--steps", 2, "--no-show", "--checkpoint-dir", one, "--resume",
                "--metrics", tmp_path / "m2.json")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resumed from step 3" in r.stdout
-    r = single(TRAIN, "--plan", plan, "--steps", 2, "--no-show", "--checkpoint-dir", tmp_path / "one_copy",
-               "--resume", "--metrics", tmp_path / "m1.json")
-    assert r.returncode == 0, r.stderr[-3000:]
-    np.testing.assert_allclose(losses(tmp_path / "m2.json"), losses(tmp_path / "m1.json"), rtol=LOSS_RTOL)
+    np.testing.assert_allclose(losses(tmp_path / "m2.json"), reference["gpt_tp.splan"][3:5], rtol=LOSS_RTOL)
 
 
 def test_killing_a_rank_mid_training_fails_the_launch_within_the_bound():
