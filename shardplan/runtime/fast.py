@@ -513,9 +513,16 @@ class _Propagator:
         for x, target in seen.items():
             if x not in clash:
                 self.claimed.setdefault(x, target)
-        for x, target in _claims_back(jaxpr, {**self.back, **self.claimed}, self.ctx.split_dims).items():
-            if x not in self.claimed:
-                self.back.setdefault(x, target)
+        # Seeds: this jaxpr's values laid out already (its constraints', a caller's); none, no walk.
+        seeds = {}
+        for o in [o for eqn in jaxpr.eqns for o in eqn.outvars] + [o for o in jaxpr.outvars if not hasattr(o, "val")]:
+            t = self.claimed.get(o, self.back.get(o))
+            if t is not None:
+                seeds[o] = t
+        if seeds:
+            for x, target in _claims_back(jaxpr, seeds, self.ctx.split_dims).items():
+                if x not in self.claimed:
+                    self.back.setdefault(x, target)
 
     def _wants(self, jaxpr: Any) -> None:
         """Backward pass: the splits a value's readers want, from constrained activations back
@@ -681,11 +688,13 @@ class _Propagator:
             v = ins[0]
             bdims = eqn.params["broadcast_dimensions"]
             shape = tuple(outs_avals[0].shape)
-            natural = tuple(
-                v.dims[bdims.index(j)] if j in bdims and v.shape[bdims.index(j)] == shape[j] else ()
-                for j in range(len(shape))
-            )
-            claim = self._back_claim(eqn.outvars[0], natural)
+            claim = None
+            if eqn.outvars[0] in self.back:
+                natural = tuple(
+                    v.dims[bdims.index(j)] if j in bdims and v.shape[bdims.index(j)] == shape[j] else ()
+                    for j in range(len(shape))
+                )
+                claim = self._back_claim(eqn.outvars[0], natural)
             if claim is not None and not v.partial and _fits(shape, claim, self.ctx):
                 # Built in the layout its readers were given (Shardy): the operand moved first, at
                 # its own (smaller) size; the new dims are split for free.
@@ -774,7 +783,13 @@ class _Propagator:
         ]
         outvar = eqn.outvars[0]
         back = None
-        if full and outvar not in self.hints and outvar not in self.claimed and not any(v.partial for v in ins):
+        if (
+            outvar in self.back
+            and full
+            and outvar not in self.hints
+            and outvar not in self.claimed
+            and not any(v.partial for v in ins)
+        ):
             back = self._back_claim(outvar, max((v.dims for _, v in full), key=self.ctx.split_dims))
         if back is not None and _fits(shape, back, self.ctx):
             # Built in the layout propagated back from a constraint: each operand moved to it at its
@@ -919,7 +934,7 @@ class _Propagator:
                     for i in lfree:
                         ldims[i] = [x for x in ldims[i] if x not in clash]
         claimed = self.claimed.get(eqn.outvars[0])
-        if claimed is None and lb:  # a plain matmul keeps its pending sum (reduce-scattered later)
+        if claimed is None and lb and eqn.outvars[0] in self.back:  # a plain matmul keeps its pending sum
             claimed = self._back_claim(
                 eqn.outvars[0],
                 tuple(
