@@ -69,58 +69,59 @@ def launch(
     pumps: list[threading.Thread] = []
     base = dict(os.environ)
     base.pop("XLA_FLAGS", None)
-    for rank in range(n):
-        env = dict(base)
-        env.update(
-            {
-                distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
-                distributed.ENV_NUM_PROCESSES: str(n),
-                distributed.ENV_PROCESS_ID: str(rank),
-                distributed.ENV_TIMEOUT: str(int(max(failure_grace_s, 5))),
-                "JAX_PLATFORMS": "cpu",
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        devices.simulate(devices_per_process, env)
-        try:
-            p = subprocess.Popen(
-                list(command),
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        except OSError as e:
-            for q in procs:
-                _kill(q)
-            raise LaunchError(
-                [
-                    error(
-                        "cannot-launch",
-                        f"cannot run {command[0]!r}: {e.strerror or e}",
-                        "give an executable, e.g. python script.py",
-                        path="command",
-                    )
-                ]
-            ) from None
-        procs.append(p)
-        t = threading.Thread(target=_pump, args=(p.stdout, rank, out, lock), daemon=True)
-        t.start()
-        pumps.append(t)
-
-    start = time.monotonic()
-    first_failure: tuple[int, int] | None = None
-    failed_at = None
-    killed: set[int] = set()
     # Ctrl-C or SIGTERM on the launcher stops every rank (each runs in its own process group,
-    # so the terminal's SIGINT does not reach them): none outlives the launcher.
+    # so the terminal's SIGINT does not reach them): none outlives the launcher. Caught from
+    # before the first rank starts (a signal while they start is not a launcher killed outright).
     interrupted: list[int] = []
     previous = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda signum, frame: interrupted.append(signum))
     try:
+        for rank in range(n):
+            env = dict(base)
+            env.update(
+                {
+                    distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
+                    distributed.ENV_NUM_PROCESSES: str(n),
+                    distributed.ENV_PROCESS_ID: str(rank),
+                    distributed.ENV_TIMEOUT: str(int(max(failure_grace_s, 5))),
+                    "JAX_PLATFORMS": "cpu",
+                    "PYTHONUNBUFFERED": "1",
+                }
+            )
+            devices.simulate(devices_per_process, env)
+            try:
+                p = subprocess.Popen(
+                    list(command),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                for q in procs:
+                    _kill(q)
+                raise LaunchError(
+                    [
+                        error(
+                            "cannot-launch",
+                            f"cannot run {command[0]!r}: {e.strerror or e}",
+                            "give an executable, e.g. python script.py",
+                            path="command",
+                        )
+                    ]
+                ) from None
+            procs.append(p)
+            t = threading.Thread(target=_pump, args=(p.stdout, rank, out, lock), daemon=True)
+            t.start()
+            pumps.append(t)
+
+        start = time.monotonic()
+        first_failure: tuple[int, int] | None = None
+        failed_at = None
+        killed: set[int] = set()
         code, summary = _supervise(
             procs, first_failure, failed_at, killed, interrupted, start, failure_grace_s, timeout_s, n
         )
