@@ -22,7 +22,7 @@ Llama param paths: ``embed/embedding``, ``layers/<i>/attn/(q|k|v|o)/kernel``,
 each with a leading layer dimension (``layers/attn/q/kernel`` is (L, d_model, q_dim)).
 
 Factories with no required arguments (``gpt_tiny``, ``gpt_small``, ``mlp_small``,
-``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_1b``, ``moe_tiny``, ``moe_small``, ``moe_tiny_dropless``,
+``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_deep_scan``, ``llama_1b``, ``moe_tiny``, ``moe_small``, ``moe_tiny_dropless``,
 ``mixtral_8x7b``, ``deepseek_v3``) are what
 ``shardplan check --model examples/models.py:FACTORY`` calls.
 """
@@ -464,6 +464,12 @@ def llama_tiny_cached(seed: int = 0) -> LlamaCached:
 def llama_tiny_scan(seed: int = 0) -> Llama:
     """The tiny Llama with its blocks stacked (nnx.vmap) and scanned under nnx.remat."""
     return Llama(LlamaConfig(scan_layers=True), nnx.Rngs(seed))
+
+
+def llama_deep_scan(seed: int = 0) -> Llama:
+    """The tiny Llama's widths with 8 stacked, scanned layers: enough layers for a pipeline of
+    4 stages x 2 repeats (plans/llama_pp.splan)."""
+    return Llama(LlamaConfig(scan_layers=True, n_layers=8), nnx.Rngs(seed))
 
 
 def llama_small(seed: int = 0) -> Llama:

@@ -109,6 +109,8 @@ def mesh_override_problems(plan: Plan, sizes: MeshSizes, where: str = "--mesh") 
         items.append((plan.default.axes, plan.default_span, ""))
     if plan.cache is not None:
         items.append((plan.cache.axes, plan.cache_span, ""))
+    if plan.pipeline is not None:
+        items.append(((plan.pipeline.axis,), plan.pipeline.span, plan.pipeline.source_line))
     for axes, span, line in items:
         for a in axes:
             if a not in names:

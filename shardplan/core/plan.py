@@ -68,6 +68,32 @@ class AxisRule:
         return f"{self.span.file}:{self.span.line}"
 
 
+SCHEDULES = ("gpipe", "circular")  # how microbatches visit the stages (docs/language.md, Pipelines)
+MAX_MICROBATCHES = 2**20
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """``pipeline AXIS, microbatches = M, schedule = S, repeats = V``: the params whose stacked
+    (leading) dim is split over ``axis`` are the layers of a scanned stack, run as ``stages``
+    (the axis's size) x ``repeats`` chunks, ``microbatches`` of the batch flowing through them."""
+
+    axis: str
+    microbatches: int
+    schedule: str = "gpipe"  # a name in SCHEDULES
+    repeats: int = 1  # chunks of layers per stage (circular: microbatches go round the stages this often)
+    span: Span | None = None
+    source_line: str = ""
+
+    def iterations(self, stages: int) -> int:
+        """Loop steps of the schedule: every stage runs one chunk per step."""
+        return self.microbatches * self.repeats + stages - 1
+
+    def bubble(self, stages: int) -> float:
+        """The fraction of stage-steps that are idle: (p-1) / (v*m + p-1)."""
+        return (stages - 1) / self.iterations(stages)
+
+
 @dataclass(frozen=True)
 class Plan:
     """A checked plan. Build one with :func:`shardplan.load` or :func:`shardplan.loads`."""
@@ -96,6 +122,7 @@ class Plan:
     mesh_type: AxisTypeName = "auto"
     axis_type_of: tuple[tuple[str, AxisTypeName], ...] = ()
     mesh_type_span: Span | None = None
+    pipeline: Pipeline | None = None  # the ``pipeline`` statement
 
     @property
     def text(self) -> str:

@@ -13,7 +13,20 @@ import re2
 
 from shardplan.core.backends import NAMES as BACKENDS
 from shardplan.core.meshes import MeshSizes, closest, size_problems
-from shardplan.core.plan import AXIS_TYPES, LINKS, MAX_DEVICES, AxisRule, AxisTypeName, MeshAxis, Plan, Rule, RuleKind
+from shardplan.core.plan import (
+    AXIS_TYPES,
+    LINKS,
+    MAX_DEVICES,
+    MAX_MICROBATCHES,
+    SCHEDULES,
+    AxisRule,
+    AxisTypeName,
+    MeshAxis,
+    Pipeline,
+    Plan,
+    Rule,
+    RuleKind,
+)
 from shardplan.core.spec import Spec
 from shardplan.errors import Diagnostic, PlanCheckError, Span, error, warning
 from shardplan.lang import syntax as ast
@@ -48,6 +61,7 @@ class _Checker:
             ast.BackendNode: "backend",
             ast.DefaultNode: "default",
             ast.CacheNode: "cache",
+            ast.PipelineNode: "pipeline",
         }.get(kind, "statement")
         for extra in found[1:]:
             self.err(
@@ -312,6 +326,92 @@ class _Checker:
         return tuple(out.values())
 
 
+    # -- pipeline -----------------------------------------------------------------------
+    def pipeline(self, node: ast.PipelineNode | None, mesh: tuple[MeshAxis, ...]) -> Pipeline | None:
+        if node is None:
+            return None
+        axis_names = tuple(a.name for a in mesh)
+        if node.axis not in axis_names:
+            self.dim_axes(ast.Dim((node.axis,), node.axis_span), axis_names, {})
+        known = {"microbatches": int, "schedule": str, "repeats": int}
+        given: dict[str, ast.PipeOption] = {}
+        for o in node.options:
+            if o.name not in known:
+                near = closest(o.name, tuple(known))
+                self.err("pipeline-option", f"unknown pipeline setting '{o.name}'",
+                         (near + " " if near else "") + "the settings are microbatches, schedule and repeats", o.span)
+            elif o.name in given:
+                self.err("pipeline-option", f"pipeline setting '{o.name}' given twice", f"keep one '{o.name} ='", o.span)
+            elif not isinstance(o.value, known[o.name]):
+                want = "a number" if known[o.name] is int else "a name (" + ", ".join(SCHEDULES) + ")"
+                self.err("pipeline-option", f"pipeline setting '{o.name}' takes {want}, not {o.value}",
+                         f"write {o.name} = " + ("8" if known[o.name] is int else "gpipe"), o.value_span)
+            else:
+                given[o.name] = o
+        ok = True
+        m = given.get("microbatches")
+        if m is None and not any(o.name == "microbatches" for o in node.options):
+            ok = False
+            self.err("pipeline-option", "a pipeline needs its number of microbatches",
+                     "add microbatches = M (M pieces of the batch flow through the stages; at least the number "
+                     "of stages keeps the bubble small)", node.span)
+        for name in ("microbatches", "repeats"):
+            o = given.get(name)
+            if o is not None and not 1 <= int(o.value) <= MAX_MICROBATCHES:
+                ok = False
+                self.err("pipeline-option", f"{name} = {o.value}: it must be between 1 and {MAX_MICROBATCHES:,}",
+                         f"write a positive {name}", o.value_span)
+        schedule = str(given["schedule"].value) if "schedule" in given else "gpipe"
+        if "schedule" in given and schedule not in SCHEDULES:
+            ok = False
+            near = closest(schedule, SCHEDULES)
+            self.err("pipeline-option", f"unknown pipeline schedule '{schedule}'",
+                     (near + " " if near else "") + "schedules: gpipe (each stage runs its layers once per "
+                     "microbatch), circular (with repeats = V, each stage holds V chunks of layers)",
+                     given["schedule"].value_span)
+        repeats = int(given["repeats"].value) if "repeats" in given else 1
+        if repeats > 1 and schedule == "gpipe":
+            ok = False
+            self.err("pipeline-option", f"repeats = {repeats} with the gpipe schedule",
+                     "repeats go with schedule = circular (gpipe runs each stage's layers once)",
+                     given["repeats"].span)
+        stages = next((a.size for a in mesh if a.name == node.axis), None)
+        if ok and m is not None and schedule == "circular" and stages is not None and int(m.value) < stages:
+            ok = False
+            self.err("pipeline-option", f"circular schedule with microbatches = {m.value} on {stages} stages",
+                     f"a circular schedule needs at least as many microbatches as stages: microbatches = {stages} "
+                     "or more", m.value_span)
+        if not ok or m is None or node.axis not in axis_names:
+            return None
+        return Pipeline(node.axis, int(m.value), schedule, repeats, node.span, self.line(node.span))
+
+    def pipeline_axis_uses(self, p: Pipeline, statements, rules, axes) -> None:
+        """The stage axis splits the stacked layer dim of params (and their optimizer state) only.
+        ``statements``: (keyword, spec, span) of the batch, default and cache statements."""
+        a = p.axis
+        what = "every stage sees every microbatch in turn, so the stage axis cannot split"
+        for keyword, spec, span in statements:
+            if spec is not None and a in spec.axes:
+                self.err("pipeline-axis", f"{what} the {keyword}: '{a}' is the pipeline's axis",
+                         f"take '{a}' out of the {keyword} statement", span)
+        for r in rules:
+            if a not in r.spec.axes:
+                continue
+            lead = r.spec.dims[0] if r.spec.dims else ()
+            if r.kind in ("input", "act"):
+                self.err("pipeline-axis", f"{what} an {r.kind}: '{a}' is the pipeline's axis",
+                         f"take '{a}' out of this rule", r.spec_span)
+            elif lead != (a,) or any(a in d for d in r.spec.dims[1:] + r.spec.tail):
+                self.err("pipeline-axis", f"'{a}' is the pipeline's axis: it splits the stacked layer dim "
+                         "(the first) of a param, alone",
+                         f"write ({a}, ...) or ({a}, <the other dims>) with '{a}' only first", r.spec_span)
+        for x in axes:
+            if a in x.axes:
+                self.err("pipeline-axis", f"logical axis '{x.logical}' is mapped to the pipeline's axis '{a}'",
+                         f"map it to another axis; '{a}' splits only the stacked layer dim, "
+                         "through param rules", x.span)
+
+
 def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = None) -> Plan:
     """Check a plan and the chain of plans it extends (the plan first) into a :class:`Plan`.
 
@@ -363,6 +463,13 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
     inputs = c.rules("input", axis_names)
     acts = c.rules("act", axis_names)
     axes = c.axis_rules(axis_names)
+    pipeline_node = c.nearest(ast.PipelineNode)
+    pipeline = c.pipeline(pipeline_node, mesh)
+    if pipeline is not None:
+        statements = [(k, spec, node.span) for k, spec, node in
+                      (("batch", batch, batch_node), ("default", default, default_node), ("cache", cache, cache_node))
+                      if node is not None]
+        c.pipeline_axis_uses(pipeline, statements, params + opts + inputs + acts, axes)
 
     catch = next((r for r in params if r.is_catch_all), None)
     if catch is not None and axes:
@@ -401,6 +508,7 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
         mesh_type=mesh_type,
         axis_type_of=axis_type_of,
         mesh_type_span=mesh_node.type_span if mesh_node is not None else None,
+        pipeline=pipeline,
     )
 
 

@@ -62,6 +62,8 @@ def _statement(s: syntax.Statement) -> _Stmt:
         return _Stmt(f"axis {_name(s.logical)}", f"-> {_dim(s.dim)}", "axis")
     if isinstance(s, syntax.CacheNode):
         return _Stmt(f"cache {_spec(s.spec)}", "", "")
+    if isinstance(s, syntax.PipelineNode):
+        return _Stmt("pipeline " + ", ".join([s.axis] + [f"{o.name} = {o.value}" for o in s.options]), "", "")
     assert isinstance(s, syntax.DefaultNode)
     return _Stmt(f"default {_spec(s.spec)}", "", "")
 

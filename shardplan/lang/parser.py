@@ -164,6 +164,15 @@ class _ToAst(Transformer):
     def cache_stmt(self, meta, c):
         return syntax.CacheNode(c[0], self._s(meta))
 
+    def pipe_opt(self, meta, c):
+        name, value = c
+        v: int | str = int(value) if value.type == "INT" else str(value)
+        return syntax.PipeOption(str(name), v, self._s(meta), _tok_span(self.file, value))
+
+    def pipeline_stmt(self, meta, c):
+        axis = c[0]
+        return syntax.PipelineNode(str(axis), _tok_span(self.file, axis), tuple(c[1:]), self._s(meta))
+
     def spec_dims(self, meta, c):
         return syntax.SpecNode(tuple(c), self._s(meta))
 

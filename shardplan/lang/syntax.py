@@ -106,7 +106,30 @@ class CacheNode:
     span: Span
 
 
-Statement = PlanName | Extends | MeshNode | BackendNode | BatchNode | RuleNode | AxisNode | DefaultNode | CacheNode
+@dataclass(frozen=True)
+class PipeOption:
+    """``name = value`` in a pipeline statement (value: an int, or a word)."""
+
+    name: str
+    value: int | str
+    span: Span
+    value_span: Span
+
+
+@dataclass(frozen=True)
+class PipelineNode:
+    """``pipeline axis, name = value, ...``: the stage-split layers run as a pipeline."""
+
+    axis: str
+    axis_span: Span
+    options: tuple[PipeOption, ...]
+    span: Span
+
+
+Statement = (
+    PlanName | Extends | MeshNode | BackendNode | BatchNode | RuleNode | AxisNode | DefaultNode | CacheNode
+    | PipelineNode
+)
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ class TrainStep:
         # The activations the plan constrains (logical names, act rules, the mesh context).
         self.activations = Activations(placement.plan, placement.mesh, name)
         # Both backends trace the loss over global values (shard_map partitions the traced program).
-        wrapped = self.activations.wrap(loss_fn, mesh_context=True)
+        wrapped = self.activations.wrap(pipelined(placement, loss_fn, name), mesh_context=True)
         # strict: an op the shard_map backend runs on whole operands is an error (auto has none).
         options = {"strict": True} if strict and name == "shard_map" else {}
         self.fn = backends.get(name).build(placement, wrapped, model, optimizer, **options)
@@ -88,6 +88,21 @@ class TrainStep:
     def lower(self, model: Any, optimizer: Any, batch: Any):
         """The lowered step (``.compile().as_text()`` for the optimized HLO)."""
         return self.fn.lower(nnx.state(model), nnx.state(optimizer), self.place(batch))
+
+
+def pipelined(placement: Placement, loss_fn: Callable[[Any, Any], jax.Array], backend: str):
+    """``loss_fn`` with the plan's pipeline applied (itself when the plan has none)."""
+    p = placement.plan.pipeline
+    if p is None:
+        return loss_fn
+    if backend != "auto":
+        raise PlanApplyError([error(
+            "pipeline-backend", f"a pipeline runs on the auto backend; the {backend} backend does not partition "
+            "one yet", "train this plan with backend auto (backend auto in the plan, or --backend auto)",
+            span=p.span, source_line=p.source_line or None)])
+    from shardplan.runtime import pipeline
+
+    return pipeline.wrap(loss_fn, p, placement.mesh_shape[p.axis], placement.mesh, placement.model_shardings())
 
 
 def train_step(

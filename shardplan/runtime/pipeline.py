@@ -1,0 +1,380 @@
+"""Pipelines: a scanned stack of layers run in stages over a mesh axis, microbatched.
+
+The plan's ``pipeline AXIS, microbatches = M, schedule = S, repeats = V`` statement and param
+rules that split the stacked (leading) dim of a model's layers over ``AXIS`` are all it takes:
+the model keeps its single-device code (layers stacked with ``nnx.vmap`` and run by
+``nnx.scan``). :func:`wrap` turns the loss into one that traces the model's step, finds the
+``scan`` whose stacked inputs are the stage-split params (by the arrays it iterates over, never by
+names), and evaluates the traced program with that scan replaced by the schedule of
+:mod:`shardplan.core.pipeline`, in one SPMD program as MaxText runs it:
+
+- the stacked inputs ``[L, ...]`` are viewed as ``[V, P, K, ...]`` (chunk ``r*P + s`` on stage
+  ``s``); with ``V = 1`` (GPipe) that view is the stage split itself, so nothing moves;
+- the carried activations (and any loop constant with a batch dim) are cut into ``M``
+  microbatches along the dim that grows with the batch (found by tracing the step again at twice
+  the batch, so it works whatever the model calls its inputs), rows ``j*M + i`` in microbatch
+  ``i``, so that a batch split over data stays split the same way in every microbatch;
+- a loop of ``V*M + P - 1`` steps: every stage runs its current chunk (``jax.vmap`` over the stage
+  dim, ``spmd_axis_name`` = the axis, so XLA keeps each stage's work on its devices), then the
+  stage buffer shifts one stage on (``jnp.roll``: a collective permute over the axis); stage 0
+  takes the next microbatch, or (circular) a microbatch back from the last stage;
+- idle stage-steps (the bubble) compute on stale, finite activations whose results are never
+  read, so they add nothing to the loss or the gradients.
+
+The backward pass is JAX's transpose of that loop: the schedule in reverse. Outputs of the stack
+that do not depend on the batch (NNX's scan returns the layers' own state) are computed by a
+plain scan over the layers, which XLA removes when they are the inputs passed through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax._src import core as jcore  # eval_jaxpr's pieces: Literal, the source-info context
+from jax._src import source_info_util
+from jax.extend import core as jex
+from jax.interpreters import partial_eval as pe
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardplan.core.pipeline import problems
+from shardplan.core.plan import Pipeline
+from shardplan.errors import ShardPlanError, as_error, error
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call")  # inlined on the way to the stack's scan
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Where the pipelined scan is: eqn indices from the top jaxpr down through calls."""
+
+    path: tuple[int, ...]
+
+
+def stage_split(shardings: Sequence[NamedSharding], axis: str) -> list[bool]:
+    """Per state leaf: its leading dim is split over the pipeline's axis (a stage holds a part)."""
+    out = []
+    for s in shardings:
+        spec = tuple(s.spec) if isinstance(s, NamedSharding) else ()
+        lead = spec[0] if spec else None
+        out.append(lead == axis or (isinstance(lead, tuple) and axis in lead))
+    return out
+
+
+def _err(code: str, msg: str, hint: str, p: Pipeline) -> ShardPlanError:
+    at = dict(span=p.span, source_line=p.source_line or None) if p.span is not None else dict(path="pipeline")
+    return as_error([error(code, msg, hint, **at)])
+
+
+def _eqn_jaxpr(eqn: Any) -> Any:
+    j = eqn.params.get("jaxpr")
+    return getattr(j, "jaxpr", j)
+
+
+def find_stack(jaxpr: Any, split: Sequence[bool], p: Pipeline) -> Stack:
+    """The scan whose iterated inputs are the stage-split params (followed through calls)."""
+    marked = {v for v, s in zip(jaxpr.invars, split) if s}
+    want = len(marked)
+    found: list[tuple[tuple[int, ...], int]] = []
+
+    def walk(j: Any, marks: set, path: tuple[int, ...]) -> None:
+        for n, eqn in enumerate(j.eqns):
+            hits = [i for i, v in enumerate(eqn.invars) if not isinstance(v, jcore.Literal) and v in marks]
+            if not hits:
+                continue
+            name = eqn.primitive.name
+            if name == "scan":
+                first_xs = eqn.params["num_consts"] + eqn.params["num_carry"]
+                found.append((path + (n,), sum(1 for i in hits if i >= first_xs)))
+            elif name in _CALLS:
+                inner = _eqn_jaxpr(eqn)
+                walk(inner, {inner.invars[i] for i in hits}, path + (n,))
+
+    walk(jaxpr, marked, ())
+    full = [path for path, k in found if k == want]
+    if not full:
+        best = max((k for _, k in found), default=0)
+        raise _err(
+            "pipeline-layers",
+            f"the {want} params split over '{p.axis}' on their first dim are not the stacked inputs of one scan"
+            + (f" (at most {best} of them reach one)" if found else " (no scan iterates over them)"),
+            f"a pipeline runs a scanned stack: stack the layers with nnx.vmap and run them with nnx.scan, and "
+            f"split only the stacked (first) dim of those layers' params over '{p.axis}'",
+            p,
+        )
+    return Stack(full[0])
+
+
+def _depends(j: Any, seeds: Sequence[bool]) -> list[bool]:
+    """Per output of jaxpr ``j``: does it depend on an input marked in ``seeds``? (through calls)"""
+    dep = {v for v, s in zip(j.invars, seeds) if s}
+    for eqn in j.eqns:
+        ins = [not isinstance(v, jcore.Literal) and v in dep for v in eqn.invars]
+        if not any(ins):
+            continue
+        inner = _eqn_jaxpr(eqn)
+        if inner is not None and len(inner.invars) == len(eqn.invars) and len(inner.outvars) == len(eqn.outvars):
+            outs = _depends(inner, ins)
+        else:
+            outs = [True] * len(eqn.outvars)
+        dep.update(v for v, d in zip(eqn.outvars, outs) if d)
+    return [not isinstance(v, jcore.Literal) and v in dep for v in j.outvars]
+
+
+def _eqn_at(jaxpr: Any, path: tuple[int, ...]) -> Any:
+    eqn = jaxpr.eqns[path[0]]
+    for n in path[1:]:
+        eqn = _eqn_jaxpr(eqn).eqns[n]
+    return eqn
+
+
+def batch_dims(small: Any, large: Any, path: tuple[int, ...]) -> list[int | None]:
+    """Per input of the scan: the dim that grows with the batch (traced at two batch sizes)."""
+    a, b = _eqn_at(small, path), _eqn_at(large, path)
+    if a.primitive.name != b.primitive.name or len(a.invars) != len(b.invars):
+        raise ValueError("the step's structure changes with the batch size")
+    out: list[int | None] = []
+    for x, y in zip(a.invars, b.invars):
+        sa, sb = getattr(x.aval, "shape", ()), getattr(y.aval, "shape", ())
+        grown = [d for d, (u, w) in enumerate(zip(sa, sb)) if u != w]
+        out.append(grown[0] if grown else None)
+    return out
+
+
+# -- the schedule, on values --------------------------------------------------------------
+
+
+def _split(x: jax.Array, d: int, m: int) -> jax.Array:
+    """[.., B, ..] (batch on dim d) -> [M, B/M, ..]: microbatch i holds rows j*M + i."""
+    x = jnp.moveaxis(x, d, 0)
+    x = x.reshape((x.shape[0] // m, m) + x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+
+
+def _join(y: jax.Array, d: int) -> jax.Array:
+    y = jnp.swapaxes(y, 0, 1)
+    y = y.reshape((y.shape[0] * y.shape[1],) + y.shape[2:])
+    return jnp.moveaxis(y, 0, d)
+
+
+def _on_stages(x: jax.Array, mesh: Any, axis: str, dim: int = 0) -> jax.Array:
+    spec = [P.UNCONSTRAINED] * x.ndim
+    spec[dim] = axis
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
+def run_stack(
+    eqn: Any,
+    args: Sequence[Any],
+    dims: Sequence[int | None],
+    p: Pipeline,
+    stages: int,
+    mesh: Any,
+    micro: Any,
+) -> list[Any]:
+    """The scan ``eqn`` on ``args``, run as the pipeline's schedule: its outputs (carry, ys).
+    ``micro``: the same scan traced at one microbatch (its body runs each stage's layers)."""
+    prm = eqn.params
+    nc, nk = prm["num_consts"], prm["num_carry"]
+    body: Any = prm["jaxpr"]  # ClosedJaxpr, at the whole batch
+    mbody: Any = micro.params["jaxpr"]  # the same layer at one microbatch's shapes
+    consts, carry, xs = list(args[:nc]), list(args[nc : nc + nk]), list(args[nc + nk :])
+    cdims, kdims = list(dims[:nc]), list(dims[nc : nc + nk])
+    length, m, v, s_ = prm["length"], p.microbatches, p.repeats, stages
+    batch = next((c.shape[d] for c, d in zip(carry, kdims) if d is not None), None)
+    if prm["reverse"]:
+        raise _err("pipeline-layers", "the stacked layers are scanned in reverse", "scan the layers forward", p)
+    if any(d is None for d in kdims):
+        bad = [c.shape for c, d in zip(carry, kdims) if d is None]
+        raise _err(
+            "pipeline-layers",
+            f"the scanned layers carry a value without a batch dim ({', '.join(map(str, bad))}): a pipeline "
+            "runs each microbatch through the layers on its own",
+            "carry only the activations through the layers (return per-layer results as the scan's outputs)",
+            p,
+        )
+    diags = problems(p, s_, layers=length, batch=batch)
+    if diags:
+        raise as_error(diags)
+    ys_dep = _depends(body.jaxpr, [d is not None for d in cdims] + [True] * nk + [False] * len(xs))[nk:]
+    if any(ys_dep):
+        raise _err(
+            "pipeline-layers",
+            "the scanned layers return a per-layer value computed from the batch",
+            "a pipeline carries only the activations between stages: return such values through the carry, "
+            "or leave these layers out of the pipeline",
+            p,
+        )
+    k = length // (s_ * v)
+
+    def layer(cs: list, h: list, x: list) -> list:
+        out = jex.jaxpr_as_fun(mbody)(*cs, *h, *x)
+        return list(out[:nk])
+
+    def chunk(ws: list, h: list, cb: list) -> list:
+        """One stage's chunk: its K layers over one microbatch (cb: its batched consts)."""
+        it = iter(cb)
+        cs = [next(it) if d is not None else c for c, d in zip(consts, cdims)]
+
+        def one(hh, ww):
+            return layer(cs, hh, ww), None
+
+        h, _ = jax.lax.scan(one, h, ws)
+        return h
+
+    on_stages = jax.vmap(chunk, in_axes=(0, 0, 0), spmd_axis_name=p.axis)
+    # [L, ..] -> [V, P, K, ..]: chunk r*P + s on stage s.
+    ws = [_on_stages(x.reshape((v, s_, k) + x.shape[1:]), mesh, p.axis, 1) for x in xs]
+    mb = [_split(c, d, m) for c, d in zip(carry, kdims)]  # [M, B/M, ..]
+    mbc = [_split(c, d, m) for c, d in zip(consts, cdims) if d is not None]
+    stage = jnp.arange(s_)
+
+    def pick(x: jax.Array, i: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+    def step(state, t):
+        buf, back, outs = state
+        live = jnp.clip(t - stage, 0, v * m - 1)  # per stage: its pass of the schedule (clipped when idle)
+        mbi, rep = live % m, live // m
+        if v > 1:  # stage 0 takes a new microbatch, or one back from the last stage for its next pass
+            fresh = [jnp.where(t < m, pick(x, t % m), pick(b, t % m)) for x, b in zip(mb, back)]
+        else:
+            fresh = [pick(x, t % m) for x in mb]
+        buf = [jnp.where((stage == 0).reshape((s_,) + (1,) * f.ndim), f[None], b) for f, b in zip(fresh, buf)]
+        w_s = [_on_stages(jax.vmap(pick, in_axes=(1, 0))(w, rep), mesh, p.axis) for w in ws]
+        c_s = [_on_stages(jax.vmap(pick, in_axes=(None, 0))(c, mbi), mesh, p.axis) for c in mbc]
+        new = [_on_stages(n, mesh, p.axis) for n in on_stages(w_s, buf, c_s)]
+        j = t - (s_ - 1)  # the last stage's pass
+        jl = jnp.clip(j, 0, v * m - 1)
+        done = (j >= 0) & (j < v * m)
+        last = [n[s_ - 1] for n in new]
+        slot = jl % m
+        outs = [o.at[slot].set(jnp.where(done & (jl // m == v - 1), x, pick(o, slot))) for o, x in zip(outs, last)]
+        if v > 1:
+            back = [b.at[slot].set(jnp.where(done & (jl // m < v - 1), x, pick(b, slot))) for b, x in zip(back, last)]
+        buf = [_on_stages(jnp.roll(n, 1, axis=0), mesh, p.axis) for n in new]
+        return (buf, back, outs), None
+
+    # Every stage starts on real rows (microbatch 0), so idle steps compute on finite values.
+    buf0 = [_on_stages(jnp.broadcast_to(x[0], (s_,) + x.shape[1:]), mesh, p.axis) for x in mb]
+    back0 = [jnp.zeros_like(x) for x in mb] if v > 1 else []
+    outs0 = [jnp.zeros_like(x) for x in mb]
+    (_, _, outs), _ = jax.lax.scan(step, (buf0, back0, outs0), jnp.arange(p.iterations(s_)))
+    final = [_join(o, d) for o, d in zip(outs, kdims)]
+    ys = _layer_outputs(body, nc, nk, consts, cdims, carry, xs)
+    return final + ys
+
+
+def _layer_outputs(body: Any, nc: int, nk: int, consts: list, cdims: list, carry: list, xs: list) -> list:
+    """The scan's per-layer outputs that do not depend on the batch, by a plain scan over layers."""
+    n_ys = len(body.jaxpr.outvars) - nk
+    if not n_ys:
+        return []
+    used = [False] * nk + [True] * n_ys
+    j, used_in = pe.dce_jaxpr(body.jaxpr, used, instantiate=False)
+    ins_c = [c for c, u in zip(consts, used_in[:nc]) if u]
+    ins_k = [c for c, u in zip(carry, used_in[nc : nc + nk]) if u]
+    xs_u = [x for x, u in zip(xs, used_in[nc + nk :]) if u]
+    if ins_k or any(u and d is not None for u, d in zip(used_in[:nc], cdims)):
+        raise AssertionError("a batch-free output reads the batch")  # _depends said it does not
+    closed = jex.ClosedJaxpr(j, body.consts)
+
+    def one(c, x):
+        return c, jex.jaxpr_as_fun(closed)(*ins_c, *x)
+
+    _, ys = jax.lax.scan(one, None, xs_u, length=xs[0].shape[0] if xs else None)
+    return list(ys)
+
+
+# -- the traced step, evaluated with the stack pipelined --------------------------------
+
+
+def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], path: tuple[int, ...],
+          run: Callable[[Any, list], list]) -> list:
+    env: dict = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for var, val in zip(jaxpr.constvars, consts):
+        env[var] = val
+    for var, val in zip(jaxpr.invars, args):
+        env[var] = val
+    for n, eqn in enumerate(jaxpr.eqns):
+        ins = [read(v) for v in eqn.invars]
+        if path and n == path[0]:
+            if len(path) == 1:
+                outs = run(eqn, ins)
+            else:
+                inner = eqn.params["jaxpr"]
+                outs = _eval(inner.jaxpr, inner.consts, ins, path[1:], run)
+        else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+            with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+                ans = eqn.primitive.bind(*ins, **params)
+            outs = ans if eqn.primitive.multiple_results else [ans]
+        for var, val in zip(eqn.outvars, outs):
+            env[var] = val
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _resized(batch: Any, num: int, den: int) -> Any:
+    """The batch's shapes with the leading dim scaled by num/den."""
+    def grow(x: Any) -> Any:
+        shape = tuple(getattr(x, "shape", ()))
+        if not shape:
+            return jax.ShapeDtypeStruct(shape, x.dtype)
+        return jax.ShapeDtypeStruct((shape[0] * num // den,) + shape[1:], x.dtype)
+
+    return jax.tree.map(grow, batch)
+
+
+def wrap(loss_fn: Callable[[Any, Any], jax.Array], p: Pipeline, stages: int, mesh: Any,
+         shardings: Any) -> Callable[[Any, Any], jax.Array]:
+    """``loss_fn(model, batch)`` with the model's stage-split scanned layers run as ``p``'s pipeline
+    on ``mesh`` (``shardings``: the model state's NamedShardings, as the placement gives them)."""
+    flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
+    split = stage_split(flat_shardings, p.axis)
+
+    def pipelined(model: Any, batch: Any) -> jax.Array:
+        gdef, state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(state)
+        if len(leaves) != len(split):
+            raise AssertionError("the model's state does not match the placement")
+
+        def f(ls: list, b: Any):
+            m = nnx.merge(gdef, jax.tree.unflatten(treedef, ls))
+            loss = loss_fn(m, b)
+            return loss, jax.tree.leaves(nnx.state(m))
+
+        closed = jax.make_jaxpr(f)(leaves, batch)
+        stack = find_stack(closed.jaxpr, split + [False] * (len(closed.jaxpr.invars) - len(split)), p)
+        rows = sorted({x.shape[0] for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0)})
+        if rows and rows[0] % p.microbatches:
+            raise as_error(problems(p, stages, batch=rows[0]))
+        large = jax.make_jaxpr(f)(leaves, _resized(batch, 2, 1))
+        micro = jax.make_jaxpr(f)(leaves, _resized(batch, 1, p.microbatches))
+        try:
+            dims = batch_dims(closed.jaxpr, large.jaxpr, stack.path)
+            batch_dims(closed.jaxpr, micro.jaxpr, stack.path)
+        except ValueError as e:
+            raise _err("pipeline-batch", f"cannot find the batch dim of the layers' inputs: {e}",
+                       "the model's step must have the same structure at every batch size", p) from None
+        micro_eqn = _eqn_at(micro.jaxpr, stack.path)
+
+        def run(eqn: Any, ins: list) -> list:
+            return run_stack(eqn, ins, dims, p, stages, mesh, micro_eqn)
+
+        outs = _eval(closed.jaxpr, closed.consts, jax.tree.leaves((leaves, batch)), stack.path, run)
+        loss, new_leaves = outs[0], outs[1:]
+        nnx.update(model, jax.tree.unflatten(treedef, new_leaves))
+        return loss
+
+    pipelined.__wrapped__ = loss_fn  # type: ignore[attr-defined]
+    return pipelined
