@@ -21,7 +21,7 @@ from shardplan.core.leaves import Resolution
 from shardplan.core.stepcost import Communication, Memory, StepCost
 from shardplan.errors import as_error, error
 from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable
-from shardplan.runtime.step import check_loss
+from shardplan.runtime.step import check_loss, pipelined
 
 
 def abstract_state(state: Any, shardings: Any) -> Any:
@@ -100,7 +100,8 @@ def compile_step(
     acts = Activations(plan, mesh, backend)
     with cudnn_traceable(), nnx.use_eager_sharding(False):  # a cuDNN kernel traces; XLA:CPU refuses it below
         check_loss(acts.wrap(loss_fn, mesh_context=True), abs_model, batch_abs, where="--step", plan=plan)
-        step = backends.get(backend).build(placement, acts.wrap(loss_fn, mesh_context=True), abs_model, abs_opt)
+        piped = pipelined(placement, loss_fn, backend)
+        step = backends.get(backend).build(placement, acts.wrap(piped, mesh_context=True), abs_model, abs_opt)
         try:
             compiled = step.lower(sm, so, batch_in).compile()
         except Exception as e:

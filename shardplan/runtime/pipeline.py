@@ -162,6 +162,10 @@ def _join(y: jax.Array, d: int) -> jax.Array:
     return jnp.moveaxis(y, 0, d)
 
 
+def _free(x: jax.Array, mesh: Any) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*[P.UNCONSTRAINED] * x.ndim)))
+
+
 def _on_stages(x: jax.Array, mesh: Any, axis: str, dim: int = 0) -> jax.Array:
     spec = [P.UNCONSTRAINED] * x.ndim
     spec[dim] = axis
@@ -222,7 +226,9 @@ def run_stack(
         cs = [next(it) if d is not None else c for c, d in zip(consts, cdims)]
 
         def one(hh, ww):
-            return layer(cs, hh, ww), None
+            # Pinned: inside the stage vmap this is the stage split (spmd_axis_name) on each layer's slice,
+            # which XLA otherwise gathers whole in the loop.
+            return layer(cs, hh, [_free(w, mesh) for w in ww]), None
 
         h, _ = jax.lax.scan(one, h, ws)
         return h
@@ -246,7 +252,12 @@ def run_stack(
         else:
             fresh = [pick(x, t % m) for x in mb]
         buf = [jnp.where((stage == 0).reshape((s_,) + (1,) * f.ndim), f[None], b) for f, b in zip(fresh, buf)]
-        w_s = [_on_stages(jax.vmap(pick, in_axes=(1, 0))(w, rep), mesh, p.axis) for w in ws]
+        if v > 1:  # per stage, its chunk of this pass: a one-hot sum over repeats, local to the stage
+            hot = jnp.arange(v)[:, None] == rep[None, :]  # [V, P]
+            w_s = [_on_stages(jnp.where(hot.reshape(hot.shape + (1,) * (w.ndim - 2)), w, 0).sum(0), mesh, p.axis)
+                   for w in ws]
+        else:
+            w_s = [w[0] for w in ws]
         c_s = [_on_stages(jax.vmap(pick, in_axes=(None, 0))(c, mbi), mesh, p.axis) for c in mbc]
         new = [_on_stages(n, mesh, p.axis) for n in on_stages(w_s, buf, c_s)]
         j = t - (s_ - 1)  # the last stage's pass
@@ -271,7 +282,7 @@ def run_stack(
 
 
 def _layer_outputs(body: Any, nc: int, nk: int, consts: list, cdims: list, carry: list, xs: list) -> list:
-    """The scan's per-layer outputs that do not depend on the batch, by a plain scan over layers."""
+    """The scan's per-layer outputs that do not depend on the batch, mapped over the layers."""
     n_ys = len(body.jaxpr.outvars) - nk
     if not n_ys:
         return []
@@ -284,11 +295,14 @@ def _layer_outputs(body: Any, nc: int, nk: int, consts: list, cdims: list, carry
         raise AssertionError("a batch-free output reads the batch")  # _depends said it does not
     closed = jex.ClosedJaxpr(j, body.consts)
 
-    def one(c, x):
-        return c, jex.jaxpr_as_fun(closed)(*ins_c, *x)
+    def one(*x):
+        return jex.jaxpr_as_fun(closed)(*ins_c, *x)
 
-    _, ys = jax.lax.scan(one, None, xs_u, length=xs[0].shape[0] if xs else None)
-    return list(ys)
+    # Independent of the carry, so layer by layer is a map: vmapped, the stage split of the layer dim
+    # stays where it is (a scan would slice it layer by layer, and XLA gathers it whole for that).
+    if not xs_u:
+        return [jnp.broadcast_to(y, (xs[0].shape[0],) + jnp.shape(y)) for y in one()]
+    return list(jax.vmap(one)(*xs_u))
 
 
 # -- the traced step, evaluated with the stack pipelined --------------------------------
