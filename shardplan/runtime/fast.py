@@ -1000,6 +1000,12 @@ class _Propagator:
                 out[j] = v.dims[i]
                 i, j = i + 1, j + 1
                 continue
+            if b == 1:  # a size-1 dim inserted: the split stays for the dims that follow ([L] -> [1, P, K])
+                j += 1
+                continue
+            if a == 1 and not v.dims[i]:  # a size-1 dim dropped
+                i += 1
+                continue
             if a > b:  # split dim i into several output dims: the major one keeps the split
                 n = self.ctx.split(v.dims[i])
                 if v.dims[i] and b % n == 0:
@@ -1777,6 +1783,10 @@ def trace_key(plan: Any, mesh: dict[str, int]) -> tuple:
         tuple((a.logical, a.axes) for a in plan.axes),
         tuple(mesh.items()),
         tuple(plan.axis_types),
+        # A pipeline rewrites the step around the params its axis splits: the param rules matter too.
+        (plan.pipeline.axis, plan.pipeline.microbatches, plan.pipeline.schedule, plan.pipeline.repeats,
+         tuple((r.pattern, r.spec) for r in plan.params), plan.default)
+        if plan.pipeline is not None else (),
     )
 
 
@@ -1804,6 +1814,12 @@ def trace(
     abs_model, abs_opt = built or model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
     batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
     acts = Activations(plan, _abstract_mesh(mesh, plan), "auto")
+    if plan.pipeline is not None:
+        from shardplan.runtime import pipeline, specs
+
+        params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
+        split = pipeline.stage_split(params, plan.pipeline.axis)
+        loss_fn = pipeline.wrap(loss_fn, plan.pipeline, mesh[plan.pipeline.axis], _abstract_mesh(mesh, plan), split)
     wrapped = acts.wrap(loss_fn)
     with cudnn_traceable():
         check_loss(wrapped, abs_model, batch_abs, where="--step", plan=plan)

@@ -56,14 +56,12 @@ class Stack:
     path: tuple[int, ...]
 
 
-def stage_split(shardings: Sequence[NamedSharding], axis: str) -> list[bool]:
-    """Per state leaf: its leading dim is split over the pipeline's axis (a stage holds a part)."""
-    out = []
-    for s in shardings:
-        spec = tuple(s.spec) if isinstance(s, NamedSharding) else ()
-        lead = spec[0] if spec else None
-        out.append(lead == axis or (isinstance(lead, tuple) and axis in lead))
-    return out
+def stage_split(resolved: Any, axis: str) -> list[bool]:
+    """Per state leaf of a resolution (``specs.Resolved``): is its leading dim split over the
+    pipeline's axis (a stage holds a part of it)?"""
+    from shardplan.core.leaves import records
+
+    return [bool(d.spec.dims) and axis in d.spec.dims[0] for d in records(resolved.decisions)]
 
 
 def _err(code: str, msg: str, hint: str, p: Pipeline) -> ShardPlanError:
@@ -164,6 +162,16 @@ def _join(y: jax.Array, d: int) -> jax.Array:
 
 def _free(x: jax.Array, mesh: Any) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*[P.UNCONSTRAINED] * x.ndim)))
+
+
+def _shift(x: jax.Array, mesh: Any, axis: str, stages: int) -> jax.Array:
+    """Stage s's block to stage s+1 (the last one's to stage 0): one collective permute over the
+    axis, written as one (a shard_map manual over that axis alone, the other axes left to XLA)."""
+    perm = [(s, (s + 1) % stages) for s in range(stages)]
+    spec = P(axis)
+    f = jax.shard_map(lambda b: jax.lax.ppermute(b, axis, perm), mesh=mesh, in_specs=spec, out_specs=spec,
+                      axis_names={axis}, check_vma=False)
+    return f(x)
 
 
 def _on_stages(x: jax.Array, mesh: Any, axis: str, dim: int = 0) -> jax.Array:
@@ -268,7 +276,7 @@ def run_stack(
         outs = [o.at[slot].set(jnp.where(done & (jl // m == v - 1), x, pick(o, slot))) for o, x in zip(outs, last)]
         if v > 1:
             back = [b.at[slot].set(jnp.where(done & (jl // m < v - 1), x, pick(b, slot))) for b, x in zip(back, last)]
-        buf = [_on_stages(jnp.roll(n, 1, axis=0), mesh, p.axis) for n in new]
+        buf = [_shift(n, mesh, p.axis, s_) for n in new]
         return (buf, back, outs), None
 
     # Every stage starts on real rows (microbatch 0), so idle steps compute on finite values.
@@ -350,11 +358,11 @@ def _resized(batch: Any, num: int, den: int) -> Any:
 
 
 def wrap(loss_fn: Callable[[Any, Any], jax.Array], p: Pipeline, stages: int, mesh: Any,
-         shardings: Any) -> Callable[[Any, Any], jax.Array]:
+         split: Sequence[bool]) -> Callable[[Any, Any], jax.Array]:
     """``loss_fn(model, batch)`` with the model's stage-split scanned layers run as ``p``'s pipeline
-    on ``mesh`` (``shardings``: the model state's NamedShardings, as the placement gives them)."""
-    flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, NamedSharding))
-    split = stage_split(flat_shardings, p.axis)
+    on ``mesh`` (a Mesh or an AbstractMesh); ``split``: per model state leaf, whether the plan splits
+    its leading dim over the pipeline's axis (:func:`stage_split`)."""
+    split = list(split)
 
     def pipelined(model: Any, batch: Any) -> jax.Array:
         gdef, state = nnx.split(model)

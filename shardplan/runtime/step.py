@@ -102,7 +102,8 @@ def pipelined(placement: Placement, loss_fn: Callable[[Any, Any], jax.Array], ba
             span=p.span, source_line=p.source_line or None)])
     from shardplan.runtime import pipeline
 
-    return pipeline.wrap(loss_fn, p, placement.mesh_shape[p.axis], placement.mesh, placement.model_shardings())
+    split = pipeline.stage_split(placement.params, p.axis)
+    return pipeline.wrap(loss_fn, p, placement.mesh_shape[p.axis], placement.mesh, split)
 
 
 def train_step(
