@@ -271,7 +271,10 @@ def run_stack(
         j = t - (s_ - 1)  # the last stage's pass
         jl = jnp.clip(j, 0, v * m - 1)
         done = (j >= 0) & (j < v * m)
-        last = [n[s_ - 1] for n in new]
+        # The last stage's block, on every stage (the head runs everywhere): a masked sum over the
+        # stage dim, one all-reduce over the axis.
+        at_last = stage == s_ - 1
+        last = [jnp.where(at_last.reshape((s_,) + (1,) * (n.ndim - 1)), n, 0).sum(0) for n in new]
         slot = jl % m
         outs = [o.at[slot].set(jnp.where(done & (jl // m == v - 1), x, pick(o, slot))) for o, x in zip(outs, last)]
         if v > 1:
