@@ -1819,7 +1819,8 @@ def trace(
 
         params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
         split = pipeline.stage_split(params, plan.pipeline.axis)
-        loss_fn = pipeline.wrap(loss_fn, plan.pipeline, mesh[plan.pipeline.axis], _abstract_mesh(mesh, plan), split)
+        loss_fn = pipeline.wrap(loss_fn, plan.pipeline, mesh[plan.pipeline.axis], _abstract_mesh(mesh, plan), split,
+                                math.prod(mesh[a] for a in plan.batch_dim0_axes))
     wrapped = acts.wrap(loss_fn)
     with cudnn_traceable():
         check_loss(wrapped, abs_model, batch_abs, where="--step", plan=plan)

@@ -361,10 +361,11 @@ def _resized(batch: Any, num: int, den: int) -> Any:
 
 
 def wrap(loss_fn: Callable[[Any, Any], jax.Array], p: Pipeline, stages: int, mesh: Any,
-         split: Sequence[bool]) -> Callable[[Any, Any], jax.Array]:
+         split: Sequence[bool], batch_split: int = 1) -> Callable[[Any, Any], jax.Array]:
     """``loss_fn(model, batch)`` with the model's stage-split scanned layers run as ``p``'s pipeline
     on ``mesh`` (a Mesh or an AbstractMesh); ``split``: per model state leaf, whether the plan splits
-    its leading dim over the pipeline's axis (:func:`stage_split`)."""
+    its leading dim over the pipeline's axis (:func:`stage_split`); ``batch_split``: the devices the
+    plan splits the batch over (each microbatch is split the same way)."""
     split = list(split)
 
     def pipelined(model: Any, batch: Any) -> jax.Array:
@@ -383,6 +384,8 @@ def wrap(loss_fn: Callable[[Any, Any], jax.Array], p: Pipeline, stages: int, mes
         rows = sorted({x.shape[0] for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0)})
         if rows and rows[0] % p.microbatches:
             raise as_error(problems(p, stages, batch=rows[0]))
+        if rows and problems(p, stages, batch=rows[0], batch_split=batch_split):
+            raise as_error(problems(p, stages, batch=rows[0], batch_split=batch_split))
         large = jax.make_jaxpr(f)(leaves, _resized(batch, 2, 1))
         micro = jax.make_jaxpr(f)(leaves, _resized(batch, 1, p.microbatches))
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import linecache
+import math
 import re
 import warnings
 from collections.abc import Callable
@@ -103,7 +104,9 @@ def pipelined(placement: Placement, loss_fn: Callable[[Any, Any], jax.Array], ba
     from shardplan.runtime import pipeline
 
     split = pipeline.stage_split(placement.params, p.axis)
-    return pipeline.wrap(loss_fn, p, placement.mesh_shape[p.axis], placement.mesh, split)
+    sizes = placement.mesh_shape
+    batch_split = math.prod(sizes[a] for a in placement.plan.batch_dim0_axes)
+    return pipeline.wrap(loss_fn, p, sizes[p.axis], placement.mesh, split, batch_split)
 
 
 def train_step(

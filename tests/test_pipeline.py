@@ -1,0 +1,192 @@
+"""Pipelines: the `pipeline` statement, its schedule as data, and a scanned Llama trained
+pipelined on the auto backend equal to plain NNX on one device, with the compiled program's
+stage traffic read from XLA's HLO."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from flax import nnx
+
+import shardplan
+from examples import models
+from examples import train as example
+from shardplan.core import hlo
+from shardplan.core.pipeline import Schedule
+from tests import reference
+from tests.helpers import PLANS
+
+TX = optax.adamw(1e-2, eps=1e-5)
+BASE = 'plan "p"\nmesh stage = 2, data = *\nbatch (data, _)\nparam "layers/.*" (stage, ...)\ndefault replicated\n'
+
+
+def batches(n=3, rows=16):
+    rng = np.random.default_rng(5)
+    return [example.synthetic_batch(rng, 64, rows, 16) for _ in range(n)]
+
+
+def plan_with(line: str, base: str = BASE):
+    return shardplan.loads(base + line + "\n", "p.splan")
+
+
+# -- the language ------------------------------------------------------------------------
+
+
+def test_a_pipeline_statement_reads_into_the_plan():
+    p = plan_with("pipeline stage, microbatches = 8, schedule = circular, repeats = 2").pipeline
+    assert (p.axis, p.microbatches, p.schedule, p.repeats) == ("stage", 8, "circular", 2)
+    assert p.span.line == 6
+    g = plan_with("pipeline stage, microbatches = 4").pipeline
+    assert (g.schedule, g.repeats) == ("gpipe", 1)
+    assert shardplan.loads(BASE).pipeline is None
+
+
+@pytest.mark.parametrize("line, code, col, words", [
+    ("pipeline stag, microbatches = 4", "unknown-axis", 10, "did you mean 'stage'"),
+    ("pipeline stage", "pipeline-option", 1, "microbatches"),
+    ("pipeline stage, microbatches = 0", "pipeline-option", 32, "between 1"),
+    ("pipeline stage, microbatches = x", "pipeline-option", 32, "takes a number"),
+    ("pipeline stage, microbatches = 4, microbatches = 8", "pipeline-option", 35, "twice"),
+    ("pipeline stage, microbatches = 4, repeat = 2", "pipeline-option", 35, "did you mean 'repeats'"),
+    ("pipeline stage, microbatches = 4, schedule = zigzag", "pipeline-option", 46, "unknown pipeline schedule"),
+    ("pipeline stage, microbatches = 4, repeats = 2", "pipeline-option", 35, "schedule = circular"),
+    ("pipeline stage, microbatches = 1, schedule = circular", "pipeline-option", 32, "at least as many"),
+])
+def test_pipeline_mistakes_are_located(line, code, col, words):
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        plan_with(line)
+    d = info.value.diagnostics[0]
+    assert (d.code, d.span.line, d.span.column) == (code, 6, col), d
+    assert words in d.message + " " + d.hint
+
+
+@pytest.mark.parametrize("rule, line", [
+    ("batch ((data, stage), _)", None),
+    ('param "embed/embedding" (_, stage)', None),
+    ('param "layers/.*" ((stage, data), ...)', None),
+    ('act "layers" (stage, _, _)', None),
+    ("axis embed -> stage", None),
+])
+def test_the_stage_axis_splits_only_the_stacked_layer_dim(rule, line):
+    text = BASE.replace("batch (data, _)\n", "") if rule.startswith("batch") else BASE
+    text = text.replace('param "layers/.*" (stage, ...)\n', "") if "layers/.*" in rule else text
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        shardplan.loads(text + rule + "\npipeline stage, microbatches = 4\n", "p.splan")
+    (d,) = [x for x in info.value.diagnostics if x.code == "pipeline-axis"]
+    assert d.span.line == text.count("\n") + 1 and "stage" in d.message
+
+
+def test_a_mesh_without_the_pipeline_axis_is_refused_at_the_statement():
+    plan = plan_with("pipeline stage, microbatches = 4")
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        shardplan.with_mesh(plan, {"data": 8})
+    assert any(d.code == "unknown-axis" and d.span.line == 6 for d in info.value.diagnostics)
+
+
+def test_fmt_writes_the_pipeline_statement_canonically():
+    from shardplan.lang.fmt import format_text
+
+    text = BASE + "pipeline   stage,microbatches=4 ,schedule=circular,repeats=2\n"
+    out = format_text(text)
+    assert "pipeline stage, microbatches = 4, schedule = circular, repeats = 2\n" in out
+    assert format_text(out) == out
+    a, b = shardplan.loads(out).pipeline, shardplan.loads(text).pipeline
+    assert (a.axis, a.microbatches, a.schedule, a.repeats) == (b.axis, b.microbatches, b.schedule, b.repeats)
+
+
+# -- the schedule ------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 9), st.integers(1, 3))
+def test_the_schedule_runs_every_chunk_of_every_microbatch_once_in_layer_order(p, m, v):
+    if v > 1 and m < p:
+        m = p
+    s = Schedule(p, m, v, layers=p * v * 2)
+    seen: dict[int, list[tuple[int, int, int]]] = {}
+    for row in s.table():
+        for x in row:
+            if x.microbatch is not None:
+                seen.setdefault(x.microbatch, []).append((x.step, x.stage, x.chunk))
+                assert x.chunk % p == x.stage  # chunk c lives on stage c mod p
+    assert sorted(seen) == list(range(m))
+    for runs in seen.values():
+        assert [c for _, _, c in runs] == list(range(p * v))  # each chunk once, in layer order
+        for (t0, s0, _), (t1, s1, _) in zip(runs, runs[1:]):
+            assert t1 > t0 and (s1 == (s0 + 1) % p)  # the next chunk is on the next stage, later
+            assert s1 != 0 or t1 - t0 >= 1
+    # The bubble the cost report states is the table's count of idle stage-steps.
+    assert s.idle == s.steps * p - m * v * p
+    assert s.bubble == pytest.approx((p - 1) / (v * m + p - 1))
+    assert plan_with(f"pipeline stage, microbatches = {m}").pipeline.bubble(p) == pytest.approx((p - 1) / (m + p - 1))
+
+
+# -- training ----------------------------------------------------------------------------
+
+
+def train(plan, data):
+    model, optimizer, placement = shardplan.init_sharded(plan, models.llama_deep_scan, TX)
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer)
+    losses = [float(step(model, optimizer, b)) for b in data]
+    return losses, model, optimizer, placement, step
+
+
+@pytest.mark.parametrize("file, mesh", [
+    ("llama_pp.splan", {"stage": 2, "data": 4}),
+    ("llama_pp.splan", {"stage": 4, "data": 2}),
+    ("llama_pp_circular.splan", {"stage": 4, "data": 2}),
+    ("llama_pp_circular.splan", {"stage": 2, "data": 4}),
+])
+def test_a_scanned_llama_trains_pipelined_equal_to_one_device(file, mesh):
+    plan = shardplan.with_mesh(shardplan.load(PLANS / file), mesh)
+    data = batches()
+    losses, model, optimizer, placement, step = train(plan, data)
+    one_losses, one_params = reference.train(models.llama_deep_scan, TX, example.lm_loss, data, key="adamw-1e-2")
+    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
+    params = reference.params_of(model)
+    for path in params:
+        np.testing.assert_allclose(params[path], one_params[path], rtol=1e-4, atol=5e-6, err_msg=path)
+    # Each stage holds only its layers (and their optimizer state).
+    q = model.layers.attn.q.kernel[...]
+    assert q.addressable_shards[0].data.shape[0] == 8 // mesh["stage"]
+    stacked = [x for x in jax.tree.leaves(nnx.state(optimizer)) if getattr(x, "shape", ())[:1] == (8,)]
+    assert len(stacked) == 2 * 9 and all(x.sharding.spec[0] == "stage" for x in stacked)  # adamw's mu and nu
+    # XLA's program: activations cross stages as collective permutes over `stage`; nothing gathers
+    # a stage-split param.
+    ops = hlo.with_axes(hlo.parse(step.lower(model, optimizer, data[0]).compile().as_text(), 8), mesh)
+    permutes = [o for o in ops if o.kind == "collective-permute" and o.axes == ("stage",)]
+    assert permutes
+    gathers = [o for o in ops if o.kind == "all-gather" and "layers/" in o.moves]
+    assert not gathers, [(o.moves, o.axes) for o in gathers]
+
+
+def test_a_model_without_a_scanned_stack_is_told_what_a_pipeline_needs():
+    plan = shardplan.with_mesh(shardplan.load(PLANS / "llama_pp.splan"), {"stage": 2, "data": 4})
+    text = plan.text.replace('param "layers/.*" (stage, ...)', 'param "layers/0/.*" (stage, ...)')
+    plan = shardplan.with_mesh(shardplan.loads(text, "pp.splan"), {"stage": 2, "data": 4})
+    model, optimizer, placement = shardplan.init_sharded(plan, models.llama_tiny, TX)
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer)
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        step(model, optimizer, batches(1)[0])
+    d = info.value.diagnostics[0]
+    assert d.code == "pipeline-layers" and "nnx.scan" in d.hint and d.span.line == text.split("\n").index(
+        "pipeline stage, microbatches = 4") + 1
+
+
+def test_a_batch_that_does_not_split_into_microbatches_is_refused():
+    plan = shardplan.with_mesh(shardplan.load(PLANS / "llama_pp.splan"), {"stage": 2, "data": 4})
+    model, optimizer, placement = shardplan.init_sharded(plan, models.llama_deep_scan, TX)
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer)
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        step(model, optimizer, batches(1, rows=12)[0])  # 12 rows: 4 microbatches of 3 do not split over data=4
+    assert info.value.diagnostics[0].code == "pipeline-batch"
+
+
+def test_the_shard_map_backend_says_it_does_not_run_pipelines_yet():
+    plan = shardplan.with_mesh(shardplan.load(PLANS / "llama_pp.splan"), {"stage": 2, "data": 4})
+    model, optimizer, placement = shardplan.init_sharded(plan, models.llama_deep_scan, TX)
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        shardplan.train_step(placement, example.lm_loss, model, optimizer, backend="shard_map")
+    assert info.value.diagnostics[0].code == "pipeline-backend"
