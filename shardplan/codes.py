@@ -56,7 +56,11 @@ CODES: dict[str, Code] = {
         _e("two-ellipses", "check", "a spec with more than one `...`"),
         _e("pipeline-option", "check", "a `pipeline` setting unknown, repeated, missing or out of range"),
         _e("pipeline-axis", "check", "the pipeline's axis used other than on the stacked layer dim of params"),
-        _e("pipeline-layers", "check", "the pipeline's layers: not one scanned stack, or not divisible by stages x repeats"),
+        _e(
+            "pipeline-layers",
+            "check",
+            "the pipeline's layers: not one scanned stack, or not divisible by stages x repeats",
+        ),
         _e("pipeline-backend", "apply", "a pipeline plan run on a backend that does not partition pipelines"),
         _e("pipeline-batch", "check", "the batch does not divide into the pipeline's microbatches"),
         _e("misplaced-ellipsis", "check", "`...` in a `batch`, `input` or `axis` statement"),

@@ -43,17 +43,20 @@ def test_a_pipeline_statement_reads_into_the_plan():
     assert shardplan.loads(BASE).pipeline is None
 
 
-@pytest.mark.parametrize("line, code, col, words", [
-    ("pipeline stag, microbatches = 4", "unknown-axis", 10, "did you mean 'stage'"),
-    ("pipeline stage", "pipeline-option", 1, "microbatches"),
-    ("pipeline stage, microbatches = 0", "pipeline-option", 32, "between 1"),
-    ("pipeline stage, microbatches = x", "pipeline-option", 32, "takes a number"),
-    ("pipeline stage, microbatches = 4, microbatches = 8", "pipeline-option", 35, "twice"),
-    ("pipeline stage, microbatches = 4, repeat = 2", "pipeline-option", 35, "did you mean 'repeats'"),
-    ("pipeline stage, microbatches = 4, schedule = zigzag", "pipeline-option", 46, "unknown pipeline schedule"),
-    ("pipeline stage, microbatches = 4, repeats = 2", "pipeline-option", 35, "schedule = circular"),
-    ("pipeline stage, microbatches = 1, schedule = circular", "pipeline-option", 32, "at least as many"),
-])
+@pytest.mark.parametrize(
+    "line, code, col, words",
+    [
+        ("pipeline stag, microbatches = 4", "unknown-axis", 10, "did you mean 'stage'"),
+        ("pipeline stage", "pipeline-option", 1, "microbatches"),
+        ("pipeline stage, microbatches = 0", "pipeline-option", 32, "between 1"),
+        ("pipeline stage, microbatches = x", "pipeline-option", 32, "takes a number"),
+        ("pipeline stage, microbatches = 4, microbatches = 8", "pipeline-option", 35, "twice"),
+        ("pipeline stage, microbatches = 4, repeat = 2", "pipeline-option", 35, "did you mean 'repeats'"),
+        ("pipeline stage, microbatches = 4, schedule = zigzag", "pipeline-option", 46, "unknown pipeline schedule"),
+        ("pipeline stage, microbatches = 4, repeats = 2", "pipeline-option", 35, "schedule = circular"),
+        ("pipeline stage, microbatches = 1, schedule = circular", "pipeline-option", 32, "at least as many"),
+    ],
+)
 def test_pipeline_mistakes_are_located(line, code, col, words):
     with pytest.raises(shardplan.ShardPlanError) as info:
         plan_with(line)
@@ -62,13 +65,16 @@ def test_pipeline_mistakes_are_located(line, code, col, words):
     assert words in d.message + " " + d.hint
 
 
-@pytest.mark.parametrize("rule, line", [
-    ("batch ((data, stage), _)", None),
-    ('param "embed/embedding" (_, stage)', None),
-    ('param "layers/.*" ((stage, data), ...)', None),
-    ('act "layers" (stage, _, _)', None),
-    ("axis embed -> stage", None),
-])
+@pytest.mark.parametrize(
+    "rule, line",
+    [
+        ("batch ((data, stage), _)", None),
+        ('param "embed/embedding" (_, stage)', None),
+        ('param "layers/.*" ((stage, data), ...)', None),
+        ('act "layers" (stage, _, _)', None),
+        ("axis embed -> stage", None),
+    ],
+)
 def test_the_stage_axis_splits_only_the_stacked_layer_dim(rule, line):
     text = BASE.replace("batch (data, _)\n", "") if rule.startswith("batch") else BASE
     text = text.replace('param "layers/.*" (stage, ...)\n', "") if "layers/.*" in rule else text
@@ -133,12 +139,15 @@ def train(plan, data):
     return losses, model, optimizer, placement, step
 
 
-@pytest.mark.parametrize("file, mesh", [
-    ("llama_pp.splan", {"stage": 2, "data": 4}),
-    ("llama_pp.splan", {"stage": 4, "data": 2}),
-    ("llama_pp_circular.splan", {"stage": 4, "data": 2}),
-    ("llama_pp_circular.splan", {"stage": 2, "data": 4}),
-])
+@pytest.mark.parametrize(
+    "file, mesh",
+    [
+        ("llama_pp.splan", {"stage": 2, "data": 4}),
+        ("llama_pp.splan", {"stage": 4, "data": 2}),
+        ("llama_pp_circular.splan", {"stage": 4, "data": 2}),
+        ("llama_pp_circular.splan", {"stage": 2, "data": 4}),
+    ],
+)
 def test_a_scanned_llama_trains_pipelined_equal_to_one_device(file, mesh):
     plan = shardplan.with_mesh(shardplan.load(PLANS / file), mesh)
     data = batches()
@@ -171,8 +180,11 @@ def test_a_model_without_a_scanned_stack_is_told_what_a_pipeline_needs():
     with pytest.raises(shardplan.ShardPlanError) as info:
         step(model, optimizer, batches(1)[0])
     d = info.value.diagnostics[0]
-    assert d.code == "pipeline-layers" and "nnx.scan" in d.hint and d.span.line == text.split("\n").index(
-        "pipeline stage, microbatches = 4") + 1
+    assert (
+        d.code == "pipeline-layers"
+        and "nnx.scan" in d.hint
+        and d.span.line == text.split("\n").index("pipeline stage, microbatches = 4") + 1
+    )
 
 
 def test_a_batch_that_does_not_split_into_microbatches_is_refused():

@@ -70,29 +70,50 @@ class Schedule:
         return (layer // self.layers_per_chunk) % self.stages
 
 
-def problems(p: Pipeline, stages: int, layers: int | None = None, batch: int | None = None,
-             batch_split: int = 1, where: str = "") -> list[Diagnostic]:
+def problems(
+    p: Pipeline, stages: int, layers: int | None = None, batch: int | None = None, batch_split: int = 1, where: str = ""
+) -> list[Diagnostic]:
     """Why the pipeline cannot run with these sizes (stages from the mesh; layers: the stacked
     dim; batch: the global batch, ``batch_split`` devices dividing each microbatch)."""
     at = dict(span=p.span, source_line=p.source_line or None) if p.span is not None else dict(path=where or "pipeline")
     out = []
     if p.schedule == "circular" and p.microbatches < stages:
-        out.append(error("pipeline-option", f"circular schedule with microbatches = {p.microbatches} on {stages} stages",
-                         f"a circular schedule needs at least as many microbatches as stages: microbatches = {stages} "
-                         "or more", **at))
+        out.append(
+            error(
+                "pipeline-option",
+                f"circular schedule with microbatches = {p.microbatches} on {stages} stages",
+                f"a circular schedule needs at least as many microbatches as stages: microbatches = {stages} or more",
+                **at,
+            )
+        )
     if layers is not None and layers % (stages * p.repeats):
-        out.append(error("pipeline-layers",
-                         f"{layers} stacked layers do not split into {stages} stages x {p.repeats} "
-                         f"repeat{'s' if p.repeats > 1 else ''}",
-                         f"use a stage count and repeats whose product divides {layers}", **at))
+        out.append(
+            error(
+                "pipeline-layers",
+                f"{layers} stacked layers do not split into {stages} stages x {p.repeats} "
+                f"repeat{'s' if p.repeats > 1 else ''}",
+                f"use a stage count and repeats whose product divides {layers}",
+                **at,
+            )
+        )
     if batch is not None:
         if batch % p.microbatches:
-            out.append(error("pipeline-batch", f"a batch of {batch} does not split into {p.microbatches} microbatches",
-                             f"use a microbatch count that divides {batch}", **at))
+            out.append(
+                error(
+                    "pipeline-batch",
+                    f"a batch of {batch} does not split into {p.microbatches} microbatches",
+                    f"use a microbatch count that divides {batch}",
+                    **at,
+                )
+            )
         elif (batch // p.microbatches) % batch_split:
-            out.append(error("pipeline-batch",
-                             f"microbatches of {batch // p.microbatches} rows do not split over the batch's "
-                             f"{batch_split} devices",
-                             f"use fewer microbatches (the batch / microbatches a multiple of {batch_split}) "
-                             "or a larger batch", **at))
+            out.append(
+                error(
+                    "pipeline-batch",
+                    f"microbatches of {batch // p.microbatches} rows do not split over the batch's "
+                    f"{batch_split} devices",
+                    f"use fewer microbatches (the batch / microbatches a multiple of {batch_split}) or a larger batch",
+                    **at,
+                )
+            )
     return out

@@ -325,7 +325,6 @@ class _Checker:
                 out.setdefault(s.logical, AxisRule(s.logical, s.dim.axes, s.span, self.line(s.span)))
         return tuple(out.values())
 
-
     # -- pipeline -----------------------------------------------------------------------
     def pipeline(self, node: ast.PipelineNode | None, mesh: tuple[MeshAxis, ...]) -> Pipeline | None:
         if node is None:
@@ -338,49 +337,76 @@ class _Checker:
         for o in node.options:
             if o.name not in known:
                 near = closest(o.name, tuple(known))
-                self.err("pipeline-option", f"unknown pipeline setting '{o.name}'",
-                         (near + " " if near else "") + "the settings are microbatches, schedule and repeats", o.span)
+                self.err(
+                    "pipeline-option",
+                    f"unknown pipeline setting '{o.name}'",
+                    (near + " " if near else "") + "the settings are microbatches, schedule and repeats",
+                    o.span,
+                )
             elif o.name in given:
-                self.err("pipeline-option", f"pipeline setting '{o.name}' given twice", f"keep one '{o.name} ='", o.span)
+                self.err(
+                    "pipeline-option", f"pipeline setting '{o.name}' given twice", f"keep one '{o.name} ='", o.span
+                )
             elif not isinstance(o.value, known[o.name]):
                 want = "a number" if known[o.name] is int else "a name (" + ", ".join(SCHEDULES) + ")"
-                self.err("pipeline-option", f"pipeline setting '{o.name}' takes {want}, not {o.value}",
-                         f"write {o.name} = " + ("8" if known[o.name] is int else "gpipe"), o.value_span)
+                self.err(
+                    "pipeline-option",
+                    f"pipeline setting '{o.name}' takes {want}, not {o.value}",
+                    f"write {o.name} = " + ("8" if known[o.name] is int else "gpipe"),
+                    o.value_span,
+                )
             else:
                 given[o.name] = o
         ok = True
         m = given.get("microbatches")
         if m is None and not any(o.name == "microbatches" for o in node.options):
             ok = False
-            self.err("pipeline-option", "a pipeline needs its number of microbatches",
-                     "add microbatches = M (M pieces of the batch flow through the stages; at least the number "
-                     "of stages keeps the bubble small)", node.span)
+            self.err(
+                "pipeline-option",
+                "a pipeline needs its number of microbatches",
+                "add microbatches = M (M pieces of the batch flow through the stages; at least the number "
+                "of stages keeps the bubble small)",
+                node.span,
+            )
         for name in ("microbatches", "repeats"):
-            o = given.get(name)
-            if o is not None and not 1 <= int(o.value) <= MAX_MICROBATCHES:
+            got = given.get(name)
+            if got is not None and not 1 <= int(got.value) <= MAX_MICROBATCHES:
                 ok = False
-                self.err("pipeline-option", f"{name} = {o.value}: it must be between 1 and {MAX_MICROBATCHES:,}",
-                         f"write a positive {name}", o.value_span)
+                self.err(
+                    "pipeline-option",
+                    f"{name} = {got.value}: it must be between 1 and {MAX_MICROBATCHES:,}",
+                    f"write a positive {name}",
+                    got.value_span,
+                )
         schedule = str(given["schedule"].value) if "schedule" in given else "gpipe"
         if "schedule" in given and schedule not in SCHEDULES:
             ok = False
             near = closest(schedule, SCHEDULES)
-            self.err("pipeline-option", f"unknown pipeline schedule '{schedule}'",
-                     (near + " " if near else "") + "schedules: gpipe (each stage runs its layers once per "
-                     "microbatch), circular (with repeats = V, each stage holds V chunks of layers)",
-                     given["schedule"].value_span)
+            self.err(
+                "pipeline-option",
+                f"unknown pipeline schedule '{schedule}'",
+                (near + " " if near else "") + "schedules: gpipe (each stage runs its layers once per "
+                "microbatch), circular (with repeats = V, each stage holds V chunks of layers)",
+                given["schedule"].value_span,
+            )
         repeats = int(given["repeats"].value) if "repeats" in given else 1
         if repeats > 1 and schedule == "gpipe":
             ok = False
-            self.err("pipeline-option", f"repeats = {repeats} with the gpipe schedule",
-                     "repeats go with schedule = circular (gpipe runs each stage's layers once)",
-                     given["repeats"].span)
+            self.err(
+                "pipeline-option",
+                f"repeats = {repeats} with the gpipe schedule",
+                "repeats go with schedule = circular (gpipe runs each stage's layers once)",
+                given["repeats"].span,
+            )
         stages = next((a.size for a in mesh if a.name == node.axis), None)
         if ok and m is not None and schedule == "circular" and stages is not None and int(m.value) < stages:
             ok = False
-            self.err("pipeline-option", f"circular schedule with microbatches = {m.value} on {stages} stages",
-                     f"a circular schedule needs at least as many microbatches as stages: microbatches = {stages} "
-                     "or more", m.value_span)
+            self.err(
+                "pipeline-option",
+                f"circular schedule with microbatches = {m.value} on {stages} stages",
+                f"a circular schedule needs at least as many microbatches as stages: microbatches = {stages} or more",
+                m.value_span,
+            )
         if not ok or m is None or node.axis not in axis_names:
             return None
         return Pipeline(node.axis, int(m.value), schedule, repeats, node.span, self.line(node.span))
@@ -392,24 +418,38 @@ class _Checker:
         what = "every stage sees every microbatch in turn, so the stage axis cannot split"
         for keyword, spec, span in statements:
             if spec is not None and a in spec.axes:
-                self.err("pipeline-axis", f"{what} the {keyword}: '{a}' is the pipeline's axis",
-                         f"take '{a}' out of the {keyword} statement", span)
+                self.err(
+                    "pipeline-axis",
+                    f"{what} the {keyword}: '{a}' is the pipeline's axis",
+                    f"take '{a}' out of the {keyword} statement",
+                    span,
+                )
         for r in rules:
             if a not in r.spec.axes:
                 continue
             lead = r.spec.dims[0] if r.spec.dims else ()
             if r.kind in ("input", "act"):
-                self.err("pipeline-axis", f"{what} an {r.kind}: '{a}' is the pipeline's axis",
-                         f"take '{a}' out of this rule", r.spec_span)
+                self.err(
+                    "pipeline-axis",
+                    f"{what} an {r.kind}: '{a}' is the pipeline's axis",
+                    f"take '{a}' out of this rule",
+                    r.spec_span,
+                )
             elif lead != (a,) or any(a in d for d in r.spec.dims[1:] + r.spec.tail):
-                self.err("pipeline-axis", f"'{a}' is the pipeline's axis: it splits the stacked layer dim "
-                         "(the first) of a param, alone",
-                         f"write ({a}, ...) or ({a}, <the other dims>) with '{a}' only first", r.spec_span)
+                self.err(
+                    "pipeline-axis",
+                    f"'{a}' is the pipeline's axis: it splits the stacked layer dim (the first) of a param, alone",
+                    f"write ({a}, ...) or ({a}, <the other dims>) with '{a}' only first",
+                    r.spec_span,
+                )
         for x in axes:
             if a in x.axes:
-                self.err("pipeline-axis", f"logical axis '{x.logical}' is mapped to the pipeline's axis '{a}'",
-                         f"map it to another axis; '{a}' splits only the stacked layer dim, "
-                         "through param rules", x.span)
+                self.err(
+                    "pipeline-axis",
+                    f"logical axis '{x.logical}' is mapped to the pipeline's axis '{a}'",
+                    f"map it to another axis; '{a}' splits only the stacked layer dim, through param rules",
+                    x.span,
+                )
 
 
 def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = None) -> Plan:
@@ -466,9 +506,15 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
     pipeline_node = c.nearest(ast.PipelineNode)
     pipeline = c.pipeline(pipeline_node, mesh)
     if pipeline is not None:
-        statements = [(k, spec, node.span) for k, spec, node in
-                      (("batch", batch, batch_node), ("default", default, default_node), ("cache", cache, cache_node))
-                      if node is not None]
+        statements = [
+            (k, spec, node.span)
+            for k, spec, node in (
+                ("batch", batch, batch_node),
+                ("default", default, default_node),
+                ("cache", cache, cache_node),
+            )
+            if node is not None
+        ]
         c.pipeline_axis_uses(pipeline, statements, params + opts + inputs + acts, axes)
 
     catch = next((r for r in params if r.is_catch_all), None)

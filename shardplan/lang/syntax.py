@@ -127,7 +127,15 @@ class PipelineNode:
 
 
 Statement = (
-    PlanName | Extends | MeshNode | BackendNode | BatchNode | RuleNode | AxisNode | DefaultNode | CacheNode
+    PlanName
+    | Extends
+    | MeshNode
+    | BackendNode
+    | BatchNode
+    | RuleNode
+    | AxisNode
+    | DefaultNode
+    | CacheNode
     | PipelineNode
 )
 

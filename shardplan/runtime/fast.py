@@ -1784,9 +1784,16 @@ def trace_key(plan: Any, mesh: dict[str, int]) -> tuple:
         tuple(mesh.items()),
         tuple(plan.axis_types),
         # A pipeline rewrites the step around the params its axis splits: the param rules matter too.
-        (plan.pipeline.axis, plan.pipeline.microbatches, plan.pipeline.schedule, plan.pipeline.repeats,
-         tuple((r.pattern, r.spec) for r in plan.params), plan.default)
-        if plan.pipeline is not None else (),
+        (
+            plan.pipeline.axis,
+            plan.pipeline.microbatches,
+            plan.pipeline.schedule,
+            plan.pipeline.repeats,
+            tuple((r.pattern, r.spec) for r in plan.params),
+            plan.default,
+        )
+        if plan.pipeline is not None
+        else (),
     )
 
 
@@ -1819,8 +1826,14 @@ def trace(
 
         params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
         split = pipeline.stage_split(params, plan.pipeline.axis)
-        loss_fn = pipeline.wrap(loss_fn, plan.pipeline, mesh[plan.pipeline.axis], _abstract_mesh(mesh, plan), split,
-                                math.prod(mesh[a] for a in plan.batch_dim0_axes))
+        loss_fn = pipeline.wrap(
+            loss_fn,
+            plan.pipeline,
+            mesh[plan.pipeline.axis],
+            _abstract_mesh(mesh, plan),
+            split,
+            math.prod(mesh[a] for a in plan.batch_dim0_axes),
+        )
     wrapped = acts.wrap(loss_fn)
     with cudnn_traceable():
         check_loss(wrapped, abs_model, batch_abs, where="--step", plan=plan)

@@ -169,13 +169,19 @@ def _shift(x: jax.Array, mesh: Any, axis: str, stages: int) -> jax.Array:
     axis, written as one (a shard_map manual over that axis alone, the other axes left to XLA)."""
     perm = [(s, (s + 1) % stages) for s in range(stages)]
     spec = P(axis)
-    f = jax.shard_map(lambda b: jax.lax.ppermute(b, axis, perm), mesh=mesh, in_specs=spec, out_specs=spec,
-                      axis_names={axis}, check_vma=False)
+    f = jax.shard_map(
+        lambda b: jax.lax.ppermute(b, axis, perm),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+        axis_names={axis},
+        check_vma=False,
+    )
     return f(x)
 
 
 def _on_stages(x: jax.Array, mesh: Any, axis: str, dim: int = 0) -> jax.Array:
-    spec = [P.UNCONSTRAINED] * x.ndim
+    spec: list[Any] = [P.UNCONSTRAINED] * x.ndim
     spec[dim] = axis
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
@@ -244,7 +250,8 @@ def run_stack(
     on_stages = jax.vmap(chunk, in_axes=(0, 0, 0), spmd_axis_name=p.axis)
     # [L, ..] -> [V, P, K, ..]: chunk r*P + s on stage s.
     ws = [_on_stages(x.reshape((v, s_, k) + x.shape[1:]), mesh, p.axis, 1) for x in xs]
-    mb = [_split(c, d, m) for c, d in zip(carry, kdims)]  # [M, B/M, ..]
+    bdims = [d for d in kdims if d is not None]  # every carry has one (checked above)
+    mb = [_split(c, d, m) for c, d in zip(carry, bdims)]  # [M, B/M, ..]
     mbc = [_split(c, d, m) for c, d in zip(consts, cdims) if d is not None]
     stage = jnp.arange(s_)
 
@@ -262,8 +269,10 @@ def run_stack(
         buf = [jnp.where((stage == 0).reshape((s_,) + (1,) * f.ndim), f[None], b) for f, b in zip(fresh, buf)]
         if v > 1:  # per stage, its chunk of this pass: a one-hot sum over repeats, local to the stage
             hot = jnp.arange(v)[:, None] == rep[None, :]  # [V, P]
-            w_s = [_on_stages(jnp.where(hot.reshape(hot.shape + (1,) * (w.ndim - 2)), w, 0).sum(0), mesh, p.axis)
-                   for w in ws]
+            w_s = [
+                _on_stages(jnp.where(hot.reshape(hot.shape + (1,) * (w.ndim - 2)), w, 0).sum(0), mesh, p.axis)
+                for w in ws
+            ]
         else:
             w_s = [w[0] for w in ws]
         c_s = [_on_stages(jax.vmap(pick, in_axes=(None, 0))(c, mbi), mesh, p.axis) for c in mbc]
@@ -287,7 +296,7 @@ def run_stack(
     back0 = [jnp.zeros_like(x) for x in mb] if v > 1 else []
     outs0 = [jnp.zeros_like(x) for x in mb]
     (_, _, outs), _ = jax.lax.scan(step, (buf0, back0, outs0), jnp.arange(p.iterations(s_)))
-    final = [_join(o, d) for o, d in zip(outs, kdims)]
+    final = [_join(o, d) for o, d in zip(outs, bdims)]
     ys = _layer_outputs(body, nc, nk, consts, cdims, carry, xs)
     return final + ys
 
@@ -319,8 +328,9 @@ def _layer_outputs(body: Any, nc: int, nk: int, consts: list, cdims: list, carry
 # -- the traced step, evaluated with the stack pipelined --------------------------------
 
 
-def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], path: tuple[int, ...],
-          run: Callable[[Any, list], list]) -> list:
+def _eval(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], path: tuple[int, ...], run: Callable[[Any, list], list]
+) -> list:
     env: dict = {}
 
     def read(v: Any) -> Any:
@@ -351,6 +361,7 @@ def _eval(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], path: tuple[in
 
 def _resized(batch: Any, num: int, den: int) -> Any:
     """The batch's shapes with the leading dim scaled by num/den."""
+
     def grow(x: Any) -> Any:
         shape = tuple(getattr(x, "shape", ()))
         if not shape:
@@ -360,8 +371,14 @@ def _resized(batch: Any, num: int, den: int) -> Any:
     return jax.tree.map(grow, batch)
 
 
-def wrap(loss_fn: Callable[[Any, Any], jax.Array], p: Pipeline, stages: int, mesh: Any,
-         split: Sequence[bool], batch_split: int = 1) -> Callable[[Any, Any], jax.Array]:
+def wrap(
+    loss_fn: Callable[[Any, Any], jax.Array],
+    p: Pipeline,
+    stages: int,
+    mesh: Any,
+    split: Sequence[bool],
+    batch_split: int = 1,
+) -> Callable[[Any, Any], jax.Array]:
     """``loss_fn(model, batch)`` with the model's stage-split scanned layers run as ``p``'s pipeline
     on ``mesh`` (a Mesh or an AbstractMesh); ``split``: per model state leaf, whether the plan splits
     its leading dim over the pipeline's axis (:func:`stage_split`); ``batch_split``: the devices the
@@ -392,8 +409,12 @@ def wrap(loss_fn: Callable[[Any, Any], jax.Array], p: Pipeline, stages: int, mes
             dims = batch_dims(closed.jaxpr, large.jaxpr, stack.path)
             batch_dims(closed.jaxpr, micro.jaxpr, stack.path)
         except ValueError as e:
-            raise _err("pipeline-batch", f"cannot find the batch dim of the layers' inputs: {e}",
-                       "the model's step must have the same structure at every batch size", p) from None
+            raise _err(
+                "pipeline-batch",
+                f"cannot find the batch dim of the layers' inputs: {e}",
+                "the model's step must have the same structure at every batch size",
+                p,
+            ) from None
         micro_eqn = _eqn_at(micro.jaxpr, stack.path)
 
         def run(eqn: Any, ins: list) -> list:

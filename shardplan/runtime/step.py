@@ -97,10 +97,17 @@ def pipelined(placement: Placement, loss_fn: Callable[[Any, Any], jax.Array], ba
     if p is None:
         return loss_fn
     if backend != "auto":
-        raise PlanApplyError([error(
-            "pipeline-backend", f"a pipeline runs on the auto backend; the {backend} backend does not partition "
-            "one yet", "train this plan with backend auto (backend auto in the plan, or --backend auto)",
-            span=p.span, source_line=p.source_line or None)])
+        raise PlanApplyError(
+            [
+                error(
+                    "pipeline-backend",
+                    f"a pipeline runs on the auto backend; the {backend} backend does not partition one yet",
+                    "train this plan with backend auto (backend auto in the plan, or --backend auto)",
+                    span=p.span,
+                    source_line=p.source_line or None,
+                )
+            ]
+        )
     from shardplan.runtime import pipeline
 
     split = pipeline.stage_split(placement.params, p.axis)
