@@ -61,7 +61,6 @@ CODES: dict[str, Code] = {
             "check",
             "the pipeline's layers: not one scanned stack, or not divisible by stages x repeats",
         ),
-        _e("pipeline-backend", "apply", "a pipeline plan run on a backend that does not partition pipelines"),
         _e("pipeline-batch", "check", "the batch does not divide into the pipeline's microbatches"),
         _e("misplaced-ellipsis", "check", "`...` in a `batch`, `input` or `axis` statement"),
         _e("duplicate-axis-rule", "check", "one logical axis name mapped twice in one file"),

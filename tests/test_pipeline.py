@@ -132,26 +132,36 @@ def test_the_schedule_runs_every_chunk_of_every_microbatch_once_in_layer_order(p
 # -- training ----------------------------------------------------------------------------
 
 
-def train(plan, data):
+def train(plan, data, backend="auto"):
     model, optimizer, placement = shardplan.init_sharded(plan, models.llama_deep_scan, TX)
-    step = shardplan.train_step(placement, example.lm_loss, model, optimizer)
+    step = shardplan.train_step(placement, example.lm_loss, model, optimizer, backend=backend)
     losses = [float(step(model, optimizer, b)) for b in data]
     return losses, model, optimizer, placement, step
 
 
+def per_kind(ops) -> dict:
+    out: dict = {}
+    for kind, axes, count, nbytes in ops:
+        c, b = out.get((kind, axes), (0, 0))
+        out[(kind, axes)] = (c + count, b + nbytes)
+    return out
+
+
 @pytest.mark.parametrize(
-    "file, mesh",
+    "file, mesh, backend",
     [
-        ("llama_pp.splan", {"stage": 2, "data": 4}),
-        ("llama_pp.splan", {"stage": 4, "data": 2}),
-        ("llama_pp_circular.splan", {"stage": 4, "data": 2}),
-        ("llama_pp_circular.splan", {"stage": 2, "data": 4}),
+        ("llama_pp.splan", {"stage": 2, "data": 4}, "auto"),
+        ("llama_pp.splan", {"stage": 4, "data": 2}, "auto"),
+        ("llama_pp_circular.splan", {"stage": 4, "data": 2}, "auto"),
+        ("llama_pp_circular.splan", {"stage": 2, "data": 4}, "auto"),
+        ("llama_pp.splan", {"stage": 2, "data": 4}, "shard_map"),
+        ("llama_pp_circular.splan", {"stage": 4, "data": 2}, "shard_map"),
     ],
 )
-def test_a_scanned_llama_trains_pipelined_equal_to_one_device(file, mesh):
+def test_a_scanned_llama_trains_pipelined_equal_to_one_device(file, mesh, backend):
     plan = shardplan.with_mesh(shardplan.load(PLANS / file), mesh)
     data = batches()
-    losses, model, optimizer, placement, step = train(plan, data)
+    losses, model, optimizer, placement, step = train(plan, data, backend)
     one_losses, one_params = reference.train(models.llama_deep_scan, TX, example.lm_loss, data, key="adamw-1e-2")
     np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
     params = reference.params_of(model)
@@ -162,13 +172,18 @@ def test_a_scanned_llama_trains_pipelined_equal_to_one_device(file, mesh):
     assert q.addressable_shards[0].data.shape[0] == 8 // mesh["stage"]
     stacked = [x for x in jax.tree.leaves(nnx.state(optimizer)) if getattr(x, "shape", ())[:1] == (8,)]
     assert len(stacked) == 2 * 9 and all(x.sharding.spec[0] == "stage" for x in stacked)  # adamw's mu and nu
-    # XLA's program: activations cross stages as collective permutes over `stage`; nothing gathers
-    # a stage-split param.
+    # XLA's program: activations cross stages as collective permutes over `stage`.
     ops = hlo.with_axes(hlo.parse(step.lower(model, optimizer, data[0]).compile().as_text(), 8), mesh)
-    permutes = [o for o in ops if o.kind == "collective-permute" and o.axes == ("stage",)]
-    assert permutes
-    gathers = [o for o in ops if o.kind == "all-gather" and "layers/" in o.moves]
-    assert not gathers, [(o.moves, o.axes) for o in gathers]
+    assert [o for o in ops if o.kind == "collective-permute" and o.axes == ("stage",)]
+    gathers = [o for o in ops if o.kind == "all-gather" and "stage" in o.axes]
+    if file == "llama_pp.splan":  # GPipe: each stage's layers are its block of the stacked dim; nothing gathers
+        assert not gathers, [(o.moves, o.axes) for o in gathers]
+    if backend == "shard_map":  # the partitioner's record is the compiled program, with nothing run whole
+        record = step.fn.record(step.place(data[0]))
+        assert record.fallbacks == []
+        assert per_kind((o.kind, o.axes, o.runs, o.bytes_per_step) for o in ops) == per_kind(
+            (c.kind, c.axes, c.count, c.bytes) for c in record.issued
+        )
 
 
 def test_a_model_without_a_scanned_stack_is_told_what_a_pipeline_needs():
@@ -194,11 +209,3 @@ def test_a_batch_that_does_not_split_into_microbatches_is_refused():
     with pytest.raises(shardplan.ShardPlanError) as info:
         step(model, optimizer, batches(1, rows=12)[0])  # 12 rows: 4 microbatches of 3 do not split over data=4
     assert info.value.diagnostics[0].code == "pipeline-batch"
-
-
-def test_the_shard_map_backend_says_it_does_not_run_pipelines_yet():
-    plan = shardplan.with_mesh(shardplan.load(PLANS / "llama_pp.splan"), {"stage": 2, "data": 4})
-    model, optimizer, placement = shardplan.init_sharded(plan, models.llama_deep_scan, TX)
-    with pytest.raises(shardplan.ShardPlanError) as info:
-        shardplan.train_step(placement, example.lm_loss, model, optimizer, backend="shard_map")
-    assert info.value.diagnostics[0].code == "pipeline-backend"

@@ -381,6 +381,8 @@ class Partitioner:
             return self.remat(eqn, ins)
         if name == "scan":
             return self.scan(eqn, ins)
+        if name == "shard_map":
+            return self.shard_map(eqn, ins)
         if name in _ELEMENTWISE and all(len(v.shape) in (0, len(eqn.outvars[0].aval.shape)) for v in ins):
             return self.elementwise(eqn, ins)
         if name != "sharding_constraint":  # rules that carry a pending sum on: not a shared one
@@ -445,6 +447,39 @@ class Partitioner:
         fn = jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy"))
         xs = fn(*[v.x for v in ins])
         return [V(x, o.shape, o.dtype, o.dims, o.partial, o.act) for x, o in zip(xs, layouts, strict=True)]
+
+    def shard_map(self, eqn: Any, ins: list[V]) -> list[V]:
+        """A ``jax.shard_map`` region in the step (manual over some axes, the rest automatic): its
+        operands laid out as ``in_specs`` over its manual axes, keeping their splits over the others;
+        its body run on those blocks, which are already this device's (every axis is manual here),
+        the collectives in it issued as written; its results laid out as ``out_specs`` plus the
+        body's own splits."""
+        p = eqn.params
+        closed = p["jaxpr"]
+        body = getattr(closed, "jaxpr", closed)
+        consts = list(getattr(closed, "consts", ()))
+        manual = set(p.get("newly_manual_axes") or p.get("manual_axes") or self.mesh)
+        inner = []
+        for v, spec, var in zip(ins, p["in_specs"], body.invars, strict=True):
+            want = _spec_axes(spec, len(v.shape))
+            auto = tuple(tuple(a for a in d if a not in manual) for d in v.dims)
+            v = self.to(self.resolve(v), tuple(w + a for w, a in zip(want, auto, strict=True)))
+            inner.append(V(v.x, tuple(var.aval.shape), v.dtype, auto, v.partial, v.act))
+        results = self.run(body, consts, inner)
+        outs = []
+        for r, spec, var in zip(results, p["out_specs"], eqn.outvars, strict=True):
+            dims = tuple(w + a for w, a in zip(_spec_axes(spec, len(r.dims)), r.dims, strict=True))
+            outs.append(V(r.x, tuple(var.aval.shape), r.dtype, dims, r.partial - manual, r.act))
+        return outs
+
+    def op_ppermute(self, eqn: Any, ins: list[V]) -> list[V]:
+        """A permute the model wrote (inside a shard_map region): run on the local block as written."""
+        (v,) = ins
+        axes = eqn.params["axis_name"]
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        self.issue("collective-permute", axes, self.nbytes(v.shape, v.dims, v.dtype))
+        xs = self.bind(eqn, [v.x])
+        return self.out(eqn, [v.dims], [v.partial], v.act, xs)
 
     def scan(self, eqn: Any, ins: list[V]) -> list[V]:
         p = eqn.params
@@ -639,7 +674,7 @@ class Partitioner:
                 continue
             if len(ii) == 1 and jj:  # one dim split into several: the major output dim keeps the split
                 i = ii[0]
-                j = jj[0]
+                j = next((j for j in jj if shape[j] != 1), jj[0])  # past inserted size-1 dims ([L] -> [1, P, K])
                 if shape[j] % self.n(v.dims[i]) == 0:
                     out[j] = v.dims[i]
                 else:
@@ -1136,6 +1171,12 @@ def _hints(jaxpr: Any, out_hints: list, hints: dict) -> None:
             for x in eqn.invars:
                 if not isinstance(x, jcore.Literal) and tuple(getattr(x.aval, "shape", ())) == shape:
                     hints.setdefault(x, h)
+
+
+def _spec_axes(spec: Any, rank: int) -> Dims:
+    """A PartitionSpec's entries as per-dim axis tuples, ``rank`` long."""
+    dims = [(() if e is None else (e,) if isinstance(e, str) else tuple(e)) for e in tuple(spec)]
+    return tuple(dims + [()] * (rank - len(dims)))
 
 
 def constraint_target(eqn: Any, dims: Dims) -> Dims | None:

@@ -92,22 +92,11 @@ class TrainStep:
 
 
 def pipelined(placement: Placement, loss_fn: Callable[[Any, Any], jax.Array], backend: str):
-    """``loss_fn`` with the plan's pipeline applied (itself when the plan has none)."""
+    """``loss_fn`` with the plan's pipeline applied (itself when the plan has none). Both backends
+    run the same pipelined program: auto hands it to XLA, shard_map partitions it itself."""
     p = placement.plan.pipeline
     if p is None:
         return loss_fn
-    if backend != "auto":
-        raise PlanApplyError(
-            [
-                error(
-                    "pipeline-backend",
-                    f"a pipeline runs on the auto backend; the {backend} backend does not partition one yet",
-                    "train this plan with backend auto (backend auto in the plan, or --backend auto)",
-                    span=p.span,
-                    source_line=p.source_line or None,
-                )
-            ]
-        )
     from shardplan.runtime import pipeline
 
     split = pipeline.stage_split(placement.params, p.axis)
