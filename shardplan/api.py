@@ -676,10 +676,27 @@ def analyze(
         ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace,
             a loss that is not a scalar, or a mesh too large to simulate.
     """
+    from shardplan.core.pipeline import with_pipeline
+
+    p = _plan(plan, mesh)
+    cost = _step_cost(p, model, step, batch, optimizer, backend, mode, devices, timeout_s)
+    return with_pipeline(cost, p)
+
+
+def _step_cost(
+    p: Plan,
+    model: str,
+    step: str,
+    batch: dict | list[str],
+    optimizer: str,
+    backend: str | None,
+    mode: str,
+    devices: int | None,
+    timeout_s: float,
+) -> StepCost:
     from shardplan.core import backends
     from shardplan.errors import Diagnostic, Span
 
-    p = _plan(plan, mesh)
     name = backend or p.backend
     backends.lookup(name, "--backend")
     if mode not in ("exact", "fast"):

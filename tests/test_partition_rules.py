@@ -232,6 +232,29 @@ def test_scatter_set_keeps_a_split_window_dim():
     check(put, [f32(5, 6), f32(3, 6)], [((), ("model",)), ((), ("model",))], dims=((), ("model",)))
 
 
+# -- regions and layouts of pipelines ----------------------------------------------------------
+def test_a_shard_map_region_runs_on_its_blocks_with_its_own_permute():
+    mesh = jax.make_mesh(tuple(MESH.values()), tuple(MESH), axis_types=(jax.sharding.AxisType.Auto,) * len(MESH))
+
+    def shift(x):
+        step = jax.shard_map(
+            lambda b: jax.lax.ppermute(b, "model", [(0, 1), (1, 0)]),
+            mesh=mesh,
+            in_specs=P("model"),
+            out_specs=P("model"),
+            axis_names={"model"},
+            check_vma=False,
+        )
+        return step(x) * 2.0
+
+    # Laid out as the region's in_specs over its manual axis (a local slice), the data split kept.
+    check(shift, [f32(4, 8)], [((), ("data",))], dims=(("model",), ("data",)), issued=["collective-permute"])
+
+
+def test_a_reshape_keeps_a_split_past_inserted_size_one_dims():
+    check(lambda x: x.reshape(1, 4, 2, 6) + 1.0, [f32(8, 6)], [(("data",), ())], dims=((), ("data",), (), ()))
+
+
 def test_coverage_table_names_every_rule():
     """docs/backends.md's coverage table lists every primitive the partitioner has a rule for."""
     from pathlib import Path

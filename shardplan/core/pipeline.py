@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardplan.core.plan import Pipeline
+from shardplan.core.plan import Pipeline, Plan
+from shardplan.core.stepcost import PipelineCost, StepCost
 from shardplan.errors import Diagnostic, error
 
 
@@ -117,3 +118,32 @@ def problems(
                 )
             )
     return out
+
+
+def with_pipeline(cost: StepCost, plan: Plan) -> StepCost:
+    """``cost`` with its pipeline's schedule, bubble and stage permutes (itself without one)."""
+    from dataclasses import replace
+
+    p = plan.pipeline
+    if p is None or p.axis not in cost.mesh:
+        return cost
+    stages = cost.mesh[p.axis]
+    s = Schedule(stages, p.microbatches, p.repeats, stages * p.repeats)
+    permutes = [c for c in cost.communication if c.kind == "collective-permute" and c.axes == (p.axis,)]
+    link = next((a.link for a in plan.mesh if a.name == p.axis), "ici")
+    return replace(
+        cost,
+        pipeline=PipelineCost(
+            p.axis,
+            stages,
+            p.microbatches,
+            p.schedule,
+            p.repeats,
+            s.steps,
+            s.idle,
+            s.bubble,
+            sum(c.bytes for c in permutes),
+            sum(c.count for c in permutes),
+            link,
+        ),
+    )

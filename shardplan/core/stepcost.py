@@ -60,6 +60,26 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class PipelineCost:
+    """A pipeline plan's schedule in the step: its loop, its bubble and its stage-to-stage traffic."""
+
+    axis: str
+    stages: int
+    microbatches: int
+    schedule: str
+    repeats: int
+    steps: int  # loop steps: repeats * microbatches + stages - 1
+    idle: int  # idle stage-steps, counted from the schedule's table
+    bubble: float  # idle / (steps * stages)
+    permute_bytes: int  # collective permutes over the axis, per device per step (forward and backward)
+    permute_count: int
+    link: str = "ici"  # what the axis crosses (@dcn: the network between hosts)
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
 class StepCost:
     """Per-device cost of one training step of a plan on its mesh."""
 
@@ -87,6 +107,7 @@ class StepCost:
     # program's instructions outside fusions (a fusion is one); fast mode, the equations whose
     # results XLA's fusion stores, collectives included. The step time's launch overhead.
     kernels: float = 0.0
+    pipeline: PipelineCost | None = None  # a pipeline plan's schedule (the bubble, the stage permutes)
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -124,6 +145,7 @@ class StepCost:
             "constraint_delta": [list(x) for x in self.constraint_delta],
             "fallbacks": [{"op": op, "source": src, "bytes": n} for op, src, n in self.fallbacks],
             "kernels_per_device": self.kernels,
+            "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
         }
 
     @staticmethod
@@ -147,4 +169,5 @@ class StepCost:
             doc.get("hbm_bytes_per_device", 0.0),
             tuple((f["op"], f["source"], int(f["bytes"])) for f in doc.get("fallbacks", ())),
             doc.get("kernels_per_device", 0.0),
+            PipelineCost(**doc["pipeline"]) if doc.get("pipeline") else None,
         )

@@ -1832,7 +1832,7 @@ def trace(
             mesh[plan.pipeline.axis],
             _abstract_mesh(mesh, plan),
             split,
-            math.prod(mesh[a] for a in plan.batch_dim0_axes),
+            plan.batch_dim0_axes,
         )
     wrapped = acts.wrap(loss_fn)
     with cudnn_traceable():

@@ -28,6 +28,7 @@ plain scan over the layers, which XLA removes when they are the inputs passed th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -180,9 +181,13 @@ def _shift(x: jax.Array, mesh: Any, axis: str, stages: int) -> jax.Array:
     return f(x)
 
 
-def _on_stages(x: jax.Array, mesh: Any, axis: str, dim: int = 0) -> jax.Array:
+def _on_stages(x: jax.Array, mesh: Any, axis: str, dim: int = 0, rows: tuple[str, ...] = ()) -> jax.Array:
+    """``x`` with dim ``dim`` on the stage axis and, given ``rows``, the dim after it (a block of
+    microbatch rows) over the batch's axes; the other dims left to the partitioner."""
     spec: list[Any] = [P.UNCONSTRAINED] * x.ndim
     spec[dim] = axis
+    if rows:
+        spec[dim + 1] = rows
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
 
@@ -194,6 +199,7 @@ def run_stack(
     stages: int,
     mesh: Any,
     micro: Any,
+    rows: tuple[str, ...] = (),
 ) -> list[Any]:
     """The scan ``eqn`` on ``args``, run as the pipeline's schedule: its outputs (carry, ys).
     ``micro``: the same scan traced at one microbatch (its body runs each stage's layers)."""
@@ -275,8 +281,8 @@ def run_stack(
             ]
         else:
             w_s = [w[0] for w in ws]
-        c_s = [_on_stages(jax.vmap(pick, in_axes=(None, 0))(c, mbi), mesh, p.axis) for c in mbc]
-        new = [_on_stages(n, mesh, p.axis) for n in on_stages(w_s, buf, c_s)]
+        c_s = [_on_stages(jax.vmap(pick, in_axes=(None, 0))(c, mbi), mesh, p.axis, 0, rows) for c in mbc]
+        new = [_on_stages(n, mesh, p.axis, 0, rows) for n in on_stages(w_s, buf, c_s)]
         j = t - (s_ - 1)  # the last stage's pass
         jl = jnp.clip(j, 0, v * m - 1)
         done = (j >= 0) & (j < v * m)
@@ -288,11 +294,11 @@ def run_stack(
         outs = [o.at[slot].set(jnp.where(done & (jl // m == v - 1), x, pick(o, slot))) for o, x in zip(outs, last)]
         if v > 1:
             back = [b.at[slot].set(jnp.where(done & (jl // m < v - 1), x, pick(b, slot))) for b, x in zip(back, last)]
-        buf = [_shift(n, mesh, p.axis, s_) for n in new]
+        buf = [_on_stages(_shift(n, mesh, p.axis, s_), mesh, p.axis, 0, rows) for n in new]
         return (buf, back, outs), None
 
     # Every stage starts on real rows (microbatch 0), so idle steps compute on finite values.
-    buf0 = [_on_stages(jnp.broadcast_to(x[0], (s_,) + x.shape[1:]), mesh, p.axis) for x in mb]
+    buf0 = [_on_stages(jnp.broadcast_to(x[0], (s_,) + x.shape[1:]), mesh, p.axis, 0, rows) for x in mb]
     back0 = [jnp.zeros_like(x) for x in mb] if v > 1 else []
     outs0 = [jnp.zeros_like(x) for x in mb]
     (_, _, outs), _ = jax.lax.scan(step, (buf0, back0, outs0), jnp.arange(p.iterations(s_)))
@@ -377,12 +383,12 @@ def wrap(
     stages: int,
     mesh: Any,
     split: Sequence[bool],
-    batch_split: int = 1,
+    batch_axes: tuple[str, ...] = (),
 ) -> Callable[[Any, Any], jax.Array]:
     """``loss_fn(model, batch)`` with the model's stage-split scanned layers run as ``p``'s pipeline
     on ``mesh`` (a Mesh or an AbstractMesh); ``split``: per model state leaf, whether the plan splits
-    its leading dim over the pipeline's axis (:func:`stage_split`); ``batch_split``: the devices the
-    plan splits the batch over (each microbatch is split the same way)."""
+    its leading dim over the pipeline's axis (:func:`stage_split`); ``batch_axes``: the mesh axes the
+    plan splits the batch's rows over (each microbatch is split the same way)."""
     split = list(split)
 
     def pipelined(model: Any, batch: Any) -> jax.Array:
@@ -401,6 +407,7 @@ def wrap(
         rows = sorted({x.shape[0] for x in jax.tree.leaves(batch) if getattr(x, "ndim", 0)})
         if rows and rows[0] % p.microbatches:
             raise as_error(problems(p, stages, batch=rows[0]))
+        batch_split = math.prod(dict(mesh.shape)[a] for a in batch_axes)
         if rows and problems(p, stages, batch=rows[0], batch_split=batch_split):
             raise as_error(problems(p, stages, batch=rows[0], batch_split=batch_split))
         large = jax.make_jaxpr(f)(leaves, _resized(batch, 2, 1))
@@ -418,7 +425,7 @@ def wrap(
         micro_eqn = _eqn_at(micro.jaxpr, stack.path)
 
         def run(eqn: Any, ins: list) -> list:
-            return run_stack(eqn, ins, dims, p, stages, mesh, micro_eqn)
+            return run_stack(eqn, ins, dims, p, stages, mesh, micro_eqn, batch_axes)
 
         outs = _eval(closed.jaxpr, closed.consts, jax.tree.leaves((leaves, batch)), stack.path, run)
         loss, new_leaves = outs[0], outs[1:]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import linecache
-import math
 import re
 import warnings
 from collections.abc import Callable
@@ -100,9 +99,8 @@ def pipelined(placement: Placement, loss_fn: Callable[[Any, Any], jax.Array], ba
     from shardplan.runtime import pipeline
 
     split = pipeline.stage_split(placement.params, p.axis)
-    sizes = placement.mesh_shape
-    batch_split = math.prod(sizes[a] for a in placement.plan.batch_dim0_axes)
-    return pipeline.wrap(loss_fn, p, sizes[p.axis], placement.mesh, split, batch_split)
+    stages = placement.mesh_shape[p.axis]
+    return pipeline.wrap(loss_fn, p, stages, placement.mesh, split, placement.plan.batch_dim0_axes)
 
 
 def train_step(

@@ -101,6 +101,16 @@ def print_step_cost(
         f"{fmt_bytes(int(cost.hbm_bytes))} read and written per device per step"
         + (" (XLA's fusion of elementwise chains assumed)" if cost.mode == "fast" else "")
     )
+    if cost.pipeline is not None:
+        pp = cost.pipeline
+        sched = pp.schedule + (f" x {pp.repeats} repeats" if pp.repeats > 1 else "")
+        console.print(
+            f"pipeline over {pp.axis} ({pp.stages} stages{' @dcn' if pp.link == 'dcn' else ''}, {sched}, "
+            f"{pp.microbatches} microbatches): {pp.steps} loop steps, bubble {pp.bubble:.1%} "
+            f"({pp.idle} of {pp.steps * pp.stages} stage-steps idle; they run on stale activations, so the "
+            f"FLOPs and time include them); stage to stage: {pp.permute_count} collective permutes, "
+            f"{fmt_bytes(pp.permute_bytes)} per device per step"
+        )
     by = Table(title="communication per step, per device, by kind and mesh axes", header_style="bold")
     for col in ("collective", "mesh axes", "count", "bytes"):
         by.add_column(col, justify="right" if col in ("count", "bytes") else "left")
