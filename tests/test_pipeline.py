@@ -15,6 +15,7 @@ from examples import models
 from examples import train as example
 from shardplan.core import hlo
 from shardplan.core.pipeline import Schedule
+from shardplan.core.stepcost import StepCost
 from tests import reference
 from tests.helpers import PLANS
 
@@ -209,3 +210,65 @@ def test_a_batch_that_does_not_split_into_microbatches_is_refused():
     with pytest.raises(shardplan.ShardPlanError) as info:
         step(model, optimizer, batches(1, rows=12)[0])  # 12 rows: 4 microbatches of 3 do not split over data=4
     assert info.value.diagnostics[0].code == "pipeline-batch"
+
+
+def values(tree) -> dict:
+    return {leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(tree)}
+
+
+def test_pipelined_state_checkpoints_onto_fsdp_and_back_bit_exact(tmp_path):
+    from shardplan import checkpoint
+
+    pp = shardplan.with_mesh(shardplan.load(PLANS / "llama_pp.splan"), {"stage": 2, "data": 4})
+    _, model, optimizer, placement, _ = train(pp, batches(2))
+    saved = checkpoint.Checkpointer(tmp_path / "pp", placement)
+    saved.save(2, model, optimizer)
+    saved.wait()
+    want = (values(model), values(optimizer))
+
+    def restored(directory, plan):
+        m, o, pl = shardplan.init_sharded(plan, lambda: models.llama_deep_scan(9), TX)
+        assert checkpoint.Checkpointer(directory, pl).restore(m, o) == 2
+        shardplan.verify(pl, m, o)  # every leaf laid out as the restoring plan says
+        return m, o, pl
+
+    fsdp = shardplan.load(PLANS / "fsdp_any_rank.splan")
+    m, o, pl = restored(tmp_path / "pp", fsdp)
+    for w, tree in zip(want, (m, o)):
+        for path, v in w.items():
+            np.testing.assert_array_equal(values(tree)[path], v, err_msg=path)
+    again = checkpoint.Checkpointer(tmp_path / "fsdp", pl)
+    again.save(2, m, o)
+    again.wait()
+    m2, o2, _ = restored(tmp_path / "fsdp", pp)
+    assert m2.layers.attn.q.kernel[...].sharding.spec[0] == "stage"
+    for w, tree in zip(want, (m2, o2)):
+        for path, v in w.items():
+            np.testing.assert_array_equal(values(tree)[path], v, err_msg=path)
+
+
+STEP = dict(model="examples/models.py:llama_deep_scan", step="examples/train.py:lm_loss",
+            batch=["tokens=int32[16,16]", "labels=int32[16,16]"], devices=8)
+
+
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+def test_the_step_cost_reports_the_schedule_and_its_stage_permutes(mode):
+    cost = shardplan.api.analyze(PLANS / "llama_pp.splan", mode=mode, **STEP)
+    pp = cost.pipeline
+    assert (pp.axis, pp.stages, pp.microbatches, pp.steps) == ("stage", 2, 4, 5)
+    assert pp.idle == Schedule(2, 4, 1, 8).idle == 2 and pp.bubble == pytest.approx(1 / 5)
+    # One permute of a stage's activation block per loop step, forward and backward: 2 KiB each
+    # (a microbatch of 4 rows over data=4, 16 x 32 float32).
+    assert (pp.permute_count, pp.permute_bytes) == (10, 10 * 2048)
+    assert StepCost.from_json(cost.to_json()).pipeline == pp
+
+
+def test_fast_mode_matches_exact_mode_on_a_gpipe_plan():
+    fast = shardplan.api.analyze(PLANS / "llama_pp.splan", mode="fast", **STEP)
+    exact = shardplan.api.analyze(PLANS / "llama_pp.splan", mode="exact", **STEP)
+    f, e = fast.bytes_by_axes(), exact.bytes_by_axes()
+    assert f["collective-permute"] == e["collective-permute"]
+    assert f["all-gather"] == e["all-gather"] == {}
+    assert f["all-reduce"]["stage"] == e["all-reduce"]["stage"]
+    assert f["all-reduce"]["data"] == pytest.approx(e["all-reduce"]["data"], rel=0.05)
+    assert fast.memory.peak == pytest.approx(exact.memory.peak, rel=0.05)
