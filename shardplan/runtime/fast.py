@@ -1797,6 +1797,18 @@ def trace_key(plan: Any, mesh: dict[str, int]) -> tuple:
     )
 
 
+def _pipelined(plan: Any, loss_fn: Callable[[Any, Any], Any], abs_model: Any, mesh: dict[str, int]) -> Any:
+    """``loss_fn`` with the plan's pipeline applied, as both backends train it (itself without one)."""
+    if plan.pipeline is None:
+        return loss_fn
+    from shardplan.runtime import pipeline, specs
+
+    params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
+    split = pipeline.stage_split(params, plan.pipeline.axis)
+    p = plan.pipeline
+    return pipeline.wrap(loss_fn, p, mesh[p.axis], _abstract_mesh(mesh, plan), split, plan.batch_dim0_axes)
+
+
 def trace(
     plan: Any,
     factory: Callable[[], Any],
@@ -1821,20 +1833,7 @@ def trace(
     abs_model, abs_opt = built or model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
     batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
     acts = Activations(plan, _abstract_mesh(mesh, plan), "auto")
-    if plan.pipeline is not None:
-        from shardplan.runtime import pipeline, specs
-
-        params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
-        split = pipeline.stage_split(params, plan.pipeline.axis)
-        loss_fn = pipeline.wrap(
-            loss_fn,
-            plan.pipeline,
-            mesh[plan.pipeline.axis],
-            _abstract_mesh(mesh, plan),
-            split,
-            plan.batch_dim0_axes,
-        )
-    wrapped = acts.wrap(loss_fn)
+    wrapped = acts.wrap(_pipelined(plan, loss_fn, abs_model, mesh))
     with cudnn_traceable():
         check_loss(wrapped, abs_model, batch_abs, where="--step", plan=plan)
         step = pure_step(wrapped, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
@@ -2038,7 +2037,8 @@ def analyze_shard_map(
     params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
     batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
     inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
-    wrapped = Activations(plan, _abstract_mesh(mesh, plan), "shard_map").wrap(loss_fn, mesh_context=True)
+    piped = _pipelined(plan, loss_fn, abs_model, mesh)
+    wrapped = Activations(plan, _abstract_mesh(mesh, plan), "shard_map").wrap(piped, mesh_context=True)
     gm, state = nnx.split(abs_model)
     flat, ptree = jax.tree_util.tree_flatten(state)
     bflat, btree = jax.tree_util.tree_flatten(batch_abs)
