@@ -18,7 +18,8 @@ def run(*args, cwd=None):
 
 @pytest.mark.parametrize("plan", sorted(p.name for p in PLANS.glob("*.splan")))
 def test_every_plan_checks_against_its_model(plan):
-    factory = ("llama_tiny_scan" if "scan" in plan else "llama_tiny") if plan.startswith("llama") else (
+    factory = ("llama_deep_scan" if "_pp" in plan else "llama_tiny_scan" if "scan" in plan else "llama_tiny") if (
+        plan.startswith("llama")) else (
         "moe_tiny_dropless" if plan.startswith("moe") else "gpt_tiny_annotated" if "logical" in plan else "gpt_tiny")
     r = run("check", PLANS / plan, "--model", f"{ROOT / 'examples' / 'models.py'}:{factory}", "--devices", 8,
             "--strict")

@@ -1186,14 +1186,19 @@ def constraint_target(eqn: Any, dims: Dims) -> Dims | None:
     if spec is None:
         return None
     unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
-    target = []
-    for i, current in enumerate(dims):
+    target: list[tuple[str, ...] | None] = []
+    for i in range(len(dims)):
         entry = spec[i] if i < len(spec) else None
         if entry is unconstrained:
-            target.append(tuple(current))
+            target.append(None)
         else:
             target.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
-    return tuple(target)
+    # An unconstrained dim keeps its split over the axes the constrained dims leave free.
+    taken = {a for t in target if t is not None for a in t}
+    return tuple(
+        t if t is not None else tuple(a for a in current if a not in taken)
+        for t, current in zip(target, dims, strict=True)
+    )
 
 
 def typed_dims(aval: Any, dims: Dims, mesh: dict[str, int]) -> Dims | None:
