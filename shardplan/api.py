@@ -24,6 +24,7 @@ from shardplan.core import cost, lock, optimizers, reshard, shapecache
 from shardplan.core import explain as explain_mod
 from shardplan.core.leaves import Decision, Leaf, Node, Resolution, share
 from shardplan.core.lowering import Lowering
+from shardplan.core.pipeline import with_pipeline
 from shardplan.core.plan import Plan
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD, resolve_inputs, resolve_leaves
 from shardplan.core.shapes import ITEMSIZE, load_shapes, parse_batch_arg
@@ -603,13 +604,13 @@ class StepCoster:
         p = _plan(plan, mesh)
         sizes = p.mesh_shape(devices)
         resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in self.shapes.items()])
-        key = fast.trace_key(p, sizes)
+        key = fast.trace_key(p, sizes, self.built[0])
         traced = self._traces.get(key)
         if traced is None:
             traced = self._traces[key] = fast.trace(
                 p, self.factory, self.loss_fn, self.shapes, self.optimizer, sizes, self.built
             )
-        return fast.cost(traced, p, sizes, delta=delta)
+        return with_pipeline(fast.cost(traced, p, sizes, delta=delta), p)
 
     def roles(self, devices: int) -> Any:
         """What each param dim is, read from the step traced on ``devices`` (``runtime.roles``)."""
@@ -618,7 +619,7 @@ class StepCoster:
 
         p = loads(f"mesh data = {devices}\ndefault replicated\n", "<roles>")
         sizes = p.mesh_shape(devices)
-        key = fast.trace_key(p, sizes)
+        key = fast.trace_key(p, sizes, self.built[0])
         traced = self._traces.get(key)
         if traced is None:
             traced = self._traces[key] = fast.trace(
@@ -676,8 +677,6 @@ def analyze(
         ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace,
             a loss that is not a scalar, or a mesh too large to simulate.
     """
-    from shardplan.core.pipeline import with_pipeline
-
     p = _plan(plan, mesh)
     cost = _step_cost(p, model, step, batch, optimizer, backend, mode, devices, timeout_s)
     return with_pipeline(cost, p)

@@ -71,7 +71,7 @@ def test_drawn_plans_load_and_fit_their_model(seed):
     assert len(specs) >= 10
 
 
-@settings(max_examples=2, deadline=None, derandomize=True, database=None)
+@settings(max_examples=1, deadline=None, derandomize=True, database=None)  # more pairs: the quick benchmark below
 @given(index=st.integers(0, 10_000))
 def test_random_pair_runs_both_modes_and_state_agrees(index):
     row, _, crash = rp.measure_pair(29, index)

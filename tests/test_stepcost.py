@@ -219,6 +219,29 @@ def test_memory_bytes_are_xlas_and_count_every_loop_iteration():
     assert xla[8] - xla[2] < body  # XLA's own count has the body once, whatever the trip count
 
 
+def test_loop_flops_count_every_iteration_of_nested_loops():
+    """A scan inside a scan (a pipeline's loop steps over its layers): exact FLOPs are the matmuls'
+    hand count, 2*M*N*K per inner iteration x inner trips x outer trips, whatever the trip counts."""
+    import jax
+    import jax.numpy as jnp
+
+    def nested(trips, inner):
+        def f(w, xs):
+            def outer(h, _):
+                return jax.lax.scan(lambda g, _: (g @ w, None), h, None, length=inner)[0], None
+
+            return jax.lax.scan(outer, xs, None, length=trips)[0]
+
+        return f
+
+    for trips, inner in ((3, 4), (5, 2)):
+        c = jax.jit(nested(trips, inner)).lower(jnp.ones((128, 128)), jnp.ones((64, 128))).compile()
+        ca = c.cost_analysis()
+        xla = (ca[0] if isinstance(ca, list) else ca)["flops"]
+        hand = 2 * 64 * 128 * 128 * inner * trips
+        assert xla + hlo.loop_flops(c.as_text()) == pytest.approx(hand, rel=0.01)
+
+
 # -- exact mode ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ matter, and the errors."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -257,3 +258,71 @@ def test_one_rule_never_decides_arrays_of_two_shapes_and_opt_rules_match_only_th
     out = next(r for r in rules if r.endswith("out/w"))
     # the root family's optimizer rule does not reach a layer's moments whose path also ends in out/w
     assert std_re.fullmatch(out, "opt_state/0/nu/out/w") and not std_re.fullmatch(out, "opt_state/0/nu/layers/1/out/w")
+
+
+def _stacked_space(batch=(64,)):
+    """Eight stacked layers of a matrix and a norm scale (the stacked dim first), an embedding."""
+    s, c, f = frozenset({"stack"}), frozenset({"contract"}), frozenset({"free"})
+    fams = (search.Family(r"h/w", (8, 64, 64), (0, 1, 2), (s, c, f), 1),
+            search.Family(r"h/scale", (8, 64), (0, 1), (s, f), 1),
+            search.Family("emb", (128, 64), (3, 1), (frozenset({"rows"}), f), 1))
+    return search.Space(fams, {0: 8, 1: 64, 2: 64, 3: 128}, batch, seq=(32,))
+
+
+def test_a_pipeline_is_searched_only_where_the_mesh_crosses_hosts():
+    space = _stacked_space()
+    assert not any(a == "stage" for m in search.meshes(space, 16) for a, _, _ in m)  # one host
+    assert not any(a == "stage" for m in search.meshes(space, 8, per_host=8) for a, _, _ in m)
+    got = [m for m in search.meshes(space, 32, per_host=4) if m[0][0] == "stage"]
+    # outermost, across hosts, dividing the 8 hosts and the 8 layers
+    assert {m[0][1] for m in got} == {2, 4, 8} and all(m[0][2] == "dcn" for m in got)
+    assert all(math.prod(n for _, n, _ in m) == 32 for m in got)
+    # a model whose stacked dim is not first (a plan's stage axis splits dim 0) gets none
+    s, c, f = frozenset({"stack"}), frozenset({"contract"}), frozenset({"free"})
+    odd = search.Space((search.Family("h/w", (64, 8, 64), (1, 0, 2), (c, s, f), 1),), {0: 8, 1: 64, 2: 64}, (64,))
+    assert not any(m[0][0] == "stage" for m in search.meshes(odd, 32, per_host=4))
+
+
+def test_a_pipeline_choice_writes_a_plan_the_checker_takes_and_the_search_varies_its_schedule():
+    space = _stacked_space()
+    mesh = (("stage", 4, "dcn"), ("data", 8, "dcn"))
+    c = search.Choice(mesh, fsdp="params")
+    c = search.replace(c, micro=search.first_micro(space, c))
+    assert c.micro == 8  # 64 rows over data=8: microbatches of 8, 4, 2 or 1 rows per device; nearest 4 x stages
+    text = search.plan_text(space, c)
+    plan = shardplan.loads(text, "p.splan")  # checked: stage on dim 0 alone, microbatches fit the batch
+    assert plan.pipeline.axis == "stage" and plan.pipeline.microbatches == 8
+    assert 'param "h/w" (stage, data, _)' in text and 'param "h/scale" (stage, _)' in text
+    assert "pipeline over stage (4 stages, 8 microbatches, GPipe)" in c.describe(space)
+    near = search.Search(space, lambda t: None).neighbours(c)
+    assert {n.micro for n in near} >= {4}  # half (twice would leave fewer rows than data splits)
+    circ = [n for n in near if n.circular]
+    assert circ and "schedule = circular, repeats = 2" in search.plan_text(space, circ[0])
+    shardplan.loads(search.plan_text(space, circ[0]), "c.splan")
+    # The search ranks pipelines with the rest: a cost that favours them picks one.
+    def score(t):
+        p = shardplan.loads(t, "s.splan")
+        return None, None, 1.0 if p.pipeline else 2.0, 1
+    best = search.Search(space, score).run(search.meshes(space, 32, per_host=4))[0]
+    assert best.choice.micro and shardplan.loads(best.text, "b.splan").pipeline is not None
+
+
+def test_suggest_costs_pipelines_on_a_scanned_model_across_hosts(monkeypatch):
+    """On 8 devices in hosts of 2, the scanned Llama's search costs pipelined plans: each applies
+    (the pipelined step traces and is costed, with its bubble), none is dropped."""
+    scored = []
+    evaluate = search.Search.evaluate
+
+    def recording(self, c):
+        got = evaluate(self, c)
+        scored.append((c, got))
+        return got
+
+    monkeypatch.setattr(search.Search, "evaluate", recording)
+    s = shardplan.suggest(model=f"{EXAMPLES}:llama_deep_scan", step=f"{TRAIN}:lm_loss",
+                          batch=["tokens=int32[32,16],labels=int32[32,16]"], devices=8, devices_per_host=2,
+                          confirm=0)
+    piped = [(c, got) for c, got in scored if c.micro]
+    assert {c.sizes["stage"] for c, _ in piped} == {2, 4}
+    assert all(got is not None and got.cost.pipeline.bubble > 0 for _, got in piped)
+    assert f"{s.searched} plans costed" in s.text

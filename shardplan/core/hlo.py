@@ -454,8 +454,9 @@ def _dims_of(shape: str) -> list[int]:
 
 def loop_flops(hlo_text: str, entry_only: bool = False) -> float:
     """FLOPs that XLA's cost analysis leaves out: it counts a ``while`` body once, but the body
-    runs once per iteration. Returns the body FLOPs x (trip count - 1) summed over loops
-    (matmuls 2*M*N*K, elementwise ops and reductions one per element, as the cost analysis counts)."""
+    runs once per iteration. Returns each body's own FLOPs x (its runs per step - 1) summed over
+    loops, a body nested in another loop running trip x the outer body's runs (matmuls 2*M*N*K,
+    elementwise ops and reductions one per element, as the cost analysis counts)."""
     comps, entry = _computations(hlo_text)
     runs = _runs(comps, entry)
     memo: dict[str, float] = {}
@@ -487,16 +488,13 @@ def loop_flops(hlo_text: str, entry_only: bool = False) -> float:
 
     if entry_only:
         return own(entry, frozenset())
-    extra = 0.0
-    for name, instrs in comps.items():
-        for ins in instrs:
-            if ins.op != "while":
-                continue
-            trip = _TRIP.search(ins.line)
-            body = _BODY.search(ins.line)
-            if trip and body and body.group(1) in comps:
-                extra += (int(trip.group(1)) - 1) * own(body.group(1), frozenset()) * runs.get(name, 1)
-    return extra
+    bodies = {
+        body.group(1)
+        for instrs in comps.values()
+        for ins in instrs
+        if ins.op == "while" and _TRIP.search(ins.line) and (body := _BODY.search(ins.line)) and body.group(1) in comps
+    }
+    return sum((runs.get(b, 1) - 1) * own(b, frozenset()) for b in sorted(bodies))
 
 
 # Instructions that move no data in memory themselves (their callees are counted where they run).

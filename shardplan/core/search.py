@@ -14,7 +14,10 @@ model axis inside a host, axes that cross hosts tagged ``@dcn``):
 - ``data``: the batch, plus the params and their optimizer state (FSDP), or the optimizer
   state alone (ZeRO-1), or neither (data parallel): a lookup table split by its rows, each
   matrix on its dim of the model's most common width where it divides, else its largest free dim;
-- vectors (norm scales, biases) and stacked layer dims stay whole.
+- a pipeline, where the mesh crosses hosts and the model has one stack of scanned layers: a
+  ``stage`` axis across hosts (outermost, ``@dcn``) splitting the stacked layer dim, with the
+  microbatch count and the schedule (GPipe or circular with 2 repeats) searched;
+- vectors (norm scales, biases) stay whole; stacked layer dims are split only by a pipeline.
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ class Choice:
     fsdp: str = "none"
     sp: bool = False  # sequence parallel: the outputs of the row-split matmuls' modules split by sequence
     pin: bool = False  # the residual stream (the blocks' outputs) pinned to the batch's layout
+    micro: int = 0  # a pipeline over the mesh's stage axis: its microbatches (0: no pipeline)
+    circular: bool = False  # the pipeline's schedule: circular with 2 repeats (else GPipe)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -136,7 +141,7 @@ class Choice:
         sizes = self.sizes
         mesh = " x ".join(f"{a}={n}" + (" @dcn" if link == "dcn" else "") for a, n, link in self.mesh)
         batch = math.prod(sizes.get(a, 1) for a in (*DATA_AXES, "expert"))
-        if batch == 1 and not (self.tp and sizes.get("model", 1) > 1):
+        if batch == 1 and not (self.tp and sizes.get("model", 1) > 1) and not self.micro:
             return (
                 f"{math.prod(sizes.values())} devices, nothing split: every device runs the whole step (on this "
                 "chip splitting costs this model more than it saves)"
@@ -154,11 +159,17 @@ class Choice:
             )
         if sizes.get("expert", 1) > 1:
             parts.append("experts over expert")
+        if self.micro and sizes.get("stage", 1) > 1:
+            parts.append(f"pipeline over stage ({self._schedule()})")
         if self.sp:
             parts.append("sequence parallel (act rules)")
         if self.pin:
             parts.append("the residual stream pinned to the batch's layout (act rule)")
         return "; ".join(parts)
+
+    def _schedule(self) -> str:
+        kind = "circular, 2 repeats" if self.circular else "GPipe"
+        return f"{self.sizes.get('stage', 1)} stages, {self.micro} microbatches, {kind}"
 
     def versus(self, other: Choice, space: Space) -> str:
         """What ``self`` changes against ``other``, for a runner-up beside the winner."""
@@ -167,6 +178,8 @@ class Choice:
         out = []
         if self.fsdp != other.fsdp:
             out.append(_FSDP_WORDS[self.fsdp])
+        if (self.micro, self.circular) != (other.micro, other.circular):
+            out.append(f"pipeline: {self._schedule()}")
         if self.sp != other.sp:
             out.append("sequence parallel" if self.sp else "no sequence parallelism")
         if self.pin != other.pin:
@@ -181,10 +194,38 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+MAX_STAGES = 16
+
+
+def pipeline_layers(space: Space) -> int | None:
+    """The layer count a pipeline can split: the model has one stack of scanned layers, the stacked
+    dim first in every param that has it (a plan's stage axis splits dim 0)."""
+    stacked = space.stacked
+    if len(stacked) != 1:
+        return None
+    u = stacked[0]
+    if any(u in f.units[1:] for f in space.families):
+        return None
+    return space.sizes[u]
+
+
 def meshes(space: Space, devices: int, per_host: int | None = None) -> list[tuple[tuple[str, int, str], ...]]:
     """Every factoring of ``devices`` into data x expert x model that the model's dims allow:
     experts divisible by the expert axis, some matrix dim by the model axis, the model axis
-    inside a host. Axes that span more devices than a host holds cross hosts (``@dcn``)."""
+    inside a host. Axes that span more devices than a host holds cross hosts (``@dcn``). Where
+    the devices span hosts and the model has a stack of layers, also each of those behind a
+    ``stage`` axis across the hosts (a pipeline), its size dividing the hosts and the layers."""
+    out = _flat_meshes(space, devices, per_host)
+    layers = pipeline_layers(space)
+    if per_host and layers and devices > per_host and devices % per_host == 0:
+        hosts = devices // per_host
+        for s in divisors(math.gcd(hosts, layers)):
+            if 1 < s <= MAX_STAGES:
+                out += [(("stage", s, "dcn"), *m) for m in _flat_meshes(space, devices // s, per_host)]
+    return out
+
+
+def _flat_meshes(space: Space, devices: int, per_host: int | None) -> list[tuple[tuple[str, int, str], ...]]:
     out = []
     experts = [space.sizes[u] for u in space.experts]
     tensor = [space.sizes[u] for u in space.tensor]
@@ -222,6 +263,37 @@ def meshes(space: Space, devices: int, per_host: int | None = None) -> list[tupl
     return out
 
 
+def microbatch_counts(space: Space, c: Choice) -> list[int]:
+    """Microbatch counts the batch allows under ``c``'s mesh: each microbatch's rows divide over
+    the batch's axes (at least as many microbatches as stages)."""
+    split = math.prod(c.sizes[a] for a in _batch_rows(space, c))
+    rows = math.gcd(*space.batch) if space.batch else 0
+    stages = c.sizes.get("stage", 1)
+    return [m for m in divisors(rows // split) if m >= stages] if rows and rows % split == 0 else []
+
+
+def pipeline_micro(space: Space, c: Choice) -> list[int]:
+    """The microbatch counts next to ``c``'s: half and twice (where the batch allows them)."""
+    counts = microbatch_counts(space, c)
+    lower = [m for m in counts if m < c.micro]
+    higher = [m for m in counts if m > c.micro]
+    return lower[-1:] + higher[:1]
+
+
+def first_micro(space: Space, c: Choice) -> int:
+    """A pipeline's first microbatch count: the batch's count nearest 4 x the stages (a bubble of
+    about a fifth), or 0 where the batch allows none."""
+    counts = microbatch_counts(space, c)
+    stages = c.sizes.get("stage", 1)
+    return min(counts, key=lambda m: (abs(m - 4 * stages), m)) if counts else 0
+
+
+def can_circle(space: Space, c: Choice) -> bool:
+    layers = pipeline_layers(space) or 0
+    stages = c.sizes.get("stage", 1)
+    return bool(layers) and layers % (2 * stages) == 0 and c.micro >= stages
+
+
 def _axes_text(axes: list[str]) -> str:
     return "_" if not axes else axes[0] if len(axes) == 1 else "(" + ", ".join(axes) + ")"
 
@@ -231,6 +303,8 @@ def param_dims(f: Family, space: Space, c: Choice) -> list[list[str]]:
     sizes = c.sizes
     dims: list[list[str]] = [[] for _ in f.shape]
     stacked = set(space.stacked)
+    if c.micro and sizes.get("stage", 1) > 1 and f.units and f.units[0] in stacked:
+        dims[0] = ["stage"]  # a pipeline: each stage holds its layers (vectors too)
     if sum(u not in stacked for u in f.units) < 2:  # vectors (norm scales, biases; stacked or not) stay whole
         return dims
     used: set[str] = set()
@@ -334,7 +408,11 @@ def plan_text(space: Space, c: Choice, name: str = "suggested", header: Iterable
     if batch == "replicated" and not c.pin and not any(any(param_dims(f, space, c)) for f in space.families):
         # nothing split: every device runs the whole step, whatever the axes are called
         mesh = f"data = {math.prod(c.sizes.values())}"
-    lines += [f'plan "{name}"', f"mesh {mesh}", f"batch {batch}"]
+    lines += [f'plan "{name}"', f"mesh {mesh}"]
+    if c.micro and c.sizes.get("stage", 1) > 1:
+        sched = ", schedule = circular, repeats = 2" if c.circular else ""
+        lines.append(f"pipeline stage, microbatches = {c.micro}{sched}")
+    lines.append(f"batch {batch}")
     opt = []
     for f in space.families:
         dims = param_dims(f, space, c)
@@ -408,6 +486,10 @@ class Search:
                 out.append(replace(c, sp=not c.sp))
         if c.pin or (residual_module(self.space) and len([a for a in sizes if sizes[a] > 1]) > 1):
             out.append(replace(c, pin=not c.pin))
+        if c.micro:
+            out += [replace(c, micro=m) for m in pipeline_micro(self.space, c) if m != c.micro]
+            if c.circular or can_circle(self.space, c):
+                out.append(replace(c, circular=not c.circular))
         return out
 
     def pairs(self, c: Choice) -> list[Choice]:
@@ -443,11 +525,16 @@ class Search:
         for m in mesh_list:
             sizes = {a: n for a, n, _ in m}
             fsdp = "params" if math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1 else "none"
-            choices = [Choice(m, frozenset(), fsdp)]
+            base = Choice(m, frozenset(), fsdp)
+            if sizes.get("stage", 1) > 1:
+                base = replace(base, micro=first_micro(self.space, base))
+                if not base.micro:
+                    continue
+            choices = [base]
             if sizes.get("model", 1) > 1:
-                choices.append(Choice(m, frozenset(self.space.tensor), fsdp))
+                choices.append(replace(base, tp=frozenset(self.space.tensor)))
             if fsdp != "none":
-                choices.append(Choice(m, frozenset(), "none"))
+                choices.append(replace(base, fsdp="none"))
             starts += [got for c in choices if (got := self.evaluate(c)) is not None]
         for s in sorted(starts, key=lambda s: s.key)[:descents]:
             self.descend(s.choice)

@@ -1776,24 +1776,28 @@ class Trace:
     memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-equation facts, kept between plans
 
 
-def trace_key(plan: Any, mesh: dict[str, int]) -> tuple:
-    """What of ``plan`` and ``mesh`` the traced step depends on (see :class:`Trace`)."""
+def trace_key(plan: Any, mesh: dict[str, int], abs_model: Any = None) -> tuple:
+    """What of ``plan`` and ``mesh`` the traced step depends on (see :class:`Trace`). A pipeline
+    rewrites the step around the params its axis splits and pins its buffers to the batch's rows:
+    with ``abs_model``, which params the stage axis splits (plans that differ only in the other
+    axes of their rules share a trace); without, the param rules themselves."""
+    piped: tuple = ()
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        if abs_model is not None:
+            from shardplan.runtime import pipeline, specs
+
+            params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
+            split: tuple = tuple(pipeline.stage_split(params, p.axis))
+        else:
+            split = (tuple((r.pattern, r.spec) for r in plan.params), plan.default)
+        piped = (p.axis, p.microbatches, p.schedule, p.repeats, split, tuple(plan.batch_dim0_axes))
     return (
         tuple((r.pattern, r.spec) for r in plan.acts),
         tuple((a.logical, a.axes) for a in plan.axes),
         tuple(mesh.items()),
         tuple(plan.axis_types),
-        # A pipeline rewrites the step around the params its axis splits: the param rules matter too.
-        (
-            plan.pipeline.axis,
-            plan.pipeline.microbatches,
-            plan.pipeline.schedule,
-            plan.pipeline.repeats,
-            tuple((r.pattern, r.spec) for r in plan.params),
-            plan.default,
-        )
-        if plan.pipeline is not None
-        else (),
+        piped,
     )
 
 
@@ -1839,7 +1843,8 @@ def trace(
         step = pure_step(wrapped, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
         with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
             closed = jax.make_jaxpr(step)(nnx.state(abs_model), nnx.state(abs_opt), batch_abs)
-    return Trace(trace_key(plan, mesh), closed, abs_model, abs_opt, batch_abs, acts, time.perf_counter() - t0)
+    key = trace_key(plan, mesh, abs_model)
+    return Trace(key, closed, abs_model, abs_opt, batch_abs, acts, time.perf_counter() - t0)
 
 
 def analyze(
@@ -1871,7 +1876,7 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
 
     from shardplan.runtime import specs
 
-    if trace_key(plan, mesh) != traced.key:
+    if trace_key(plan, mesh, traced.abs_model) != traced.key:
         raise ValueError("the plan's act/axis rules, mesh or axis types differ from the ones the step was traced under")
     t0 = time.perf_counter()
     abs_model, abs_opt, batch_abs, acts, closed = (

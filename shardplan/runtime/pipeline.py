@@ -191,6 +191,15 @@ def _on_stages(x: jax.Array, mesh: Any, axis: str, dim: int = 0, rows: tuple[str
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
 
+def _by_rows(x: jax.Array, mesh: Any, rows: tuple[str, ...]) -> jax.Array:
+    """A buffer of microbatches [M, B/M, ..]: dim 0 whole, each microbatch's rows over the batch's
+    axes (as ``_split`` leaves them), the other dims left to the partitioner."""
+    if not rows:
+        return x
+    spec: list[Any] = [None, rows] + [P.UNCONSTRAINED] * (x.ndim - 2)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
 def run_stack(
     eqn: Any,
     args: Sequence[Any],
@@ -291,16 +300,22 @@ def run_stack(
         at_last = stage == s_ - 1
         last = [jnp.where(at_last.reshape((s_,) + (1,) * (n.ndim - 1)), n, 0).sum(0) for n in new]
         slot = jl % m
-        outs = [o.at[slot].set(jnp.where(done & (jl // m == v - 1), x, pick(o, slot))) for o, x in zip(outs, last)]
+        outs = [
+            _by_rows(o.at[slot].set(jnp.where(done & (jl // m == v - 1), x, pick(o, slot))), mesh, rows)
+            for o, x in zip(outs, last)
+        ]
         if v > 1:
-            back = [b.at[slot].set(jnp.where(done & (jl // m < v - 1), x, pick(b, slot))) for b, x in zip(back, last)]
+            back = [
+                _by_rows(b.at[slot].set(jnp.where(done & (jl // m < v - 1), x, pick(b, slot))), mesh, rows)
+                for b, x in zip(back, last)
+            ]
         buf = [_on_stages(_shift(n, mesh, p.axis, s_), mesh, p.axis, 0, rows) for n in new]
         return (buf, back, outs), None
 
     # Every stage starts on real rows (microbatch 0), so idle steps compute on finite values.
     buf0 = [_on_stages(jnp.broadcast_to(x[0], (s_,) + x.shape[1:]), mesh, p.axis, 0, rows) for x in mb]
-    back0 = [jnp.zeros_like(x) for x in mb] if v > 1 else []
-    outs0 = [jnp.zeros_like(x) for x in mb]
+    back0 = [_by_rows(jnp.zeros_like(x), mesh, rows) for x in mb] if v > 1 else []
+    outs0 = [_by_rows(jnp.zeros_like(x), mesh, rows) for x in mb]
     (_, _, outs), _ = jax.lax.scan(step, (buf0, back0, outs0), jnp.arange(p.iterations(s_)))
     final = [_join(o, d) for o, d in zip(outs, bdims)]
     ys = _layer_outputs(body, nc, nk, consts, cdims, carry, xs)
