@@ -422,9 +422,10 @@ def bench_step_cost(quick: bool) -> dict:
     every plan in plans/ x both model families (GPT, Llama)."""
     import shardplan
 
-    # the MoE plans' rows are benchmarks/moe.py's (section 13), on the MoE model
+    # the MoE plans' rows are benchmarks/moe.py's (section 13), on the MoE model; the pipeline plans'
+    # benchmarks/pipeline.py's (section 14), on a scanned Llama deep enough for them
     plans = ["gpt_tp.splan"] if quick else sorted(p.name for p in (ROOT / "plans").glob("*.splan")
-                                                  if not p.name.startswith("moe"))
+                                                  if not p.name.startswith("moe") and "_pp" not in p.name)
     seq = 16 if quick else 32
     batch = [f"tokens=int32[32,{seq}],labels=int32[32,{seq}]"]
     rows = []
@@ -555,6 +556,12 @@ def _bench_moe(quick: bool) -> dict:
     return moe.run(quick)
 
 
+def _bench_pipeline(quick: bool) -> dict:
+    from benchmarks import pipeline
+
+    return pipeline.run(quick)
+
+
 def _bench_lsp(quick: bool) -> dict:
     from benchmarks import lsp
 
@@ -580,6 +587,7 @@ SECTIONS = [
     ("random_plans", "11. random plans, fast vs exact", _bench_random_plans),
     ("suggest", "12. suggest vs the shipped plans", _bench_suggest),
     ("moe", "13. mixture of experts", _bench_moe),
+    ("pipeline", "14. pipelines", _bench_pipeline),
 ]
 
 
@@ -696,6 +704,10 @@ def checks(res: dict) -> list[dict]:
         from benchmarks import moe
 
         out += moe.checks(res["moe"])
+    if "pipeline" in res:
+        from benchmarks import pipeline
+
+        out += pipeline.checks(res["pipeline"])
     if "reshard" in res:
         d70 = res["reshard"]["diff_70b"]
         out.append(_check(f"shardplan diff {d70['model']} ({d70['leaves']} params) from cached shapes, seconds",

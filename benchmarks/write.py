@@ -193,6 +193,13 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         lines += ["## 13. Mixture of experts", "`python -m benchmarks.moe`: the MoE step under each expert plan on "
                   "both backends beside plain data parallel (8 devices, batch 32 x 64), and fast mode against exact "
                   "mode for every expert plan (batch 32 x 32).", "", "```", *moe.report(res["moe"]), "```", ""]
+    if "pipeline" in res:
+        from benchmarks import pipeline
+
+        lines += ["## 14. Pipelines", "`python -m benchmarks.pipeline`: fast mode against exact mode on the "
+                  "pipeline plans (llama_deep_scan, batch 16 x 16, 8 devices), and Llama-2-70B shapes on 2,048 H100s "
+                  "(hosts of 8) with a pipeline over the hosts beside the non-pipelined plans, offline in fast mode.",
+                  "", "```", *pipeline.report(res["pipeline"]), "```", ""]
     path.write_text("\n".join(lines))
 
 

@@ -72,6 +72,9 @@ def dispatch(x, m, s):
 
 
 CASES = [
+    # stack (a primitive in jax 0.10): a new whole dim, the operands' splits kept
+    ("stack/keeps splits", lambda a, b: jnp.stack([a, b]) * 2.0, (S(B, D), S(B, D)), (P("data", "model"),) * 2,
+     P(None, "data", "model")),
     # dot_general
     ("dot/column-parallel", mm, (S(B, D), S(D, F)), (P("data"), P(None, "model")), P("data", "model")),
     ("dot/row-parallel", mm, (S(B, F), S(F, D)), (P("data", "model"), P("model")), P("data")),
@@ -413,3 +416,17 @@ def test_fast_mode_is_within_target_on_untuned_models(name, model, loss, plan):
     assert max(comm.values()) <= 0.10, comm
     assert abs(peak - 1) <= 0.15
     assert abs(flops - 1) <= 0.02
+
+
+def test_a_reshard_over_automatic_axes_moves_nothing():
+    """``jnp.where`` under a mesh context reshards its value to the mask's (replicated) sharding; over
+    an all-auto mesh jax lowers that reshard to nothing, and XLA keeps the value's split: no gather."""
+    mesh = {"stage": 4, "model": 2}
+
+    def pick(w, rep):
+        hot = jnp.arange(2)[:, None] == rep[None, :]
+        return jnp.where(hot.reshape(hot.shape + (1,) * (w.ndim - 2)), w, 0).sum(0)
+
+    avals = [S(2, 4, 16, 32), S(4, dtype=jnp.int32)]
+    xla, ours = by_kind(pick, avals, [P(None, "stage", None, "model"), P()], None, mesh=mesh)
+    assert ours == xla and xla["all-gather"] == 0

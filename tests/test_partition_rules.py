@@ -264,3 +264,8 @@ def test_coverage_table_names_every_rule():
     rules = {n[3:].replace("scatter_add", "scatter-add") for n in dir(partition.Partitioner) if n.startswith("op_")}
     missing = sorted(r for r in rules if f"`{r}`" not in table)
     assert missing == [], missing
+
+
+def test_stack_keeps_the_operands_splits_under_a_new_whole_dim():
+    layouts, _ = check(lambda a, b: jnp.stack([a, b], axis=1), (f32(8, 4), f32(8, 4)),
+                       ((("data",), ("model",)), (("data",), ("model",))), dims=(("data",), (), ("model",)))

@@ -272,3 +272,45 @@ def test_fast_mode_matches_exact_mode_on_a_gpipe_plan():
     assert f["all-reduce"]["stage"] == e["all-reduce"]["stage"]
     assert f["all-reduce"]["data"] == pytest.approx(e["all-reduce"]["data"], rel=0.05)
     assert fast.memory.peak == pytest.approx(exact.memory.peak, rel=0.05)
+
+
+def test_quick_pipeline_benchmark_measures_side_by_side_and_reports_each_target_honestly():
+    """benchmarks/pipeline.py's quick run: fast vs exact on the GPipe plan (rows whose errors are the
+    two modes' figures, checks that say "yes" exactly where within target; the bubble's idle count
+    equal to the schedule table's), and the offline plans costed side by side, pipelined or not."""
+    from benchmarks import pipeline as bench
+
+    res = bench.run(quick=True)
+    (row,) = res["fast_vs_exact"]
+    assert row["comm"]["collective-permute"]["exact"] > 0  # the compiled step's stage permutes
+    checks = {c["measurement"]: c for c in bench.checks(res)}
+    for kind, c in row["comm"].items():
+        assert c["error"] == abs(c["fast"] - c["exact"]) / c["exact"]
+        assert (checks[f"pipeline fast vs exact llama_pp.splan: {kind} bytes error"]["met"] == "yes") == (
+            c["error"] <= 0.10)
+    assert row["idle"] == row["schedule_idle"] > 0
+    offline = {r["plan"]: r for r in res["offline"]}
+    assert {r["pipelined"] for r in offline.values()} == {True, False}
+    assert offline["pp-gpipe-dp"]["bubble"] > offline["pp-circular-dp"]["bubble"] > 0 == offline["fsdp-tp"]["bubble"]
+    assert all(r["step_s"][0] <= r["step_s"][1] and r["peak"] > 0 for r in offline.values())
+    assert any(line.startswith("  best pipelined") for line in bench.report(res))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(stages=st.integers(2, 8), repeats=st.integers(2, 4))
+def test_a_circular_relayout_moves_each_chunk_once_to_the_stage_that_runs_it(stages, repeats):
+    """The at-rest chunks (contiguous per stage) reach their stages in `repeats` collective
+    permutes: each round a permutation (every stage sends one chunk, receives one), chunk c ends on
+    stage c mod P as its pass c div P, and every chunk moves exactly once."""
+    from shardplan.runtime.pipeline import circular_rounds
+
+    rounds = circular_rounds(stages, repeats)
+    assert len(rounds) == repeats
+    placed: dict[tuple[int, int], int] = {}
+    for offsets, dest, slots in rounds:
+        assert sorted(dest) == list(range(stages))
+        for d in range(stages):
+            c = d * repeats + offsets[d]
+            assert dest[d] == c % stages and slots[dest[d]] == c // stages
+            placed[(dest[d], slots[dest[d]])] = c
+    assert sorted(placed.values()) == list(range(stages * repeats))

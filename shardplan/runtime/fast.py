@@ -735,6 +735,8 @@ class _Propagator:
             return [self.gather(eqn, ins, mult)]
         if name in ("scatter-add", "scatter_add", "scatter"):
             return [self.scatter(eqn, ins, mult)]
+        if name == "stack":  # jnp.stack (a primitive in this jax): operands laid out alike, a new whole dim
+            return [self.stack(eqn, ins, mult)]
         if name in (
             "slice",
             "dynamic_slice",
@@ -1268,6 +1270,14 @@ class _Propagator:
             # slice where they are whole): each device adds its share, summed across the axis.
             pending |= frozenset(a for d in ins[1].dims[:-1] for a in d if a not in out.axes)
         return replace(out, partial=pending)
+
+    def stack(self, eqn: Any, ins: list[Val], mult: int) -> Val:
+        axis = eqn.params["axis"]
+        base = max(ins, key=lambda v: self.ctx.split_dims(v.dims))
+        for x, v in zip(eqn.invars, ins, strict=True):
+            self.reshard(x, self.resolve(x, v, None, mult, "stack"), base.dims, mult, "stack")
+        o = eqn.outvars[0]
+        return Val(tuple(o.aval.shape), itemsize(o.aval), base.dims[:axis] + ((),) + base.dims[axis:])
 
     def layout_preserving(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         """Slices, pads, concatenations: keep splits on dims whose size is unchanged, gather the rest."""

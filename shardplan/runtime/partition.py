@@ -348,7 +348,10 @@ class Partitioner:
     def read(self, env: dict, x: Any) -> V:
         if isinstance(x, jcore.Literal):
             shape = tuple(getattr(x.aval, "shape", ()))
-            return V(None if self.dry else x.val, shape, getattr(x.aval, "dtype", None), ((),) * len(shape))
+            # As a host value: a literal traced inside a shard_map region is typed by that region's
+            # mesh, which this all-manual one is not.
+            val = None if self.dry else np.asarray(x.val, dtype=getattr(x.aval, "dtype", None))
+            return V(val, shape, getattr(x.aval, "dtype", None), ((),) * len(shape))
         return env[x]
 
     def out(self, eqn: Any, dims_list, partials=None, act: bool = False, xs=None) -> list[V]:
@@ -785,6 +788,15 @@ class Partitioner:
         xs = self.bind(eqn, [v.x for v in vals])
         return self.out(eqn, [tgt], act=any(v.act for v in ins), xs=xs)
 
+    def op_stack(self, eqn: Any, ins: list[V]) -> list[V]:
+        """``jnp.stack`` (a primitive in this jax): the operands laid out alike, a new whole dim."""
+        axis = eqn.params["axis"]
+        base = max(ins, key=lambda v: (self.n(tuple(a for d in v.dims for a in d)), v.act))
+        vals = [self.to(self.resolve(v), base.dims) for v in ins]
+        xs = self.bind(eqn, [v.x for v in vals])
+        dims = base.dims[:axis] + ((),) + base.dims[axis:]
+        return self.out(eqn, [dims], act=any(v.act for v in ins), xs=xs)
+
     def _along(self, eqn: Any, ins: list[V], axes) -> list[V]:
         """Ops along some dims (cumsum, sort, argsort, rev): those dims whole, others stay split."""
         which = {a % len(ins[0].shape) for a in axes}
@@ -1181,10 +1193,18 @@ def _spec_axes(spec: Any, rank: int) -> Dims:
 
 def constraint_target(eqn: Any, dims: Dims) -> Dims | None:
     """The layout a ``sharding_constraint`` (or ``reshard``) equation sets, per dim the mesh axes (an
-    unconstrained dim keeps ``dims``); None when it carries no PartitionSpec."""
-    spec = getattr(eqn.params.get("sharding", eqn.params.get("dst_sharding")), "spec", None)
+    unconstrained dim keeps ``dims``); None when it carries no PartitionSpec. A ``reshard`` sets
+    only its mesh's explicit axes: jax lowers it to nothing over automatic ones (its ``dst_sharding``
+    replicated over an all-auto mesh, as ``jnp.where`` writes under a mesh context, moves nothing)."""
+    sharding = eqn.params.get("sharding", eqn.params.get("dst_sharding"))
+    spec = getattr(sharding, "spec", None)
     if spec is None:
         return None
+    auto: set[str] = set()
+    if "dst_sharding" in eqn.params:
+        mesh = getattr(sharding, "mesh", None)
+        names, types = getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())
+        auto = {n for n, t in zip(names, types, strict=False) if getattr(t, "name", str(t)) == "Auto"}
     unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
     target: list[tuple[str, ...] | None] = []
     for i in range(len(dims)):
@@ -1192,11 +1212,15 @@ def constraint_target(eqn: Any, dims: Dims) -> Dims | None:
         if entry is unconstrained:
             target.append(None)
         else:
-            target.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
-    # An unconstrained dim keeps its split over the axes the constrained dims leave free.
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            target.append(tuple(a for a in axes if a not in auto))
+    # An unconstrained dim keeps its split over the axes the constrained dims leave free (and a
+    # reshard's dim its automatic axes).
     taken = {a for t in target if t is not None for a in t}
     return tuple(
-        t if t is not None else tuple(a for a in current if a not in taken)
+        t + tuple(a for a in current if a in auto and a not in taken)
+        if t is not None
+        else tuple(a for a in current if a not in taken)
         for t, current in zip(target, dims, strict=True)
     )
 

@@ -181,6 +181,89 @@ def _shift(x: jax.Array, mesh: Any, axis: str, stages: int) -> jax.Array:
     return f(x)
 
 
+def circular_rounds(stages: int, repeats: int) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """How a circular pipeline's chunks reach their stages from the at-rest layout (stage d holds
+    the contiguous chunks d*V .. d*V+V-1; chunk c runs on stage c mod P as its pass c div P): V
+    rounds, each one collective permute in which every stage sends one chunk and receives one.
+    Per round: (the chunk offset each stage sends, where it sends it, the pass slot each stage
+    puts what it receives in). The sends form a V-regular bipartite multigraph between stages,
+    cut into V perfect matchings (each found by augmenting paths)."""
+    edges = {d: [(d * repeats + i) for i in range(repeats)] for d in range(stages)}  # chunks still to send
+    rounds = []
+    for _ in range(repeats):
+        match: dict[int, int] = {}  # destination stage -> source stage
+        for d in range(stages):
+            _augment(edges, stages, match, d, set())
+        sent = {d: t for t, d in match.items()}
+        chunk = {d: next(c for c in edges[d] if c % stages == sent[d]) for d in range(stages)}
+        for d in range(stages):
+            edges[d].remove(chunk[d])
+        rounds.append(
+            (
+                tuple(chunk[d] - d * repeats for d in range(stages)),
+                tuple(sent[d] for d in range(stages)),
+                tuple(chunk[match[t]] // stages for t in range(stages)),
+            )
+        )
+    return rounds
+
+
+def _augment(edges: dict[int, list[int]], stages: int, match: dict[int, int], d: int, seen: set[int]) -> bool:
+    """One augmenting path from source stage ``d`` (Kuhn's bipartite matching) into ``match``."""
+    for c in edges[d]:
+        t = c % stages
+        if t in seen:
+            continue
+        seen.add(t)
+        if t not in match or _augment(edges, stages, match, match[t], seen):
+            match[t] = d
+            return True
+    return False
+
+
+def _circular(x: jax.Array, mesh: Any, axis: str, stages: int, repeats: int, k: int) -> jax.Array:
+    """[L, ..] split over the stage axis (contiguous chunks) -> [V, P, K, ..] with chunk r*P + s on
+    stage s: V collective permutes of one chunk per stage (``circular_rounds``), written as such (a
+    shard_map manual over the stage axis alone) so that the step moves each chunk once."""
+    rounds = circular_rounds(stages, repeats)
+    # Per stage (a row each, split over the axis with the params, so the region reads its own with
+    # static indices): which of its chunks it sends in each round, and for each pass the round
+    # that brings that pass's chunk.
+    starts = jnp.asarray([[off[d] for off, _, _ in rounds] for d in range(stages)], jnp.int32)
+    which = jnp.asarray(
+        [
+            [next(m for m, (_, _, slots) in enumerate(rounds) if slots[t] == r) for r in range(repeats)]
+            for t in range(stages)
+        ],
+        jnp.int32,
+    )
+
+    def local(b: jax.Array, start: jax.Array, pick: jax.Array) -> jax.Array:  # b: this stage's V*K layers
+        # Only ops on what the region is given (static slices, selects by the tables): the shard_map
+        # backend's partitioner re-binds this region's ops under its own, all-manual mesh.
+        chunks = [jax.lax.slice_in_dim(b, i * k, (i + 1) * k, axis=0) for i in range(repeats)]
+        got = [
+            jax.lax.ppermute(
+                jax.lax.select_n(jax.lax.index_in_dim(start[0], m, 0, False), *chunks),
+                axis,
+                [(d, t) for d, t in enumerate(dest)],
+            )
+            for m, (_, dest, _) in enumerate(rounds)
+        ]
+        passes = [jax.lax.select_n(jax.lax.index_in_dim(pick[0], r, 0, False), *got) for r in range(repeats)]
+        return jnp.stack(passes)[:, None]
+
+    f = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(P(axis), P(axis), P(axis)),
+        out_specs=P(None, axis),
+        axis_names={axis},
+        check_vma=False,
+    )
+    return f(x, starts, which)
+
+
 def _on_stages(x: jax.Array, mesh: Any, axis: str, dim: int = 0, rows: tuple[str, ...] = ()) -> jax.Array:
     """``x`` with dim ``dim`` on the stage axis and, given ``rows``, the dim after it (a block of
     microbatch rows) over the batch's axes; the other dims left to the partitioner."""
@@ -264,7 +347,10 @@ def run_stack(
 
     on_stages = jax.vmap(chunk, in_axes=(0, 0, 0), spmd_axis_name=p.axis)
     # [L, ..] -> [V, P, K, ..]: chunk r*P + s on stage s.
-    ws = [_on_stages(x.reshape((v, s_, k) + x.shape[1:]), mesh, p.axis, 1) for x in xs]
+    if v > 1:  # the at-rest chunks are contiguous per stage: each moves to the stage that runs it, once
+        ws = [_on_stages(_circular(x, mesh, p.axis, s_, v, k), mesh, p.axis, 1) for x in xs]
+    else:
+        ws = [_on_stages(x.reshape((v, s_, k) + x.shape[1:]), mesh, p.axis, 1) for x in xs]
     bdims = [d for d in kdims if d is not None]  # every carry has one (checked above)
     mb = [_split(c, d, m) for c, d in zip(carry, bdims)]  # [M, B/M, ..]
     mbc = [_split(c, d, m) for c, d in zip(consts, cdims) if d is not None]
