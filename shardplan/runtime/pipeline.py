@@ -368,12 +368,10 @@ def run_stack(
         else:
             fresh = [pick(x, t % m) for x in mb]
         buf = [jnp.where((stage == 0).reshape((s_,) + (1,) * f.ndim), f[None], b) for f, b in zip(fresh, buf)]
-        if v > 1:  # per stage, its chunk of this pass: a one-hot sum over repeats, local to the stage
+        if v > 1:  # per stage, its chunk of this pass: a one-hot contraction over repeats, local to the
+            # stage (its backward keeps the [V, P] mask, not one broadcast to the weights' shape)
             hot = jnp.arange(v)[:, None] == rep[None, :]  # [V, P]
-            w_s = [
-                _on_stages(jnp.where(hot.reshape(hot.shape + (1,) * (w.ndim - 2)), w, 0).sum(0), mesh, p.axis)
-                for w in ws
-            ]
+            w_s = [_on_stages(jnp.einsum("vp,vp...->p...", hot.astype(w.dtype), w), mesh, p.axis) for w in ws]
         else:
             w_s = [w[0] for w in ws]
         c_s = [_on_stages(jax.vmap(pick, in_axes=(None, 0))(c, mbi), mesh, p.axis, 0, rows) for c in mbc]
