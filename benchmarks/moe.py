@@ -73,6 +73,7 @@ def bench_steps(quick: bool) -> list[dict]:
 
 def bench_fast_vs_exact(quick: bool) -> list[dict]:
     import shardplan
+    from benchmarks.run import fast_vs_exact
 
     plans = PLANS[:1] if quick else PLANS
     seq = 16 if quick else 32
@@ -84,16 +85,7 @@ def bench_fast_vs_exact(quick: bool) -> list[dict]:
                   step=f"{ROOT / 'examples' / 'train.py'}:moe_lm_loss", batch=batch, devices=8)
         fast = shardplan.api.analyze(ROOT / "plans" / plan, mode="fast", **kw)
         exact = shardplan.api.analyze(ROOT / "plans" / plan, mode="exact", **kw)
-        fk, ek = fast.bytes_by_kind(), exact.bytes_by_kind()
-        comm = {k: {"fast": fk.get(k, 0), "exact": ek.get(k, 0),
-                    "error": abs(fk.get(k, 0) - ek.get(k, 0)) / ek[k] if ek.get(k) else
-                    (0.0 if not fk.get(k) else float("inf"))} for k in sorted(set(fk) | set(ek))
-                if fk.get(k) or ek.get(k)}
-        rows.append({"plan": plan, "model": factory, "comm": comm,
-                     "peak_fast": fast.memory.peak, "peak_exact": exact.memory.peak,
-                     "peak_error": abs(fast.memory.peak - exact.memory.peak) / exact.memory.peak,
-                     "flops_fast": fast.flops, "flops_exact": exact.flops,
-                     "flops_error": abs(fast.flops - exact.flops) / exact.flops})
+        rows.append({"plan": plan, "model": factory, **fast_vs_exact(fast, exact)})
     return rows
 
 
@@ -103,7 +95,7 @@ def run(quick: bool) -> dict:
 
 def checks(res: dict) -> list[dict]:
     """Target rows in benchmarks/run.py's form."""
-    from benchmarks.run import _check
+    from benchmarks.run import _check, fast_vs_exact_checks
 
     out = []
     for r in res["steps"]:
@@ -112,39 +104,28 @@ def checks(res: dict) -> list[dict]:
         out.append(_check(f"{name}: shard_map ops on whole operands (fallbacks)", r["shard_map_fallbacks"], 0, "<=",
                           "{:d}"))
     for r in res["fast_vs_exact"]:
-        name = f"fast vs exact {r['plan']} x {r['model']}"
-        for kind, c in r["comm"].items():
-            out.append(_check(f"{name}: {kind} bytes error", c["error"], 0.10, "<=", "{:.1%}"))
-        out.append(_check(f"{name}: peak memory error", r["peak_error"], 0.15, "<=", "{:.1%}"))
-        out.append(_check(f"{name}: FLOPs error", r["flops_error"], 0.02, "<=", "{:.2%}"))
+        out += fast_vs_exact_checks(f"fast vs exact {r['plan']} x {r['model']}", r)
     return out
 
 
 def report(res: dict) -> list[str]:
+    from benchmarks.run import fast_vs_exact_lines
+
     lines = ["step (ms)               dispatch   auto  shard_map  data parallel  sm/auto  EP/DP  fallbacks"]
     for r in res["steps"]:
         lines.append(f"{r['plan']:22} {r['dispatch']:9} {r['auto_ms']:6.1f} {r['shard_map_ms']:9.1f} "
-                     f"{r['dp_ms']:13.1f} {r['shard_map_vs_auto']:7.2f}x {r['ep_vs_dp']:5.2f}x {r['shard_map_fallbacks']:9d}")
+                     f"{r['dp_ms']:13.1f} {r['shard_map_vs_auto']:7.2f}x {r['ep_vs_dp']:5.2f}x "
+                     f"{r['shard_map_fallbacks']:9d}")
     for r in res["fast_vs_exact"]:
         lines.append(f"fast vs exact, {r['plan']} x {r['model']}:")
-        for kind, c in r["comm"].items():
-            lines.append(f"  {kind:18} fast {c['fast'] / 1024:9.1f} KiB   exact {c['exact'] / 1024:9.1f} KiB"
-                         f"   error {c['error']:.0%}")
-        lines.append(f"  peak               fast {r['peak_fast'] / 2**20:9.2f} MiB   exact "
-                     f"{r['peak_exact'] / 2**20:9.2f} MiB   error {r['peak_error']:.0%}")
-        lines.append(f"  FLOPs              fast {r['flops_fast']:.3g}   exact {r['flops_exact']:.3g}   error "
-                     f"{r['flops_error']:.1%}")
+        lines += fast_vs_exact_lines(r)
     return lines
 
 
 def main(argv=None) -> int:
-    from benchmarks.run import finish, standalone
+    from benchmarks.run import section_main
 
-    args = standalone(__doc__, argv)
-    res = run(args.quick)
-    for line in report(res):
-        print(line)
-    return finish(res, checks(res), args.json)
+    return section_main(__doc__, run, report, checks, argv)
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ def bench_offline(quick: bool) -> list[dict]:
 
 def bench_fast_vs_exact(quick: bool) -> list[dict]:
     import shardplan
+    from benchmarks.run import fast_vs_exact
     from shardplan.core.pipeline import Schedule
 
     rows = []
@@ -100,18 +101,9 @@ def bench_fast_vs_exact(quick: bool) -> list[dict]:
                   batch=["tokens=int32[16,16],labels=int32[16,16]"], devices=8)
         fast = shardplan.api.analyze(ROOT / "plans" / plan, mode="fast", **kw)
         exact = shardplan.api.analyze(ROOT / "plans" / plan, mode="exact", **kw)
-        fk, ek = fast.bytes_by_kind(), exact.bytes_by_kind()
-        comm = {k: {"fast": fk.get(k, 0), "exact": ek.get(k, 0),
-                    "error": abs(fk.get(k, 0) - ek.get(k, 0)) / ek[k] if ek.get(k) else
-                    (0.0 if not fk.get(k) else float("inf"))} for k in sorted(set(fk) | set(ek))
-                if fk.get(k) or ek.get(k)}
         p = fast.pipeline
         sched = Schedule(stages=p.stages, microbatches=p.microbatches, repeats=p.repeats, layers=8)
-        rows.append({"plan": plan, "comm": comm,
-                     "peak_fast": fast.memory.peak, "peak_exact": exact.memory.peak,
-                     "peak_error": abs(fast.memory.peak - exact.memory.peak) / exact.memory.peak,
-                     "flops_fast": fast.flops, "flops_exact": exact.flops,
-                     "flops_error": abs(fast.flops - exact.flops) / exact.flops,
+        rows.append({"plan": plan, **fast_vs_exact(fast, exact),
                      "bubble": p.bubble, "idle": p.idle, "schedule_idle": sched.idle})
     return rows
 
@@ -122,32 +114,25 @@ def run(quick: bool) -> dict:
 
 def checks(res: dict) -> list[dict]:
     """Target rows in benchmarks/run.py's form."""
-    from benchmarks.run import _check
+    from benchmarks.run import _check, fast_vs_exact_checks
 
     out = []
     for r in res["fast_vs_exact"]:
         name = f"pipeline fast vs exact {r['plan']}"
-        for kind, c in r["comm"].items():
-            out.append(_check(f"{name}: {kind} bytes error", c["error"], 0.10, "<=", "{:.1%}"))
-        out.append(_check(f"{name}: peak memory error", r["peak_error"], 0.15, "<=", "{:.1%}"))
-        out.append(_check(f"{name}: FLOPs error", r["flops_error"], 0.02, "<=", "{:.2%}"))
+        out += fast_vs_exact_checks(name, r)
         out.append(_check(f"{name}: bubble's idle stage-steps - the schedule's", abs(r["idle"] - r["schedule_idle"]),
                           0, "<=", "{:d}"))
     return out
 
 
 def report(res: dict) -> list[str]:
+    from benchmarks.run import fast_vs_exact_lines
+
     lines = []
     for r in res["fast_vs_exact"]:
         lines.append(f"fast vs exact, {r['plan']} x llama_deep_scan (bubble {r['bubble']:.1%}, {r['idle']} idle "
                      f"stage-steps; the schedule's table: {r['schedule_idle']}):")
-        for kind, c in r["comm"].items():
-            lines.append(f"  {kind:18} fast {c['fast'] / 1024:9.1f} KiB   exact {c['exact'] / 1024:9.1f} KiB"
-                         f"   error {c['error']:.0%}")
-        lines.append(f"  peak               fast {r['peak_fast'] / 2**20:9.2f} MiB   exact "
-                     f"{r['peak_exact'] / 2**20:9.2f} MiB   error {r['peak_error']:.0%}")
-        lines.append(f"  FLOPs              fast {r['flops_fast']:.3g}   exact {r['flops_exact']:.3g}   error "
-                     f"{r['flops_error']:.1%}")
+        lines += fast_vs_exact_lines(r)
     rows = res["offline"]
     if rows:
         lines.append(f"offline, {rows[0]['devices']} devices (fast mode, h100 datasheet rates):")
@@ -169,13 +154,9 @@ def report(res: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from benchmarks.run import finish, standalone
+    from benchmarks.run import section_main
 
-    args = standalone(__doc__, argv)
-    res = run(args.quick)
-    for line in report(res):
-        print(line)
-    return finish(res, checks(res), args.json)
+    return section_main(__doc__, run, report, checks, argv)
 
 
 if __name__ == "__main__":

@@ -605,6 +605,15 @@ def standalone(doc: str, argv=None) -> argparse.Namespace:
     return args
 
 
+def section_main(doc: str, run_fn, report_fn, checks_fn, argv=None) -> int:
+    """A section module's ``main``: its command line read, its run, its report and target rows printed."""
+    args = standalone(doc, argv)
+    res = run_fn(args.quick)
+    for line in report_fn(res):
+        print(line)
+    return finish(res, checks_fn(res), args.json)
+
+
 def finish(res: dict, rows: list[dict], json_path: str | None) -> int:
     """A section's command line ends: its target rows printed, its figures written to ``json_path``."""
     for row in rows:
@@ -612,6 +621,38 @@ def finish(res: dict, rows: list[dict], json_path: str | None) -> int:
     if json_path:
         Path(json_path).write_text(json.dumps(res, indent=1, default=str))
     return 0
+
+
+def fast_vs_exact(fast, exact) -> dict:
+    """Fast mode's step cost against exact mode's: per collective kind the bytes of each and the
+    error, the peak and the FLOPs (the figures sections 13 and 14 report for their plans)."""
+    fk, ek = fast.bytes_by_kind(), exact.bytes_by_kind()
+    comm = {k: {"fast": fk.get(k, 0), "exact": ek.get(k, 0),
+                "error": abs(fk.get(k, 0) - ek.get(k, 0)) / ek[k] if ek.get(k) else
+                (0.0 if not fk.get(k) else float("inf"))} for k in sorted(set(fk) | set(ek))
+            if fk.get(k) or ek.get(k)}
+    return {"comm": comm, "peak_fast": fast.memory.peak, "peak_exact": exact.memory.peak,
+            "peak_error": abs(fast.memory.peak - exact.memory.peak) / exact.memory.peak,
+            "flops_fast": fast.flops, "flops_exact": exact.flops,
+            "flops_error": abs(fast.flops - exact.flops) / exact.flops}
+
+
+def fast_vs_exact_checks(name: str, r: dict) -> list[dict]:
+    """The engine's targets on one fast-vs-exact row: each kind's bytes within 10%, peak 15%, FLOPs 2%."""
+    out = [_check(f"{name}: {kind} bytes error", c["error"], 0.10, "<=", "{:.1%}") for kind, c in r["comm"].items()]
+    out.append(_check(f"{name}: peak memory error", r["peak_error"], 0.15, "<=", "{:.1%}"))
+    out.append(_check(f"{name}: FLOPs error", r["flops_error"], 0.02, "<=", "{:.2%}"))
+    return out
+
+
+def fast_vs_exact_lines(r: dict) -> list[str]:
+    lines = [f"  {kind:18} fast {c['fast'] / 1024:9.1f} KiB   exact {c['exact'] / 1024:9.1f} KiB"
+             f"   error {c['error']:.0%}" for kind, c in r["comm"].items()]
+    lines.append(f"  peak               fast {r['peak_fast'] / 2**20:9.2f} MiB   exact "
+                 f"{r['peak_exact'] / 2**20:9.2f} MiB   error {r['peak_error']:.0%}")
+    lines.append(f"  FLOPs              fast {r['flops_fast']:.3g}   exact {r['flops_exact']:.3g}   error "
+                 f"{r['flops_error']:.1%}")
+    return lines
 
 
 def _check(name, value, target, op, fmt="{:.2f}x", timing=False) -> dict:
