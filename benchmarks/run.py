@@ -340,7 +340,7 @@ def bench_generation(quick: bool) -> dict:
     cfg = models.GPTConfig(max_len=64)
     plan = shardplan.load(ROOT / "plans" / "gpt_tp.splan")
     model, _, placement = shardplan.init_sharded(plan, lambda: models.GPT(cfg, nnx.Rngs(0)), None)
-    new = 3 if quick else 32  # quick: a prefill, then decode steps (and 5 naive compiles, not 10)
+    new = 2 if quick else 32  # quick: a prefill, then decode steps (and 4 naive compiles, not 160)
     rng = np.random.default_rng(0)
     lengths = (3, 5) if quick else (3, 5, 8, 11, 16)
     batches = [[list(map(int, rng.integers(1, cfg.vocab, size=n))) for _ in range(8)] for n in lengths]

@@ -137,9 +137,8 @@ def test_benchmarks_quick_recost_and_suggest(tmp_path):
     # suggest: the suggested plan, compiled, is no slower on the h100 formula than the best shipped one
     (m,) = res["suggest"]["models"]
     assert {r["plan"] for r in m["shipped"]} == {"dp.splan", "gpt_tp.splan"}
-    for label in ("free", "tight"):
-        assert m[label]["exact"]["step_s"] > 0 and m[label]["fits"], m[label]
-    assert m["tight"]["exact"]["peak"] <= m["tight"]["budget"]
+    # (quick: the unconstrained search; a memory budget's is tests/test_suggest.py's)
+    assert "tight" not in m and m["free"]["exact"]["step_s"] > 0 and m["free"]["fits"], m["free"]
     assert all(c["met"] == "yes" for c in checks if not c["timing"] and c["measurement"].startswith("suggest"))
 
 

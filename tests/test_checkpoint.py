@@ -127,7 +127,7 @@ import optax, models, shardplan
 from flax import nnx
 from shardplan import checkpoint
 plan = shardplan.load(sys.argv[3])
-cfg = models.GPTConfig(vocab=4096, d_model=512, n_heads=8, d_ff=2048, n_layers=4, max_len=64)
+cfg = models.GPTConfig(vocab=4096, d_model=256, n_heads=8, d_ff=1024, n_layers=4, max_len=64)
 model, optimizer, placement = shardplan.init_sharded(plan, lambda: models.GPT(cfg, nnx.Rngs(0)), optax.adam(1e-3))
 ckpt = checkpoint.Checkpointer(sys.argv[1], placement)
 ckpt.save(1, model, optimizer)
@@ -148,7 +148,7 @@ def test_sigkill_during_async_save_leaves_last_complete_step(tmp_path):
     assert any(name.startswith("2.orbax-checkpoint-tmp") for name in os.listdir(d))
 
     plan = shardplan.load(PLANS / "fsdp.splan")
-    cfg = models.GPTConfig(vocab=4096, d_model=512, n_heads=8, d_ff=2048, n_layers=4, max_len=64)
+    cfg = models.GPTConfig(vocab=4096, d_model=256, n_heads=8, d_ff=1024, n_layers=4, max_len=64)
     model, optimizer, placement = shardplan.init_sharded(plan, lambda: models.GPT(cfg, nnx.Rngs(1)), optax.adam(1e-3))
     ckpt = checkpoint.Checkpointer(d, placement)
     assert ckpt.steps() == [1] and ckpt.latest_step() == 1  # the incomplete step is never reported

@@ -28,10 +28,6 @@ def launch(*cmd, n=2, grace=10, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def single(*cmd, timeout=300):
-    return subprocess.run([sys.executable, *map(str, cmd)], capture_output=True, text=True, timeout=timeout)
-
-
 def losses(path):
     return json.loads(open(path).read())["losses"]
 
@@ -45,45 +41,56 @@ def test_launch_runs_ranks_with_prefixed_output():
     assert "all 2 ranks exited 0" in r.stdout
 
 
+def train_py_model():
+    """The model examples/train.py trains by default: gpt_tiny with its --seed 0."""
+    return models.gpt_tiny(0)
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """1 process x 8 devices, 5 steps, per plan (the auto backend; shard_map matches it, see
-    test_shard_map)."""
-    d = tmp_path_factory.mktemp("single")
-    out = {}
-    for plan in ("dp.splan", "fsdp.splan", "gpt_tp.splan"):
-        r = single(TRAIN, "--plan", PLANS / plan, "--steps", 5, "--no-show", "--metrics", d / f"{plan}.json")
-        assert r.returncode == 0, r.stderr[-3000:]
-        out[plan] = losses(d / f"{plan}.json")
-    return out
+def reference():
+    """examples/train.py's 5 default steps (gpt_tiny, seed 0, AdamW 3e-3, its synthetic batches)
+    as plain Flax NNX + optax on one device (tests/reference.py): what every plan, in 1 process or
+    2, must train to."""
+    from examples import train as example
+    from tests import reference as plain
+
+    rng = np.random.default_rng(0)
+    batches = [example.synthetic_batch(rng, 64, 16, 16) for _ in range(5)]
+    losses, _ = plain.train(train_py_model, optax.adamw(3e-3), example.lm_loss, batches, key="train.py")
+    return losses
 
 
-# Each plan on one backend, both backends covered (the suite's time: each case is a 2-process launch;
-# dp.splan on auto in 2 processes is the SLURM case below, gpt_tp.splan on auto the checkpoint case).
-@pytest.mark.parametrize("plan, backend", [("fsdp.splan", "shard_map"), ("gpt_tp.splan", "shard_map")])
-def test_two_processes_match_one(plan, backend, reference, tmp_path):
+# Each backend across 2 processes: shard_map here (FSDP), auto in the SLURM case (DP) and in the
+# checkpoint case (Megatron TP). Each case is a 2-process launch: the suite's time.
+def test_two_processes_match_one(reference, tmp_path):
     m = tmp_path / "m.json"
-    r = launch(sys.executable, TRAIN, "--plan", PLANS / plan, "--steps", 5, "--no-show", "--backend", backend, "--metrics", m)
+    r = launch(sys.executable, TRAIN, "--plan", PLANS / "fsdp.splan", "--steps", 5, "--no-show", "--backend",
+               "shard_map", "--metrics", m)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "(2 process(es))" in r.stdout
-    np.testing.assert_allclose(losses(m), reference[plan], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(losses(m), reference, rtol=LOSS_RTOL)
 
 
 def test_checkpoints_cross_process_counts(reference, tmp_path):
     plan = PLANS / "gpt_tp.splan"
     one, two = tmp_path / "one", tmp_path / "two"
-    # Saved by 1 process (3 steps), and by 2 processes (the same 3 steps).
-    r = single(TRAIN, "--plan", plan, "--steps", 3, "--no-show", "--checkpoint-dir", one)
-    assert r.returncode == 0, r.stderr[-3000:]
-    r = launch(sys.executable, TRAIN, "--plan", plan, "--steps", 3, "--no-show", "--checkpoint-dir", two)
+    # Saved by 1 process (3 steps; examples/train.py run in this one), and by 2 processes (the
+    # same 3 steps, training as one device does).
+    from examples import train as example
+
+    assert example.main(["--plan", str(plan), "--steps", "3", "--no-show", "--simulate-devices", "0",
+                         "--checkpoint-dir", str(one)]) == 0
+    r = launch(sys.executable, TRAIN, "--plan", plan, "--steps", 3, "--no-show", "--checkpoint-dir", two,
+               "--metrics", tmp_path / "m1.json")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert checkpoint.open_readonly(two).all_steps() == [3]
+    np.testing.assert_allclose(losses(tmp_path / "m1.json"), reference[:3], rtol=LOSS_RTOL)
 
     # The 2-process checkpoint restores in this process (1 x 8) with the same values.
     p = shardplan.load(plan)
     restored = []
     for d in (one, two):
-        model, optimizer, placement = shardplan.init_sharded(p, lambda: models.gpt_tiny(5), optax.adamw(3e-3))
+        model, optimizer, placement = shardplan.init_sharded(p, train_py_model, optax.adamw(3e-3))
         assert checkpoint.Checkpointer(d, placement).restore(model, optimizer) == 3
         restored.append({leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)})
     for path in restored[0]:
@@ -96,7 +103,7 @@ def test_checkpoints_cross_process_counts(reference, tmp_path):
                "--metrics", tmp_path / "m2.json")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resumed from step 3" in r.stdout
-    np.testing.assert_allclose(losses(tmp_path / "m2.json"), reference["gpt_tp.splan"][3:5], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(losses(tmp_path / "m2.json"), reference[3:5], rtol=LOSS_RTOL)
 
 
 def test_killing_a_rank_mid_training_fails_the_launch_within_the_bound():
@@ -234,7 +241,7 @@ def test_train_under_a_cluster_manager_matches_one_process(reference, tmp_path):
                              "--metrics", m])
     for rc, o, e in ranks:
         assert rc == 0, o[-2000:] + e[-3000:]
-    np.testing.assert_allclose(losses(m), reference["dp.splan"], rtol=LOSS_RTOL)
+    np.testing.assert_allclose(losses(m), reference, rtol=LOSS_RTOL)
     manager = {"slurm": "SLURM", "ompi": "Open MPI", "k8s": "Kubernetes"}[kind]
     (_, out0, err0), (_, out1, err1) = ranks
     assert f"shardplan: joined a {manager} job of 2 processes" in err0 and "joined" not in err1
