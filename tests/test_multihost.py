@@ -4,6 +4,7 @@ launched by `shardplan launch`, against 1 process x 8 devices. Every run is boun
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -72,38 +73,37 @@ def test_two_processes_match_one(reference, tmp_path):
 
 
 def test_checkpoints_cross_process_counts(reference, tmp_path):
-    plan = PLANS / "gpt_tp.splan"
-    one, two = tmp_path / "one", tmp_path / "two"
-    # Saved by 1 process (3 steps; examples/train.py run in this one), and by 2 processes (the
-    # same 3 steps, training as one device does).
+    """A checkpoint saved by 1 process resumes in 2 (training on as one device does), and the
+    checkpoint those 2 write restores in 1 process with the values 1 process reaches alone."""
     from examples import train as example
 
-    assert example.main(["--plan", str(plan), "--steps", "3", "--no-show", "--simulate-devices", "0",
-                         "--checkpoint-dir", str(one)]) == 0
-    r = launch(sys.executable, TRAIN, "--plan", plan, "--steps", 3, "--no-show", "--checkpoint-dir", two,
-               "--metrics", tmp_path / "m1.json")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert checkpoint.open_readonly(two).all_steps() == [3]
-    np.testing.assert_allclose(losses(tmp_path / "m1.json"), reference[:3], rtol=LOSS_RTOL)
+    plan = PLANS / "gpt_tp.splan"
+    one, two = tmp_path / "one", tmp_path / "two"
+    train = ["--plan", str(plan), "--no-show", "--simulate-devices", "0"]
+    # Saved by 1 process at step 3 (examples/train.py, run in this one).
+    assert example.main([*train, "--steps", "3", "--checkpoint-dir", str(one)]) == 0
+    shutil.copytree(one, two)
 
-    # The 2-process checkpoint restores in this process (1 x 8) with the same values.
-    p = shardplan.load(plan)
-    restored = []
-    for d in (one, two):
-        model, optimizer, placement = shardplan.init_sharded(p, train_py_model, optax.adamw(3e-3))
-        assert checkpoint.Checkpointer(d, placement).restore(model, optimizer) == 3
-        restored.append({leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)})
-    for path in restored[0]:
-        # 1 and 2 processes sum gradients in another order (gloo): float32 rounding, 1.5e-6 measured
-        np.testing.assert_allclose(restored[1][path], restored[0][path], rtol=1e-5, atol=1e-5, err_msg=path)
-
-    # The 1-process checkpoint restores in 2 processes: resuming there continues as in 1 (steps 4
-    # and 5 of the same run straight through in 1 process, the reference's).
-    r = launch(sys.executable, TRAIN, "--plan", plan, "--steps", 2, "--no-show", "--checkpoint-dir", one, "--resume",
+    # Restored in 2 processes: steps 4 and 5 as one device trains them (the reference's), saved
+    # there at step 5.
+    r = launch(sys.executable, TRAIN, "--plan", plan, "--steps", 2, "--no-show", "--checkpoint-dir", two, "--resume",
                "--metrics", tmp_path / "m2.json")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resumed from step 3" in r.stdout
     np.testing.assert_allclose(losses(tmp_path / "m2.json"), reference[3:5], rtol=LOSS_RTOL)
+    assert checkpoint.open_readonly(two).all_steps() == [3, 5]
+
+    # The same 2 steps in this process, then both step-5 checkpoints restored here (1 x 8).
+    assert example.main([*train, "--steps", "2", "--checkpoint-dir", str(one), "--resume"]) == 0
+    p = shardplan.load(plan)
+    restored = []
+    for d in (one, two):
+        model, optimizer, placement = shardplan.init_sharded(p, train_py_model, optax.adamw(3e-3))
+        assert checkpoint.Checkpointer(d, placement).restore(model, optimizer) == 5
+        restored.append({leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)})
+    for path in restored[0]:
+        # 1 and 2 processes sum gradients in another order (gloo): float32 rounding, 1.5e-6 measured
+        np.testing.assert_allclose(restored[1][path], restored[0][path], rtol=1e-5, atol=1e-5, err_msg=path)
 
 
 def test_killing_a_rank_mid_training_fails_the_launch_within_the_bound():
