@@ -14,6 +14,7 @@ import optax
 import pytest
 
 from examples import models
+from examples import train as example
 import shardplan
 from tests.helpers import PLANS, ROOT
 from shardplan import checkpoint
@@ -42,22 +43,26 @@ def test_launch_runs_ranks_with_prefixed_output():
     assert "all 2 ranks exited 0" in r.stdout
 
 
+# examples/train.py's own defaults (--steps aside): its seed, batch size, sequence length and rate.
+TRAIN_DEFAULTS = example.parse_args(["--plan", "-"])
+
+
 def train_py_model():
-    """The model examples/train.py trains by default: gpt_tiny with its --seed 0."""
-    return models.gpt_tiny(0)
+    """The model examples/train.py trains by default (gpt_tiny with its default --seed)."""
+    return models.gpt_tiny(TRAIN_DEFAULTS.seed)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    """examples/train.py's 5 default steps (gpt_tiny, seed 0, AdamW 3e-3, its synthetic batches)
+    """examples/train.py's first 5 steps with its defaults (gpt_tiny, AdamW, its synthetic batches)
     as plain Flax NNX + optax on one device (tests/reference.py): what every plan, in 1 process or
     2, must train to."""
-    from examples import train as example
     from tests import reference as plain
 
-    rng = np.random.default_rng(0)
-    batches = [example.synthetic_batch(rng, 64, 16, 16) for _ in range(5)]
-    losses, _ = plain.train(train_py_model, optax.adamw(3e-3), example.lm_loss, batches, key="train.py")
+    a = TRAIN_DEFAULTS
+    rng = np.random.default_rng(a.seed)
+    batches = [example.synthetic_batch(rng, models.TINY.vocab, a.batch_size, a.seq_len) for _ in range(5)]
+    losses, _ = plain.train(train_py_model, optax.adamw(a.lr), example.lm_loss, batches, key=f"train.py lr={a.lr}")
     return losses
 
 
@@ -75,8 +80,6 @@ def test_two_processes_match_one(reference, tmp_path):
 def test_checkpoints_cross_process_counts(reference, tmp_path):
     """A checkpoint saved by 1 process resumes in 2 (training on as one device does), and the
     checkpoint those 2 write restores in 1 process with the values 1 process reaches alone."""
-    from examples import train as example
-
     plan = PLANS / "gpt_tp.splan"
     one, two = tmp_path / "one", tmp_path / "two"
     train = ["--plan", str(plan), "--no-show", "--simulate-devices", "0"]
@@ -98,7 +101,7 @@ def test_checkpoints_cross_process_counts(reference, tmp_path):
     p = shardplan.load(plan)
     restored = []
     for d in (one, two):
-        model, optimizer, placement = shardplan.init_sharded(p, train_py_model, optax.adamw(3e-3))
+        model, optimizer, placement = shardplan.init_sharded(p, train_py_model, optax.adamw(TRAIN_DEFAULTS.lr))
         assert checkpoint.Checkpointer(d, placement).restore(model, optimizer) == 5
         restored.append({leaf.path: np.asarray(leaf.array) for leaf in shardplan.live_leaves(model)})
     for path in restored[0]:
