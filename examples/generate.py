@@ -58,7 +58,8 @@ def main(argv=None) -> int:
                       "compile" if gen.mode == "cache" else "no cache: the whole fixed-length buffer per step, one "
                       "compile per bucket") + ")")
         rng = np.random.default_rng(args.seed)
-        vocab = vocab_of(model)
+        n = jax.device_count()  # a token batch every split of the plan's divides
+        vocab = vocab_of(model, placement, n, n)
         prompts = []
         for i in range(args.prompts):  # the training data's rule: x[t+1] = (3 x[t] + 1) mod vocab
             x = [int(rng.integers(0, vocab))]

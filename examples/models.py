@@ -11,6 +11,11 @@
 - ``MoE``: a decoder whose feed-forward layers are top-k routed experts (renormalised weights,
   a load-balancing loss, an optional shared expert; capacity or dropless dispatch), returning
   ``(logits, aux)`` (``examples/train.py:moe_lm_loss``).
+- ``TypedLM``: a decoder written the explicit-sharding way (JAX's sharding in types): its own
+  code passes ``out_sharding=`` to every matmul and to the embedding lookup, naming the mesh axes
+  ``data`` and ``model`` where the mesh in context has them (``plans/typed_tp.splan``). Param
+  paths: ``embed``, ``blocks/<i>/(qkv|out|up|down)``, ``blocks/<i>/(norm1|norm2)/scale``,
+  ``norm/scale``, ``head``.
 
 Param paths (what plan regexes match): ``embed/embedding``, ``pos_embed/embedding``,
 ``blocks/<i>/attn/(query|key|value|out)/kernel``, ``blocks/<i>/mlp/(up|gate|down)/kernel``,
@@ -22,8 +27,8 @@ Llama param paths: ``embed/embedding``, ``layers/<i>/attn/(q|k|v|o)/kernel``,
 each with a leading layer dimension (``layers/attn/q/kernel`` is (L, d_model, q_dim)).
 
 Factories with no required arguments (``gpt_tiny``, ``gpt_small``, ``mlp_small``,
-``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_deep_scan``, ``llama_1b``, ``moe_tiny``, ``moe_small``, ``moe_tiny_dropless``,
-``mixtral_8x7b``, ``deepseek_v3``) are what
+``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_deep_scan``, ``llama_1b``, ``moe_tiny``,
+``moe_small``, ``moe_tiny_dropless``, ``mixtral_8x7b``, ``deepseek_v3``, ``typed_tiny``) are what
 ``shardplan check --model examples/models.py:FACTORY`` calls.
 """
 
@@ -700,3 +705,62 @@ def mixtral_8x7b(seed: int = 0) -> MoE:
 def deepseek_v3(seed: int = 0) -> MoE:
     """Build it abstractly only (``shardplan check``)."""
     return MoE(DEEPSEEK_V3, nnx.Rngs(seed))
+
+
+# -- typed by explicit mesh axes ------------------------------------------------------------------
+def _axis(name: str) -> str | None:
+    """``name`` when the mesh in context has it (the model runs on meshes without a model axis)."""
+    return name if name in jax.sharding.get_abstract_mesh().axis_names else None
+
+
+class TypedBlock(nnx.Module):
+    """Pre-norm attention and a GELU MLP, each matmul told its output's sharding: heads and the
+    MLP's hidden width over ``model``, the batch over ``data``, the residual stream whole."""
+
+    def __init__(self, d: int, heads: int, d_ff: int, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        self.heads = heads
+        self.norm1 = nnx.RMSNorm(d, rngs=rngs)
+        self.norm2 = nnx.RMSNorm(d, rngs=rngs)
+        self.qkv = nnx.Param(init(rngs.params(), (d, 3, heads, d // heads)))
+        self.out = nnx.Param(init(rngs.params(), (heads, d // heads, d)))
+        self.up = nnx.Param(init(rngs.params(), (d, d_ff)))
+        self.down = nnx.Param(init(rngs.params(), (d_ff, d)))
+
+    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+        data, model = _axis("data"), _axis("model")
+        P = jax.sharding.PartitionSpec
+        qkv = jnp.einsum("btd,dkhe->kbthe", self.norm1(x), self.qkv[...], out_sharding=P(None, data, None, model))
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        scores = jnp.einsum("bqhe,bkhe->bhqk", q, k, out_sharding=P(data, model)) / jnp.sqrt(q.shape[-1])
+        probs = jax.nn.softmax(jnp.where(mask, scores, -1e9), axis=-1)
+        y = jnp.einsum("bhqk,bkhe->bqhe", probs, v, out_sharding=P(data, None, model))
+        x = x + jnp.einsum("bqhe,hed->bqd", y, self.out[...], out_sharding=P(data))
+        h = jax.nn.gelu(jnp.einsum("btd,df->btf", self.norm2(x), self.up[...], out_sharding=P(data, None, model)))
+        return x + jnp.einsum("btf,fd->btd", h, self.down[...], out_sharding=P(data))
+
+
+class TypedLM(nnx.Module):
+    def __init__(self, vocab: int, d: int, heads: int, d_ff: int, layers: int, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        self.embed = nnx.Param(init(rngs.params(), (vocab, d)))
+        self.blocks = nnx.List([TypedBlock(d, heads, d_ff, rngs) for _ in range(layers)])
+        self.norm = nnx.RMSNorm(d, rngs=rngs)
+        self.head = nnx.Param(init(rngs.params(), (d, vocab)))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        P = jax.sharding.PartitionSpec
+        data = _axis("data")
+        x = self.embed[...].at[tokens].get(out_sharding=P(data))
+        t = tokens.shape[1]
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        for block in self.blocks:
+            x = block(x, mask)
+        return jnp.einsum("btd,dv->btv", self.norm(x), self.head[...], out_sharding=P(data))
+
+
+def typed_tiny(seed: int = 0) -> TypedLM:
+    """A TypedLM as small as gpt_tiny (vocab 64, d_model 64, 4 heads, 2 layers). Its code names
+    mesh axes, so it runs under a mesh context (``shardplan`` sets one for plans with explicit
+    axes; plain JAX: ``jax.set_mesh``)."""
+    return TypedLM(64, 64, 4, 256, 2, nnx.Rngs(seed))

@@ -97,46 +97,70 @@ def moe_lm_loss(model, batch):
 
     logits, aux = model(batch["tokens"])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-    return ce + model.blocks[0].moe.cfg.aux_weight * aux
+    weight = getattr(getattr(model, "cfg", None), "aux_weight", 0.01)  # examples/models.py's MoEConfig
+    return ce + weight * aux
 
 
 def mse_loss(model, batch):
     return ((model(batch["x"]) - batch["y"]) ** 2).mean()
 
 
-def vocab_of(model) -> int:
-    """The vocabulary of a causal LM, from the logits it returns (any model: no config read)."""
+def logits_of(out):
+    """The logits of a causal LM's output: the output itself, or the first item of a tuple
+    (``(logits, aux)`` from a mixture of experts, ``(logits, cache)``)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def output_of(model, placement, batch: int, seq: int):
+    """The abstract output of a causal LM on a (batch, seq) token batch laid out as the plan lays
+    it out, traced under the plan's mesh (a model typed by explicit mesh axes reads it from the
+    context): any model, no config read."""
     import jax
-    import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
+    from shardplan.runtime.placement import mesh_context
+
     gd, state = nnx.split(model)
-    out = jax.eval_shape(lambda s: nnx.merge(gd, s)(jnp.zeros((1, 2), jnp.int32)), state)
-    return out.shape[-1]
+    spec = {"tokens": jax.ShapeDtypeStruct((batch, seq), np.int32)}
+    tokens = jax.ShapeDtypeStruct((batch, seq), np.int32, sharding=placement.batch_shardings(spec)["tokens"])
+    with mesh_context(placement.mesh):
+        return jax.eval_shape(lambda s, t: nnx.merge(gd, s)(t), state, tokens)
 
 
-def make_data(model_name: str, model, seed: int, batch: int, seq: int, data: str | None = None):
-    """A batch generator (this process's rows of each global batch), the default loss, and the
-    held-out text data (with --data)."""
+def vocab_of(model, placement, batch: int, seq: int) -> int:
+    """The vocabulary of a causal LM, from the logits it returns."""
+    return logits_of(output_of(model, placement, batch, seq)).shape[-1]
+
+
+def make_data(model_name: str, model, placement, seed: int, batch: int, seq: int, data: str | None = None):
+    """A batch generator (this process's rows of each global batch), the default loss (the LM
+    loss, with the balancing term for a model returning ``(logits, aux)``), and the held-out
+    text data (with --data)."""
     import numpy as np
 
     from shardplan import distributed
 
     rng = np.random.default_rng(seed)
     rows = distributed.process_slice(batch)
-    if data:
-        import data as text
-
-        source = text.TextData(data, seq, batch, seed, rows)
-        if vocab_of(model) < len(text.ALPHABET):
-            raise ValueError(f"the model's vocabulary ({vocab_of(model)}) is smaller than the text's "
-                             f"alphabet ({len(text.ALPHABET)})")
-        return source.next_batch, lm_loss, source
     if model_name.startswith("mlp"):
         din = model.layers[0].in_features
         dout = model.layers[-1].out_features
         return (lambda: synthetic_regression(rng, batch, din, dout, rows)), mse_loss, None
-    return (lambda: synthetic_batch(rng, vocab_of(model), batch, seq, rows)), lm_loss, None
+    out = output_of(model, placement, batch, seq)
+    vocab = logits_of(out).shape[-1]
+    # (logits, aux) with a scalar aux: a mixture of experts' balancing loss, added to the LM loss.
+    with_aux = isinstance(out, (tuple, list)) and len(out) == 2 and getattr(out[1], "shape", None) == ()
+    loss = moe_lm_loss if with_aux else lm_loss
+    if data:
+        import data as text
+
+        source = text.TextData(data, seq, batch, seed, rows)
+        if vocab < len(text.ALPHABET):
+            raise ValueError(f"the model's vocabulary ({vocab}) is smaller than the text's "
+                             f"alphabet ({len(text.ALPHABET)})")
+        return source.next_batch, loss, source
+    return (lambda: synthetic_batch(rng, vocab, batch, seq, rows)), loss, None
 
 
 def load_factory(spec: str, seed: int):
@@ -176,8 +200,31 @@ def make_eval(placement, loss_fn, text, batches: int = 4):
     return evaluate
 
 
+def precheck(args) -> int:
+    """The flags checked before jax loads (a mistake reported in about a second): the plan, the
+    mesh, the model and loss references (with a did-you-mean). Returns an exit code (0: go on)."""
+    from rich.console import Console
+
+    import shardplan
+    from shardplan.core.callables import check_ref
+
+    model = args.model if ":" in args.model else f"{Path(__file__).resolve().parent / 'models.py'}:{args.model}"
+    try:
+        mesh_arg = shardplan.parse_mesh_arg(args.mesh) if args.mesh else None
+        shardplan.load(args.plan, mesh=mesh_arg)
+        check_ref(model, "--model")
+        if args.loss:
+            check_ref(args.loss, "--loss")
+    except shardplan.ShardPlanError as e:
+        shardplan.print_diagnostics(Console(stderr=True), e.diagnostics)
+        return 2
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if rc := precheck(args):
+        return rc
     setup_devices(args.simulate_devices)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -220,7 +267,8 @@ def main(argv=None) -> int:
             if args.resume and ckpt.latest_step() is not None:
                 step0 = ckpt.restore(model, optimizer)
                 console.print(f"resumed from step {step0} in {args.checkpoint_dir}")
-        next_batch, loss_fn, text = make_data(args.model, model, args.seed, args.batch_size, args.seq_len, args.data)
+        next_batch, loss_fn, text = make_data(args.model, model, placement, args.seed, args.batch_size, args.seq_len,
+                                               args.data)
         if args.loss:
             from shardplan.runtime.model import load_factory as load
 

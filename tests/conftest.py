@@ -13,6 +13,11 @@ if "--xla_backend_optimization_level" not in _os.environ.get("XLA_FLAGS", ""):
     _os.environ["XLA_FLAGS"] = (_os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=1").strip()
 simulate(8)
 
+# The shardplan command honours COLUMNS when piped (and prints 160 wide without it); this process
+# may hand its children COLUMNS=80 (set below Python's os.environ): the suite's tables are read
+# at the width a pipe gets. Tests of narrow output set COLUMNS themselves.
+_os.environ["COLUMNS"] = "160"
+
 # The shapes cache of this run: a fresh folder, never the user's (subprocesses inherit it).
 import tempfile as _tempfile  # noqa: E402
 

@@ -24,3 +24,25 @@ def only(diags, code: str) -> Diagnostic:
     found = [d for d in diags if d.code == code]
     assert len(found) == 1, [d.render() for d in diags]
     return found[0]
+
+
+# The example model each shipped plan is written for (examples/models.py factories). Every plan in
+# plans/ must be here: tests/test_cli.py checks each against its model, tests/test_train_plans.py
+# trains each with examples/train.py.
+PLAN_MODELS = {
+    "dp.splan": "gpt_tiny",
+    "fsdp.splan": "gpt_tiny",
+    "fsdp_any_rank.splan": "llama_tiny_scan",
+    "gpt_2d.splan": "gpt_tiny",
+    "gpt_logical.splan": "gpt_tiny_annotated",
+    "gpt_tp.splan": "gpt_tiny",
+    "llama_pp.splan": "llama_deep_scan",
+    "llama_pp_circular.splan": "llama_deep_scan",
+    "llama_scan_2d.splan": "llama_tiny_scan",
+    "llama_sp.splan": "llama_tiny",
+    "llama_tp.splan": "llama_tiny",
+    "moe_ep.splan": "moe_tiny",
+    "moe_ep_fsdp.splan": "moe_tiny",
+    "moe_ep_tp.splan": "moe_tiny_dropless",
+    "typed_tp.splan": "typed_tiny",
+}

@@ -184,3 +184,64 @@ def test_published_runs_benchmark_costs_each_run_with_both_attentions():
         # tokens/s, serial and overlapped alike (README, docs/stepcost.md); naive attention is slower.
         assert all(0.75 <= x <= 1.25 for x in flash["ratio_tokens_s"]), (flash["run"], flash["ratio_tokens_s"])
         assert max(naive["ratio_tokens_s"]) < min(flash["ratio_tokens_s"]), (naive["run"], naive["ratio_tokens_s"])
+    # docs/stepcost.md prints each row's figures: they are this run's (to their printed rounding),
+    # so a change that moves a prediction (a compute or bandwidth error) shows here, not only past 25%.
+    printed = _published_table()
+    assert len(printed) == len(rows)
+    for row, (split, ratios) in zip(rows, printed, strict=True):
+        got = (row["compute_s"], row["memory_s"], row["comm_s"])
+        assert all(abs(g - w) <= 0.006 + 0.002 * w for g, w in zip(got, split, strict=True)), (row["run"], got, split)
+        assert all(abs(g - w) <= 0.006 for g, w in zip(row["ratio_tokens_s"], ratios, strict=True)), (
+            row["run"], row["attention"], row["ratio_tokens_s"], ratios)
+
+
+def _published_table() -> list[tuple[tuple[float, float, float], tuple[float, float]]]:
+    """docs/stepcost.md's "Against published runs" rows: (compute, memory, communication) seconds
+    and the predicted / published ratios (serial, overlapped), in the table's order."""
+    import re
+
+    text = (ROOT / "docs" / "stepcost.md").read_text()
+    section = text.split("### Against published runs", 1)[1].split("\n\n", 3)[1]
+    rows = []
+    for line in section.splitlines():
+        m = re.search(r"\(([\d.]+) \+ ([\d.]+) \+ ([\d.]+) s\) \|[^|]*\| \**([\d.]+) \.\. ([\d.]+)\**", line)
+        if m:
+            f = [float(x) for x in m.groups()]
+            rows.append(((f[0], f[1], f[2]), (f[3], f[4])))
+    return rows
+
+
+# Datasheet figures as their makers publish them, transcribed apart from shardplan/core/chips.py so
+# an edit to one (a typo, a 17% wrong HBM bandwidth) fails here: (dense bf16 FLOP/s, HBM bytes,
+# HBM bytes/s). Sources: NVIDIA's A100, H100 SXM, H200 SXM and DGX B200 datasheets; Google Cloud's
+# TPU v4, v5e, v5p and v6e system architecture pages.
+DATASHEETS = {
+    "a100-80gb": (312e12, 80e9, 2.039e12),
+    "h100": (989e12, 80e9, 3.35e12),
+    "h200": (989e12, 141e9, 4.8e12),
+    "b200": (2.25e15, 180e9, 8e12),
+    "tpu-v4": (275e12, 32 * 2**30, 1.2e12),
+    "tpu-v5e": (197e12, 16e9, 819e9),
+    "tpu-v5p": (459e12, 95e9, 2.765e12),
+    "tpu-v6e": (918e12, 32e9, 1.638e12),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATASHEETS))
+def test_chip_figures_are_their_datasheets(name):
+    from shardplan.core import chips
+
+    chip = chips.CHIPS[name]
+    assert (chip.peak_flops, chip.hbm_bytes, chip.hbm_bandwidth) == DATASHEETS[name]
+    # ... and the source the registry cites says the same numbers.
+    src = chip.source.replace(",", "")
+    flops = chip.peak_flops / (1e15 if "PFLOPS" in src else 1e12)
+    assert f"{flops:g} " in src and ("PFLOPS" in src or "TFLOPS" in src), (name, flops, chip.source)
+    bw = chip.hbm_bandwidth
+    assert f"{bw / 1e12:g} TB/s" in src or f"{bw / 1e9:g} GB/s" in src, (name, bw, chip.source)
+
+
+def test_chip_registry_is_the_datasheet_table():
+    from shardplan.core import chips
+
+    assert set(chips.CHIPS) == set(DATASHEETS)

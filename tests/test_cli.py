@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.helpers import FIXTURES, PLANS, ROOT
+from tests.helpers import FIXTURES, PLAN_MODELS, PLANS, ROOT
 
 MODEL = f"{ROOT / 'examples' / 'models.py'}:gpt_tiny"
 
@@ -16,11 +16,13 @@ def run(*args, cwd=None):
                           text=True, cwd=cwd, timeout=120)
 
 
-@pytest.mark.parametrize("plan", sorted(p.name for p in PLANS.glob("*.splan")))
+def test_every_shipped_plan_names_its_model():
+    assert sorted(p.name for p in PLANS.glob("*.splan")) == sorted(PLAN_MODELS)
+
+
+@pytest.mark.parametrize("plan", sorted(PLAN_MODELS))
 def test_every_plan_checks_against_its_model(plan):
-    factory = ("llama_deep_scan" if "_pp" in plan else "llama_tiny_scan" if "scan" in plan else "llama_tiny") if (
-        plan.startswith("llama")) else (
-        "moe_tiny_dropless" if plan.startswith("moe") else "gpt_tiny_annotated" if "logical" in plan else "gpt_tiny")
+    factory = PLAN_MODELS[plan]
     r = run("check", PLANS / plan, "--model", f"{ROOT / 'examples' / 'models.py'}:{factory}", "--devices", 8,
             "--strict")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -100,7 +102,8 @@ def test_bad_shapes_file(tmp_path):
 
 def test_bad_model_argument():
     r = run("check", PLANS / "dp.splan", "--model", f"{ROOT / 'examples' / 'models.py'}:nope", "--devices", 8)
-    assert r.returncode == 2 and "has no callable 'nope'" in r.stderr  # a malformed flag: a usage error
+    assert r.returncode == 2 and "defines no 'nope'" in r.stderr  # a malformed flag: a usage error
+    assert "gpt_tiny" in r.stderr  # the factories it does define
 
 
 def test_plan_only_check():

@@ -175,7 +175,7 @@ CASES: dict[str, tuple] = {
     "UTF-8 BOM": (lambda t: ["check", plan(t, "\ufeffmesh data = 8\ndefault replicated\n")], 0, []),
     "invalid UTF-8": (lambda t: ["check", (t / "u.splan", (t / "u.splan").write_bytes(b"mesh data = *\n\xff\n"))[0]],
                       1, ["u.splan:2:1", "not UTF-8"]),
-    "10 MB one-line regex": (_huge_regex, 1, ["p.splan:2:", "invalid-regex"]),
+    "10 MB one-line regex": (_huge_regex, 1, ["p.splan:2:", "unsupported-regex", "at most 10,000"]),
     "tabs and control characters": (lambda t: ["check", plan(t, 'mesh data = *\n\tparam "\x01x" (modle)\n')], 1,
                                     ["p.splan:2:", "unknown-axis", "\\x01"]),
     "NUL bytes": (lambda t: ["check", plan(t, "mesh data = *\n\x00\x00param\n")], 1, ["p.splan:2:1", "syntax"]),
@@ -240,6 +240,18 @@ CASES: dict[str, tuple] = {
     "--chip unknown": (lambda t: ["check", DP, "--chip", "tpu-v9"], 2, ["--chip"]),
     "--model no such file": (lambda t: ["check", DP, "--model", t / "nope.py:f", "--devices", "8"], 2,
                              ["--model", "bad-model-arg"]),
+    "--model factory misspelt": (lambda t: ["check", DP, "--model", f"{ROOT / 'examples' / 'models.py'}:gpt_tinny"], 2,
+                                 ["--model", "bad-model-arg", "did you mean 'gpt_tiny'?"]),
+    "--model file misspelt": (lambda t: ["check", DP, "--model", f"{ROOT / 'examples' / 'modls.py'}:gpt_tiny"], 2,
+                              ["--model", "no such file", "did you mean 'models.py'?"]),
+    "--step function misspelt": (lambda t: ["check", DP, "--model", MODEL, "--step",
+                                            f"{ROOT / 'examples' / 'train.py'}:lm_los", "--batch", "x=int32[8]"], 2,
+                                 ["--step", "did you mean 'lm_loss'?"]),
+    "--batch dtype misspelt": (lambda t: ["check", DP, "--model", MODEL, "--step",
+                                          f"{ROOT / 'examples' / 'train.py'}:lm_loss", "--batch", "x=int23[8]"], 2,
+                               ["--batch", "unknown dtype 'int23'", "did you mean 'int32'?"]),
+    "--model module missing": (lambda t: ["check", DP, "--model", "no_such_pkg.models:f"], 2,
+                               ["--model", "no module 'no_such_pkg.models'"]),
     "--model not FILE:FACTORY": (lambda t: ["check", DP, "--model", "nofactory", "--devices", "8"], 2,
                                  ["--model", "bad-model-arg"]),
     "--model FILE.py without :FACTORY": (lambda t: ["check", DP, "--model", ROOT / "examples" / "models.py"], 2,
@@ -251,7 +263,8 @@ CASES: dict[str, tuple] = {
         "def f(cfg):\n    pass\n"))[0].__str__() + ":f", "--devices", "8"], 1,
                                         ["--model", "takes arguments (cfg)"]),
     "--model import fails": (lambda t: ["check", DP, "--model", (t / "m.py", (t / "m.py").write_text(
-        "import no_such_module_xyz\n"))[0].__str__() + ":f", "--devices", "8"], 1, ["--model", "model-import"]),
+        "import no_such_module_xyz\n\n\ndef f():\n    pass\n"))[0].__str__() + ":f", "--devices", "8"], 1,
+                             ["--model", "model-import"]),
     "--model factory returns None": (lambda t: ["check", DP, "--model", (t / "m.py", (t / "m.py").write_text(
         "def f():\n    pass\n"))[0].__str__() + ":f", "--devices", "8", "--strict"], 1,
                                      ["--model", "returned NoneType"]),
@@ -308,6 +321,7 @@ CASES: dict[str, tuple] = {
                                    ["--failure-grace"]),
     "launch --timeout -1": (lambda t: ["launch", "--timeout", "-1", "--", "true"], 2, ["--timeout"]),
     "launch --timeout 1e999": (lambda t: ["launch", "--timeout", "1e999", "--", "true"], 2, ["--timeout"]),
+    "launch --timeout 0": (lambda t: ["launch", "--timeout", "0", "--", "true"], 2, ["--timeout 0"]),
     "launch -n ²": (lambda t: ["launch", "-n", "²", "--", "true"], 2, ["-n"]),
     "launch without a command": (lambda t: ["launch", "-n", "2"], 2, ["give the command"]),
     "launch of a missing program": (lambda t: ["launch", "-n", "1", "--", t / "no-such-program"], 2,
@@ -375,3 +389,16 @@ def test_hostile_input(name, tmp_path, corrupted):
 
 def test_the_corpus_is_at_least_twice_the_named_cases():
     assert len(CASES) >= 50
+
+
+@pytest.mark.parametrize("args", [
+    ["check", str(DP), "--model", f"{ROOT / 'examples' / 'models.py'}:gpt_tinny", "--devices", "8"],
+    ["check", str(DP), "--model", MODEL, "--step", f"{ROOT / 'examples' / 'train.py'}:lm_loss", "--batch", "x=int23[8]"],
+    ["check", str(DP), "--model", MODEL, "--step", f"{ROOT / 'examples' / 'train.py'}:lm_loss", "--batch", "x=int32[8]",
+     "--chip", "h100", "--link", "nolink=1"],
+])
+def test_usage_errors_are_found_before_jax_is_imported(args):
+    """A mistyped flag is reported without loading jax or the model (about a second, not 10+)."""
+    code = f"import sys; from shardplan.tools import cli; rc = cli.main({args!r}); print(rc, 'jax' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split()[-2:] == ["2", "False"], (r.stdout[-500:], r.stderr[-2000:])

@@ -17,7 +17,6 @@ from tests import reference
 from tests.helpers import PLANS
 
 # float32 round-off differs with the reduction order (the dispatch einsums, the experts' split)
-LOSS_RTOL, PARAM_RTOL, PARAM_ATOL = 1e-5, 1e-4, 5e-6
 
 
 def _batches():
@@ -45,11 +44,8 @@ def test_every_moe_plan_trains_as_on_one_device(plan_name, factory, backend):
         warnings.simplefilter("error" if factory == "moe_tiny" else "ignore", shardplan.ShardMapFallbackWarning)
         step = shardplan.train_step(placement, example.moe_lm_loss, model, optimizer, backend=backend)
         losses = [float(step(model, optimizer, b)) for b in batches]
-    np.testing.assert_allclose(losses, ref_losses, rtol=LOSS_RTOL)
+    reference.assert_trains_alike(losses, reference.params_of(model), ref_losses, ref_params)
     assert losses[-1] < losses[0]
-    got = reference.params_of(model)
-    for path, want in ref_params.items():
-        np.testing.assert_allclose(got[path], want, rtol=PARAM_RTOL, atol=PARAM_ATOL, err_msg=path)
 
 
 def test_moe_shapes_check_offline():

@@ -143,6 +143,58 @@ def test_op_along_an_unsplit_dim_is_local(name, fn):
     check(fn, [f32(8, 4, 6)], [(("data",), ("model",), ())], dims=dims)
 
 
+ALONG = [
+    ("sort", lambda x: jax.lax.sort(x, dimension=2)),
+    ("argmax", lambda x: jnp.argmax(x, axis=2)),
+    ("argmin", lambda x: jnp.argmin(x, axis=2)),
+    ("cumsum", lambda x: jax.lax.cumsum(x, axis=2)),
+    ("cumprod", lambda x: jax.lax.cumprod(x, axis=2)),
+    ("cummax", lambda x: jax.lax.cummax(x, axis=2)),
+    ("cumlogsumexp", lambda x: jax.lax.cumlogsumexp(x, axis=2)),
+    ("rev", lambda x: jax.lax.rev(x, (2,))),
+]
+
+
+@pytest.mark.parametrize("name,fn", ALONG, ids=[n for n, _ in ALONG])
+def test_op_along_a_split_dim_takes_that_dim_whole_and_keeps_the_others(name, fn):
+    """The dim the op runs along is split over ``model``: computed per block it would be wrong
+    (a cumsum restarting at each block, an argmax of a block): gathered first, other splits kept."""
+    x = f32(8, 3, 6)
+    closed = jax.make_jaxpr(fn)(x)
+    assert name in {e.primitive.name for e in closed.jaxpr.eqns}
+    reduced = name in ("argmax", "argmin")
+    dims = (("data",), ()) if reduced else (("data",), (), ())
+    check(fn, [x], [(("data",), (), ("model",))], dims=dims, issued=["all-gather"])
+
+
+@pytest.mark.parametrize(
+    "name,fn",
+    [
+        ("add", lambda x: jnp.sum(x, axis=-1) + 0.5),
+        ("sub", lambda x: 2.0 - jnp.sum(x, axis=-1)),
+        ("add", lambda x: jnp.mean(x * x, axis=-1, keepdims=True) + 1e-2),  # an RMSNorm's mean + eps
+    ],
+)
+def test_a_constant_added_to_a_pending_sum_is_added_once(name, fn):
+    """A sum over a split dim is pending (one partial per device); a constant added to it must be
+    added to the total, not to each partial (which would add it once per device)."""
+    x = f32(8, 6)
+    got, layouts, record, _ = partitioned(fn, [x], [(("data",), ("model",))])
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(jax.jit(fn)(x)), rtol=1e-6, atol=1e-6)
+    assert layouts[0][1] == frozenset() and record.fallbacks == []
+
+
+def test_pending_sums_added_together_stay_pending():
+    """Linear in both operands: the sum of two partial sums over the same axis is one partial sum."""
+
+    def fn(x, y):
+        return jnp.sum(x, axis=-1) + jnp.sum(y, axis=-1)
+
+    _, layouts, _, before = partitioned(fn, [f32(8, 6), f32(8, 6)], [(("data",), ("model",))] * 2)
+    assert layouts[0][1] == frozenset({"model"}) and before == []
+    check(fn, [f32(8, 6), f32(8, 6)], [(("data",), ("model",))] * 2)
+
+
 def test_reduce_max_over_a_split_dim_is_a_pmax():
     check(lambda x: jnp.max(x, axis=0), [f32(8, 6)], [(("data",), ())], dims=((),), issued=["all-reduce"])
 

@@ -164,10 +164,9 @@ def test_a_scanned_llama_trains_pipelined_equal_to_one_device(file, mesh, backen
     data = batches()
     losses, model, optimizer, placement, step = train(plan, data, backend)
     one_losses, one_params = reference.train(models.llama_deep_scan, TX, example.lm_loss, data, key="adamw-1e-2")
-    np.testing.assert_allclose(losses, one_losses, rtol=1e-5)
     params = reference.params_of(model)
-    for path in params:
-        np.testing.assert_allclose(params[path], one_params[path], rtol=1e-4, atol=5e-6, err_msg=path)
+    assert params.keys() == one_params.keys()
+    reference.assert_trains_alike(losses, params, one_losses, one_params)
     # Each stage holds only its layers (and their optimizer state).
     q = model.layers.attn.q.kernel[...]
     assert q.addressable_shards[0].data.shape[0] == 8 // mesh["stage"]

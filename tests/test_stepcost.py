@@ -2,6 +2,7 @@
 fast mode against exact mode, the CLI, and bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -313,6 +314,23 @@ def test_fast_mode_matches_exact_mode(model, plan):
     assert fast.hbm_bytes == pytest.approx(exact.hbm_bytes, rel=0.3)
 
 
+@pytest.mark.parametrize("plan, kind", [("fsdp.splan", "reduce-scatter"), ("dp.splan", "all-reduce")])
+def test_every_gradient_reduction_names_the_param_and_rule_it_moves(plan, kind):
+    """Gradient sums over the batch axis: each row names the param whose gradient it moves and the
+    plan rule that placed it, and every param of the model has its gradient reduced once."""
+    fast = analyze(plan, mode="fast")
+    rows = [c for c in fast.communication if c.kind == kind and c.axes == ("data",)]
+    assert rows and all(c.moves and c.rule.startswith(str(PLANS / plan) + ":") for c in rows), [
+        (c.op, c.source, c.moves, c.rule) for c in rows if not (c.moves and c.rule)]
+    decisions = shardplan.check(PLANS / plan, model=f"{MODELS}:gpt_tiny", devices=8).resolution.decisions
+    params = {d.path: d for d in decisions if d.role == "param"}
+    reduced = {c.moves for c in rows}
+    assert reduced <= set(params)
+    # FSDP: every split param's gradient is reduce-scattered; data parallel: every gradient all-reduced
+    want = {p for p, d in params.items() if any(d.spec.dims)} if kind == "reduce-scatter" else set(params)
+    assert reduced == want, (sorted(want - reduced), sorted(reduced - want))
+
+
 def test_fast_mode_follows_xla_through_a_2d_plan_on_a_scanned_model():
     """llama_scan_2d on the scanned Llama (auto backend): each layer's weight gradient is
     reduce-scattered inside the loop (read from the CPU program's all-reduce + per-device slice),
@@ -415,9 +433,9 @@ def test_fast_mode_of_the_shard_map_backend_is_its_compiled_communication(plan, 
 
 # -- the command line ---------------------------------------------------------------------------
 
-def cli(*args):
+def cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "shardplan", "check", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env=None if env is None else {**os.environ, **env})
 
 
 def test_check_step_names_backend_and_mode_in_text_and_json():
@@ -538,6 +556,31 @@ def test_check_chip_prints_the_step_time():
     assert cli(PLANS / "dp.splan", "--chip", "h100").returncode == 2  # a time needs --step
 
 
+def _secs(text: str) -> float:
+    value, unit = text.replace(",", "").split()
+    return float(value) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+
+
+def test_the_printed_step_time_adds_up():
+    """The text line's parts add up to the step it prints: compute + memory + launches on the
+    device, communication beside it; overlapped is the larger, serial the sum (to print rounding)."""
+    import re
+
+    r = cli(PLANS / "fsdp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8, "--step", STEP,
+            "--batch", BATCH[0], "--chip", "h100", env={"COLUMNS": "1000"})
+    assert r.returncode == 0, r.stderr
+    line = " ".join(r.stdout.split())
+    t = r"([\d.,]+ (?:s|ms|us))"
+    m = re.search(rf"compute {t} \+ memory {t} .*?\+ kernel launches {t} .*?= {t} on the device; "
+                  rf"communication {t} .*?Step {t} with communication overlapped .*? to {t} serial", line)
+    assert m, line[-1500:]
+    compute, memory, launch, device, comm, overlapped, serial = (_secs(g) for g in m.groups())
+    tol = 0.05e-6 * 4 + 1e-3 * max(device, comm)  # each part printed to 0.1 us (or 0.1%)
+    assert abs(compute + memory + launch - device) <= tol
+    assert abs(max(device, comm) - overlapped) <= tol and abs(device + comm - serial) <= tol
+    assert launch > 0 and comm > 0
+
+
 def test_exact_mode_compiles_for_a_mesh_larger_than_the_machine():
     """64 simulated devices in the child process (this process has 8), a scanned model."""
     cost = shardplan.api.analyze(PLANS / "llama_scan_2d.splan", model=f"{MODELS}:llama_tiny_scan", step=STEP,
@@ -592,3 +635,29 @@ def test_exact_mode_in_this_process_is_the_child_processs_figures(monkeypatch):
     child = api.analyze(PLANS / "gpt_tp.splan", **kw)
     assert (here.flops, here.memory, here.communication) == (child.flops, child.memory, child.communication)
     assert here.memory.peak > 0 and {c.kind for c in here.communication} >= {"all-reduce"}
+
+
+@pytest.mark.parametrize("raw, shown", [
+    ("jit(step)/transpose(jvp())/dot_general:", "dot_general (backward)"),
+    ("(transpose(jvp())/dot_general:3", "dot_general (backward)"),
+    ("jit(step)/jvp(Block)/jvp(remat(dot_general))", "dot_general"),
+    ("dot_general", "dot_general"),
+    ("act rule plans/x.splan:12 on layers/0 (activation constraint)",
+     "act rule plans/x.splan:12 on layers/0 (activation constraint)"),
+])
+def test_op_names_are_printed_as_a_person_reads_them(raw, shown):
+    from shardplan.core.format import fmt_op
+
+    assert fmt_op(raw) == shown
+
+
+def test_narrow_terminals_wrap_paths_and_rules_instead_of_cutting_them():
+    """COLUMNS is honoured when piped, and a narrow table folds long cells: every moved param's
+    path and its rule's file:line are there whole (before: 'blocks/*/mo…', 'moe_ep.spl…')."""
+    r = cli(PLANS / "fsdp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8, "--step", STEP,
+            "--batch", BATCH[0], env={"COLUMNS": "100"})
+    assert r.returncode == 0, r.stderr
+    assert max(len(line) for line in r.stdout.splitlines()) <= 100
+    assert "…" not in r.stdout
+    flat = "".join(line.strip("│┃ ") for line in r.stdout.splitlines())
+    assert "blocks/1/mlp/down/kernel" in flat.replace("│", "").replace(" ", "")

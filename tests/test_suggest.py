@@ -100,10 +100,7 @@ def test_the_suggested_plan_trains_equal_to_one_device(tight, backend):
     step = shardplan.train_step(placement, rm.loss, model, opt, backend=backend)
     losses = [float(step(model, opt, b)) for b in batches]
     ref_losses, ref_params = reference.train(rm.tower, tx, rm.loss, batches, key="adamw-1e-2")
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    got = reference.params_of(model)
-    for path, want in ref_params.items():
-        np.testing.assert_allclose(got[path], want, rtol=1e-4, atol=5e-6, err_msg=path)
+    reference.assert_trains_alike(losses, reference.params_of(model), ref_losses, ref_params)
 
 
 def _body(text: str) -> list[str]:

@@ -63,3 +63,19 @@ def fmt_seconds(t: float) -> str:
     if t >= 1e-3:
         return f"{t * 1e3:.1f} ms"
     return f"{t * 1e6:.1f} us"
+
+
+_WRAPPERS = re.compile(r"^[\w.-]*\(|\)$")
+
+
+def fmt_op(name: str) -> str:
+    """A jax op name as a person reads it: its primitive, and "backward" for the transpose of a
+    derivative (``jit(step)/transpose(jvp())/dot_general:...`` -> ``dot_general (backward)``)."""
+    if not name or " " in name:  # empty, or written for a person already ("act rule f:8 on m")
+        return name
+    parts = [p for p in name.split(":", 1)[0].split("/") if p]
+    base = parts[-1] if parts else name
+    while _WRAPPERS.search(base):  # jvp(x), remat(x): the primitive inside
+        base = _WRAPPERS.sub("", base)
+    backward = "transpose(" in name
+    return f"{base or name} (backward)" if backward else base or name

@@ -13,6 +13,7 @@ import re
 import stat
 
 from shardplan.core.leaves import Leaf
+from shardplan.core.meshes import closest
 from shardplan.errors import PlanCheckError, as_error, error
 
 FORMAT = "shardplan-shapes/1"
@@ -208,11 +209,13 @@ def parse_batch_arg(items: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
             dims = [d.strip() for d in m.group("dims").split(sep)]
             dtype = m.group("dtype") or "float32"
         if not m or dtype not in ITEMSIZE or not all(d.isdigit() and int(d) > 0 for d in dims):
+            near = closest(dtype, ITEMSIZE)
+            unknown = f"unknown dtype '{dtype}'" + (f", {near}" if near else "") if m and dtype not in ITEMSIZE else ""
             raise as_error(
                 [
                     error(
                         "bad-argument",
-                        f"cannot read the batch item '{item}'",
+                        f"cannot read the batch item '{item}'" + (f": {unknown}" if unknown else ""),
                         "write NAME=DTYPE[D0,D1,...] (e.g. tokens=int32[256,4096]) or NAME=D0xD1:DTYPE, "
                         f"with positive dims; dtypes: {', '.join(sorted(ITEMSIZE))}",
                         path="--batch",

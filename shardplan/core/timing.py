@@ -67,7 +67,9 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
     for c in cost.communication:
         group = math.prod(cost.mesh.get(a, 1) for a in c.axes)
         link = "dcn" if any(links.get(a) == "dcn" for a in c.axes) else "ici"
-        if c.moves and cost.mode == "fast":  # combined with the others of its kind (see COMBINE_BYTES)
+        # A moved param, state or input (gathered): combined with the others of its kind (see
+        # COMBINE_BYTES). A gradient's sum names its param too, but is timed on its own.
+        if c.moves and cost.mode == "fast" and c.kind not in ("all-reduce", "reduce-scatter"):
             # combined within one run (a scanned layer's gathers run once per layer: not across runs)
             key = (c.kind, c.axes, max(c.count, 1))
             combined[key] = combined.get(key, 0) + c.bytes // key[2]

@@ -220,6 +220,14 @@ class _Checker:
     # -- regexes ------------------------------------------------------------------------
     def regex(self, r: ast.RuleNode) -> bool:
         ps = r.pattern_span
+        if len(r.pattern) > MAX_REGEX_LENGTH:  # Python's regex parser takes seconds per megabyte
+            self.err(
+                "unsupported-regex",
+                f"regex of {len(r.pattern):,} characters (at most {MAX_REGEX_LENGTH:,})",
+                "match params by a shorter pattern (a path regex needs a few dozen characters)",
+                ps,
+            )
+            return False
         depth = _depth(r.pattern)
         if depth > MAX_REGEX_DEPTH:  # Python's regex parser recurses per group: its stack sets no fixed limit
             self.err(
@@ -559,6 +567,7 @@ def check(modules: tuple[ast.Module, ...], mesh_override: MeshSizes | None = Non
 
 
 MAX_REGEX_DEPTH = 100
+MAX_REGEX_LENGTH = 10_000
 
 
 def _depth(pattern: str) -> int:

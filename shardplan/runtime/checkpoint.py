@@ -268,7 +268,10 @@ class Checkpointer:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), pure, shardings)
 
     def _check_tree(self, step: int, item: str, target: dict) -> None:
-        saved_meta = self.manager.item_metadata(step)
+        try:  # the tree's metadata is read from the step's OCDBT files: damage shows here first
+            saved_meta = self.manager.item_metadata(step)
+        except Exception as e:  # Orbax/TensorStore errors of many kinds
+            raise _restore_error(step, self.directory / str(step), e) from None
         saved = saved_meta[item] if item in saved_meta else None
         if saved is None:
             raise PlanApplyError(
@@ -358,7 +361,9 @@ class Checkpointer:
         return step_info(self.manager, step)
 
 
-_DATA_ERRORS = re.compile(r"DATA_LOSS|decod|corrupt|checksum|truncat|NOT_FOUND|No such file|reading array", re.I)
+_DATA_ERRORS = re.compile(
+    r"DATA_LOSS|OUT_OF_RANGE|byte range|decod|corrupt|checksum|truncat|NOT_FOUND|No such file|reading array", re.I
+)
 
 
 def _chain_text(e: BaseException) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable, fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize
-from shardplan.runtime.sources import eqn_source
+from shardplan.runtime.sources import INTERNAL_SCOPE, eqn_source
 
 Dims = tuple[tuple[str, ...], ...]
 
@@ -197,6 +197,7 @@ class _Propagator:
         self.ctx = ctx
         self.ignore_constraints = ignore_constraints  # propagate as if the step constrained nothing
         self.names = names  # top-level invar -> leaf path (for 'moves')
+        self.updates: dict[Any, str] = {}  # a value -> the param it updates (a gradient's sums name it)
         self.hints: dict[Any, Dims] = {}
         self.claimed: dict[Any, Dims] = {}  # values a closed sharding constraint lays out (see _claims)
         self.back: dict[Any, Dims] = {}  # layouts propagated back from those (see _claims_back, _back_claim)
@@ -269,11 +270,12 @@ class _Propagator:
         reader_source = self.ctx.source
         if origin is not None:  # the sum is the op's that made it, at its line
             why, self.ctx.source = origin[0], origin[1] or reader_source
+        moves = self.updates.get(var) or self.updates.get(self.root(var), "")  # a gradient: its param
         if scatter:
-            self.ctx.add("reduce-scatter", tuple(scatter), self.ctx.local(v), mult, why)
+            self.ctx.add("reduce-scatter", tuple(scatter), self.ctx.local(v), mult, why, moves)
         out = Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims))
         if rest:
-            self.ctx.add("all-reduce", rest, self.ctx.local(out), mult, why)
+            self.ctx.add("all-reduce", rest, self.ctx.local(out), mult, why, moves)
         self.ctx.source = reader_source
         self.ctx.cache[key] = out
         return out
@@ -1040,19 +1042,22 @@ class _Propagator:
         where it splits a dim the sum leaves whole), then resharded to it."""
         from shardplan.runtime.partition import constraint_target
 
-        if self.ignore_constraints:
+        scope = str(getattr(eqn.source_info, "name_stack", ""))
+        internal = INTERNAL_SCOPE in scope  # shardplan's own (a pipeline's buffers): kept, not listed
+        if self.ignore_constraints and not internal:
             return v
         target = constraint_target(eqn, v.dims)
         if target is None:
             self.ctx.unmodeled["sharding_constraint"] = self.ctx.unmodeled.get("sharding_constraint", 0) + 1
             return v
         dims = _tuple(list(target))
-        scope = str(getattr(eqn.source_info, "name_stack", ""))
         # An act rule's constraint runs in a named scope, which transforms wrap: jvp(act rule f:8 on m).
         named = re.search(r"act rule \S+ on [^()/]+", scope)
         what = named.group(0) if named else "sharding constraint"
         why = f"{what} (activation constraint)"
-        out = self.to_layout(eqn.invars[0], v, dims, mult, why)
+        out = self.to_layout(eqn.invars[0], v, dims, mult, "pipeline buffer" if internal else why)
+        if internal:
+            return out
         written = ", ".join("_" if not d else d[0] if len(d) == 1 else f"({', '.join(d)})" for d in dims)
         self.constrained.append(Constrained(what, self.ctx.source, v.shape, f"({written})", self.ctx.local(out), mult))
         return out
@@ -1929,6 +1934,10 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
             if not hasattr(var, "val"):
                 prop.hints[var] = _norm(d.spec.dims, len(var.aval.shape))
         prop.aliased = {v for v in jaxpr.outvars[: len(out_specs)] if not hasattr(v, "val")}
+        updates = traced.memo.get("updates")
+        if updates is None:  # what depends on the trace alone: once per trace
+            updates = traced.memo["updates"] = update_paths(jaxpr, list(params.decisions))
+        prop.updates = updates
         outs = prop.run(jaxpr, env, 1)
         for var, v, d in zip(jaxpr.outvars, outs, out_specs, strict=False):
             target = _norm(d.spec.dims, len(v.shape))
@@ -2089,6 +2098,51 @@ def analyze_shard_map(
         constraint_delta=(),
         fallbacks=tuple((f.op, f.source, f.bytes) for f in record.fallbacks),
     )
+
+
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat2", "checkpoint")
+_SAME_VALUES = ELEMENTWISE | {"transpose", "reshape", "squeeze", "expand_dims"}  # the same elements, moved or mapped
+
+
+def update_paths(jaxpr: Any, param_decisions: list) -> dict[Any, str]:
+    """Each value of the step that the update of one param is computed from element by element
+    (its gradient, and the matmul transpose or sum that made it, through the optimizer's
+    arithmetic) -> that param's path: a gradient's all-reduce or reduce-scatter moves that param's
+    gradient. Found backwards from the step's outputs (the updated params come first), through
+    elementwise and layout ops whose operand has as many elements as the result (a global
+    norm's scalar, a reduction's input, are not followed), into calls."""
+    labels: dict[Any, str] = {}
+    for var, d in zip(jaxpr.outvars, param_decisions, strict=False):
+        if not hasattr(var, "val"):
+            labels[var] = d.path
+    _label_back(jaxpr, labels)
+    return labels
+
+
+def _label_back(jaxpr: Any, labels: dict[Any, str]) -> None:
+    for eqn in reversed(jaxpr.eqns):
+        outs = [labels.get(o) for o in eqn.outvars]
+        if not any(outs):
+            continue
+        name = eqn.primitive.name
+        sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        if name in _CALLS and sub is not None:
+            inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+            for io, label in zip(inner.outvars, outs, strict=False):
+                if label and not hasattr(io, "val"):
+                    labels.setdefault(io, label)
+            _label_back(inner, labels)
+            for iv, ov in zip(inner.invars, eqn.invars[len(eqn.invars) - len(inner.invars) :], strict=True):
+                if iv in labels and not hasattr(ov, "val"):
+                    labels.setdefault(ov, labels[iv])
+            continue
+        if name not in _SAME_VALUES:
+            continue
+        for o, label in zip(eqn.outvars, outs, strict=True):
+            size = math.prod(getattr(o.aval, "shape", ()))
+            for x in eqn.invars:
+                if label and not hasattr(x, "val") and math.prod(getattr(x.aval, "shape", ())) == size and size > 1:
+                    labels.setdefault(x, label)
 
 
 def _merge(comm: list[Communication], params: Any, opt: Any) -> list[Communication]:

@@ -573,7 +573,10 @@ class Partitioner:
             partials = {frozenset(), frozenset({"?"})}  # a shared operand is reduced, not carried
         if len(partials) == 1 and not any(ins[i].partial for i in scal):
             only = next(iter(partials))
-            if only and name in _LINEAR_ALL:
+            # Linear in all operands together: every operand, scalars too, must carry the same
+            # pending sum (a constant added to each device's partial would be summed n times:
+            # an RMSNorm's ``mean + eps`` on a row-parallel output).
+            if only and name in _LINEAR_ALL and all(v.partial == only for v in ins):
                 keep = only
         if name == "mul" and len(ins) == 2 and not keep and not any(v.shared for v in ins):
             ps = [v.partial for v in ins]

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from shardplan.core.pipeline import problems
 from shardplan.core.plan import Pipeline
 from shardplan.errors import ShardPlanError, as_error, error
+from shardplan.runtime.sources import INTERNAL_SCOPE
 
 _CALLS = ("jit", "pjit", "closed_call", "core_call")  # inlined on the way to the stack's scan
 
@@ -161,8 +162,14 @@ def _join(y: jax.Array, d: int) -> jax.Array:
     return jnp.moveaxis(y, 0, d)
 
 
+def _pin(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """A constraint of shardplan's own (not the user's: reports leave it out)."""
+    with jax.named_scope(INTERNAL_SCOPE):
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def _free(x: jax.Array, mesh: Any) -> jax.Array:
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*[P.UNCONSTRAINED] * x.ndim)))
+    return _pin(x, NamedSharding(mesh, P(*[P.UNCONSTRAINED] * x.ndim)))
 
 
 def _shift(x: jax.Array, mesh: Any, axis: str, stages: int) -> jax.Array:
@@ -271,7 +278,7 @@ def _on_stages(x: jax.Array, mesh: Any, axis: str, dim: int = 0, rows: tuple[str
     spec[dim] = axis
     if rows:
         spec[dim + 1] = rows
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+    return _pin(x, NamedSharding(mesh, P(*spec)))
 
 
 def _by_rows(x: jax.Array, mesh: Any, rows: tuple[str, ...]) -> jax.Array:
@@ -280,7 +287,7 @@ def _by_rows(x: jax.Array, mesh: Any, rows: tuple[str, ...]) -> jax.Array:
     if not rows:
         return x
     spec: list[Any] = [None, rows] + [P.UNCONSTRAINED] * (x.ndim - 2)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+    return _pin(x, NamedSharding(mesh, P(*spec)))
 
 
 def run_stack(

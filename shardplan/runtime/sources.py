@@ -19,3 +19,9 @@ def eqn_source(eqn: Any) -> str:
     except (AttributeError, TypeError):  # no traceback recorded
         pass
     return ""
+
+
+# The named scope of the constraints shardplan itself writes into a step (a pipeline's buffers):
+# they are not the user's, so reports neither list them nor take them out to show what the
+# user's constraints change.
+INTERNAL_SCOPE = "shardplan-internal"

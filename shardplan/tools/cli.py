@@ -9,6 +9,7 @@ import argparse
 import difflib
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,11 +17,11 @@ from pathlib import Path
 from rich.console import Console
 
 from shardplan import api
-from shardplan.core import backends, chips, lock, optimizers, timing
+from shardplan.core import backends, callables, chips, lock, optimizers, timing
 from shardplan.core.format import fmt_bytes, parse_bytes
 from shardplan.core.meshes import parse_links_arg, parse_mesh_arg, with_links
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD
-from shardplan.core.shapes import ITEMSIZE
+from shardplan.core.shapes import ITEMSIZE, parse_batch_arg
 from shardplan.errors import LaunchError, ShardPlanError, as_error, error, warning
 from shardplan.lang.fmt import format_text
 from shardplan.lang.loader import read_file
@@ -479,7 +480,7 @@ def cmd_ckpt_info(args, out: Console, err: Console) -> int:
     out.print(f"[bold]{report.escape(str(args.directory))}[/]: complete steps {', '.join(map(str, steps))}")
     summary = Table(header_style="bold")
     for col in ("step", "plan", "mesh", "backend", "processes", "shardplan"):
-        summary.add_column(col)
+        summary.add_column(col, overflow="fold")
     infos = [checkpoint.step_info(manager, s) for s in steps]
     for info in infos:
         m = info.meta
@@ -496,7 +497,7 @@ def cmd_ckpt_info(args, out: Console, err: Console) -> int:
     for item, leaves in info.leaves.items():
         table = Table(title=f"step {info.step}: {item}", header_style="bold")
         for col in ("path", "shape", "dtype", "bytes"):
-            table.add_column(col, justify="right" if col == "bytes" else "left")
+            table.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
         for path, shape, dtype in leaves:
             n = math.prod(shape) * ITEMSIZE.get(dtype, 0)
             table.add_row(report.escape(path), str(shape), dtype, fmt_bytes(n))
@@ -514,6 +515,11 @@ def cmd_launch(args, out: Console, err: Console) -> int:
         raise _UsageError("give the command to run after --, e.g. shardplan launch -n 2 -- python train.py")
     if args.n < 1 or args.devices_per_process < 1:
         raise _UsageError("-n and --devices-per-process must be positive")
+    if args.timeout is not None and args.timeout <= 0:
+        raise _UsageError(
+            f"--timeout {args.timeout:g} would stop every rank at once: give the run's bound in seconds "
+            "(e.g. 600), or leave it out for no bound"
+        )
     try:
         code, results, summary = launch.launch(
             command, args.n, args.devices_per_process, failure_grace_s=args.failure_grace, timeout_s=args.timeout
@@ -929,9 +935,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _precheck(args) -> None:
+    """Flags read before jax is imported or a model is built, so a mistake is reported at once:
+    the files and names ``--model``/``--step``/``--loss`` give, the ``--batch`` shapes, ``--link``."""
+    for flag in ("model", "step", "loss"):
+        value = getattr(args, flag, None)
+        if isinstance(value, str):
+            callables.check_ref(value, f"--{flag}")
+    batch = getattr(args, "batch", None)
+    if isinstance(batch, list) and all(isinstance(b, str) for b in batch):
+        parse_batch_arg(batch)
+    link = getattr(args, "link", None)
+    if isinstance(link, list):
+        parse_links_arg(link)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    # Wide tables when piped (rich assumes 80 columns without a terminal).
-    out = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+    # Wide tables when piped (rich assumes 80 columns without a terminal), unless COLUMNS says.
+    out = Console(soft_wrap=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)
     err = Console(stderr=True)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -942,6 +963,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
+        _precheck(args)
         _quiet_absl()
         _simulate_devices(getattr(args, "simulate_devices", None))
         return args.func(args, out, err)

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from shardplan.core.cost import communication, summary
-from shardplan.core.format import fmt_bytes, fmt_seconds, fmt_shape, layer_group
+from shardplan.core.format import fmt_bytes, fmt_op, fmt_seconds, fmt_shape, layer_group
 from shardplan.core.leaves import Decision, Resolution
 from shardplan.core.plan import Plan
 from shardplan.core.stepcost import KINDS, StepCost
@@ -93,7 +93,7 @@ def print_step_cost(
     m = cost.memory
     mem = Table(title="memory per device", header_style="bold")
     for col in ("params", "optimizer state", "batch", "temporaries", "outputs - aliased", "peak"):
-        mem.add_column(col, justify="right")
+        mem.add_column(col, justify="right", overflow="fold")
     mem.add_row(*(fmt_bytes(x) for x in (m.params, m.opt_state, m.batch, m.temporaries, m.outputs - m.aliased, m.peak)))
     console.print(mem)
     console.print(
@@ -113,7 +113,7 @@ def print_step_cost(
         )
     by = Table(title="communication per step, per device, by kind and mesh axes", header_style="bold")
     for col in ("collective", "mesh axes", "count", "bytes"):
-        by.add_column(col, justify="right" if col in ("count", "bytes") else "left")
+        by.add_column(col, justify="right" if col in ("count", "bytes") else "left", overflow="fold")
     counts: dict[tuple[str, str], list[int]] = {}
     for c in cost.communication:
         acc = counts.setdefault((c.kind, ",".join(c.axes) or "-"), [0, 0])
@@ -126,16 +126,16 @@ def print_step_cost(
     console.print(by)
     top = Table(title=f"largest collectives (of {len(cost.communication)} groups)", header_style="bold")
     for col in ("collective", "axes", "bytes", "op", "source", "moves (rule)"):
-        top.add_column(col, justify="right" if col == "bytes" else "left")
+        top.add_column(col, justify="right" if col == "bytes" else "left", overflow="fold")
     for c in sorted(cost.communication, key=lambda c: -c.bytes)[:limit]:
         source = os.path.basename(c.source) if c.source else "none (library code)"
         moves = f"{c.moves} ({_short(c.rule)})" if c.rule else c.moves
-        top.add_row(c.kind, ",".join(c.axes), fmt_bytes(c.bytes), escape(c.op), escape(source), escape(moves))
+        top.add_row(c.kind, ",".join(c.axes), fmt_bytes(c.bytes), escape(fmt_op(c.op)), escape(source), escape(moves))
     console.print(top)
     if cost.constrained:
         acts = Table(title="constrained activations (per device, one instance)", header_style="bold")
         for col in ("by", "source", "shape", "layout", "bytes", "count"):
-            acts.add_column(col, justify="right" if col in ("bytes", "count") else "left")
+            acts.add_column(col, justify="right" if col in ("bytes", "count") else "left", overflow="fold")
         for a in cost.constrained:
             where = os.path.basename(a.source) if a.source else ""
             acts.add_row(
@@ -152,13 +152,15 @@ def print_step_cost(
             console.print("the constraints change no communication of this step")
     if time is not None:
         links = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(time.comm_by_link.items())) or "none"
+        local = time.compute_s + time.memory_s + time.launch_s
         console.print(
             f"[bold]step time on {time.chip}[/] (estimate at datasheet rates: compute at peak, memory traffic at "
-            f"HBM bandwidth, collectives over their links): compute {fmt_seconds(time.compute_s)}, memory "
-            f"{fmt_seconds(time.memory_s)} ({fmt_bytes(int(cost.hbm_bytes))}), communication "
-            f"{fmt_seconds(time.comm_s)} ({links}); "
-            f"step {fmt_seconds(time.overlapped_s)} overlapped to {fmt_seconds(time.serial_s)} serial, "
-            f"MFU {time.mfu_overlapped:.0%} to {time.mfu_serial:.0%}"
+            f"HBM bandwidth, collectives over their links): compute {fmt_seconds(time.compute_s)} + memory "
+            f"{fmt_seconds(time.memory_s)} ({fmt_bytes(int(cost.hbm_bytes))}) + kernel launches "
+            f"{fmt_seconds(time.launch_s)} ({cost.kernels:,.0f} kernels) = {fmt_seconds(local)} on the device; "
+            f"communication {fmt_seconds(time.comm_s)} ({links}; of it latency {fmt_seconds(time.latency_s)}). "
+            f"Step {fmt_seconds(time.overlapped_s)} with communication overlapped (the larger of the two) to "
+            f"{fmt_seconds(time.serial_s)} serial (their sum), MFU {time.mfu_overlapped:.0%} to {time.mfu_serial:.0%}"
         )
     for n in cost.notes:
         console.print(f"[dim]note: {escape(n)}[/]")
@@ -168,10 +170,10 @@ def print_comparison(
     console: Console, results, budget: int | None = None, costs: Sequence | None = None, times: Sequence | None = None
 ) -> None:
     table = Table(title="plans side by side (per device)", header_style="bold")
-    table.add_column("")
+    table.add_column("", overflow="fold")
     for plan, res in results:
         mesh = ",".join(f"{k}={v}" for k, v in res.mesh.items())
-        table.add_column(escape(f"{plan.name or plan.files[0]}\n{mesh}"), justify="right")
+        table.add_column(escape(f"{plan.name or plan.files[0]}\n{mesh}"), justify="right", overflow="fold")
     rows = [
         ("params", lambda p, r: summary(r)["param_bytes_per_device"]),
         ("other state", lambda p, r: summary(r)["state_bytes_per_device"]),
@@ -223,7 +225,7 @@ def print_text(
         caption="x N: N arrays of one shape, spec and rule in one row; bytes are each array's (--expand: one row each)",
     )
     for col in ("param path", "global shape", "dtype", "spec", "shard / device", "bytes / device, each", "rule"):
-        table.add_column(col, justify="right" if col.startswith("bytes") else "left")
+        table.add_column(col, justify="right" if col.startswith("bytes") else "left", overflow="fold")
     for row in group([d for d in res.decisions if d.role in roles], expand):
         d = row.first
         path = escape(row.path) + (f"  [dim]x{row.count}[/]" if row.count > 1 else "")
@@ -260,7 +262,7 @@ def print_compiled_collectives(console: Console, name: str, mesh: dict[str, int]
     """``lower --report``: per backend, the collectives in its compiled step."""
     table = Table(title=escape(f"collectives per step, per device ({name}, mesh {mesh})"))
     for col in ("backend", "kind", "count", "bytes"):
-        table.add_column(col, justify="right" if col in ("count", "bytes") else "left")
+        table.add_column(col, justify="right" if col in ("count", "bytes") else "left", overflow="fold")
     for backend, summary_ in measured.items():
         for kind, v in summary_.items():
             if v["count"]:
