@@ -28,7 +28,7 @@ each with a leading layer dimension (``layers/attn/q/kernel`` is (L, d_model, q_
 
 Factories with no required arguments (``gpt_tiny``, ``gpt_small``, ``mlp_small``,
 ``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_deep_scan``, ``llama_1b``, ``moe_tiny``,
-``moe_small``, ``moe_tiny_dropless``, ``mixtral_8x7b``, ``deepseek_v3``, ``typed_tiny``) are what
+``moe_small``, ``moe_tiny_dropless``, ``moe_tiny_shared``, ``mixtral_8x7b``, ``deepseek_v3``, ``typed_tiny``) are what
 ``shardplan check --model examples/models.py:FACTORY`` calls.
 """
 
@@ -695,6 +695,11 @@ def moe_small(seed: int = 0) -> MoE:
 
 def moe_tiny_dropless(seed: int = 0) -> MoE:
     return MoE(MoEConfig(dispatch="dropless", shared_expert=True), nnx.Rngs(seed))
+
+
+def moe_tiny_shared(seed: int = 0) -> MoE:
+    """moe_tiny with a shared expert beside the routed ones (capacity dispatch)."""
+    return MoE(MoEConfig(shared_expert=True), nnx.Rngs(seed))
 
 
 def mixtral_8x7b(seed: int = 0) -> MoE:

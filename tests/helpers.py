@@ -43,6 +43,6 @@ PLAN_MODELS = {
     "llama_tp.splan": "llama_tiny",
     "moe_ep.splan": "moe_tiny",
     "moe_ep_fsdp.splan": "moe_tiny",
-    "moe_ep_tp.splan": "moe_tiny_dropless",
+    "moe_ep_tp.splan": "moe_tiny_shared",
     "typed_tp.splan": "typed_tiny",
 }

@@ -179,6 +179,12 @@ def test_sequence_parallel_saves_the_activation_memory_fast_mode_predicts():
         exact, fast = cost[plan, "exact"].memory, cost[plan, "fast"].memory
         assert abs(fast.temporaries - exact.temporaries) <= 0.15 * exact.temporaries
         assert abs(fast.peak - exact.peak) <= 0.15 * exact.peak
+    # README.md quotes these temporaries (compiled, MB): the figures are this run's.
+    from tests.test_readme_figures import readme_sp_temporaries
+
+    quoted = readme_sp_temporaries()
+    measured = tuple(round(temps[p, "exact"] / 1e6, 1) for p in ("llama_tp.splan", "llama_sp.splan"))
+    assert quoted == measured, (quoted, measured)
     sp = cost["llama_sp.splan", "fast"]
     assert sp.constrained  # check --step lists the constrained activations, and what they change:
     delta = {(kind, axes): n for kind, axes, n in sp.constraint_delta}

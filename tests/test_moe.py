@@ -148,6 +148,25 @@ def test_quick_moe_benchmark_measures_side_by_side_and_reports_each_target_hones
     assert (checks["fast vs exact moe_ep.splan x moe_tiny: peak memory error"]["met"] == "yes") == (
         row["peak_error"] <= 0.15)
     assert any(line.startswith("moe_ep.splan") for line in moe.report(res))
+    # Every deterministic target is met, except those known unmet (issue 31, the MoE engine work; issue
+    # 44, the engine's accuracy): each of those may not get worse than measured (2026-12-03), and the
+    # test shows as xfail while any is left.
+    missed = {c["measurement"]: c for c in checks.values() if not c["timing"] and c["met"] != "yes"}
+    assert set(missed) <= set(MOE_KNOWN_MISSES), sorted(set(missed) - set(MOE_KNOWN_MISSES))
+    errors = {f"fast vs exact moe_ep.splan x moe_tiny: {k} bytes error": c["error"] for k, c in row["comm"].items()}
+    errors["fast vs exact moe_ep.splan x moe_tiny: FLOPs error"] = row["flops_error"]
+    for name, bound in MOE_KNOWN_MISSES.items():
+        assert errors[name] <= bound, (name, errors[name], bound)
+    if missed:
+        pytest.xfail(f"issues 31 and 44: targets not met yet: {', '.join(sorted(missed))}")
+
+
+# Measured on 2026-12-03 (quick mode): all-gather 63.6%, all-to-all 750%, FLOPs 3.00%; bounds a little above.
+MOE_KNOWN_MISSES = {
+    "fast vs exact moe_ep.splan x moe_tiny: all-gather bytes error": 0.70,
+    "fast vs exact moe_ep.splan x moe_tiny: all-to-all bytes error": 8.0,
+    "fast vs exact moe_ep.splan x moe_tiny: FLOPs error": 0.035,
+}
 
 
 def test_exact_mode_of_the_shard_map_backend_compiles_the_step_that_trains():

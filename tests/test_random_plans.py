@@ -1,10 +1,11 @@
 """Fast mode against exact mode on random plans x models nobody tuned the engine for (issue 29).
 
 What holds today for every pair is asserted: the drawn plan loads and fits its model, both
-modes run, the state bytes agree exactly. The per-kind collective bytes, peak and FLOPs are
-*reported* by ``python -m benchmarks.random_plans`` as a distribution with its targets (p90 per
-kind within 10% of the step's bytes, peak 15%, FLOPs 2%); those targets fail today (FLOPs too:
-pair 0 of seed 0, llama_tiny_scan, is 26% over), so they are not asserted here.
+modes run, the state bytes agree exactly, and the modes agree within loose bounds. The per-kind
+collective bytes, peak and FLOPs are reported by ``python -m benchmarks.random_plans`` as a
+distribution with its targets (p90 per kind within 10% of the step's bytes, peak 15%, FLOPs 2%);
+those not met today (issue 44) are bounded by their measured values and the quick benchmark's
+test shows as xfail while any is unmet.
 """
 
 from __future__ import annotations
@@ -80,6 +81,11 @@ def test_random_pair_runs_both_modes_and_state_agrees(index):
     assert row["state_fast"] == row["state_exact"] > 0
     assert row["total_exact"] > 0 and row["peak_exact"] > 0 and row["flops_exact"] > 0
     assert set(row["comm"]) == set(rp.KINDS)
+    # The two modes compared, within bounds that today's engine meets on every pair measured (200
+    # pairs: worst kind error 50% of the step's bytes, peak 30% and FLOPs 33% at p90) and that a fault
+    # in either mode (a kind's bytes off by its own size, a doubled peak) does not.
+    assert all(row["comm"][k]["error"] <= 0.75 for k in rp.KINDS), {k: row["comm"][k]["error"] for k in rp.KINDS}
+    assert row["peak_error"] <= 0.6 and row["flops_error"] <= 0.6, (row["peak_error"], row["flops_error"])
 
 
 def test_quick_benchmark_reports_each_target_honestly():
@@ -103,3 +109,18 @@ def test_quick_benchmark_reports_each_target_honestly():
             d["p90"] <= (rp.TARGETS["comm"] if "/" in name else rp.TARGETS[name])
         )
     assert res["worst"][0]["key_lines"][0].startswith("mesh ")
+    # The targets: met, or known unmet (issue 44, the engine's accuracy on plans nobody tuned it
+    # for) and no worse than measured on these two pairs (2026-12-03); the test then shows as xfail.
+    for name, d in res["distribution"].items():
+        assert d["p90"] <= RANDOM_KNOWN.get(name, rp.TARGETS["comm"] if "/" in name else rp.TARGETS[name]), (name, d)
+    assert [r["measurement"] for r in rows if "pairs whose" in r["measurement"] and r["met"] != "yes"] == []
+    missed = sorted(name for name, d in res["distribution"].items()
+                    if d["p90"] > (rp.TARGETS["comm"] if "/" in name else rp.TARGETS[name]))
+    if missed:
+        pytest.xfail(f"issue 44: p90 targets not met yet on random plans: {', '.join(missed)}")
+
+
+# p90 over the quick run's two pairs, measured 2026-12-03: all-reduce 22.2%, all-gather 44.7%,
+# all-to-all 13.0%, peak 19.0%, FLOPs 24.5% (targets 10%, 10%, 10%, 15%, 2%); bounds a little above.
+RANDOM_KNOWN = {"comm/all-reduce": 0.25, "comm/all-gather": 0.50, "comm/all-to-all": 0.15, "peak": 0.22,
+                "flops": 0.28}

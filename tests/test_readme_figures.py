@@ -74,3 +74,21 @@ def test_readme_quotes_the_benchmarks_figure(what, readme, docs, pattern):
 def test_same_rounds_to_the_readmes_precision():
     assert same("1.7", "1.66") and same("0.24", "0.24") and same("93", "93") and same("99,092", "99,092")
     assert not same("4.7", "1.66") and not same("0.20", "0.24") and not same("87", "93")
+
+
+def test_readme_corpus_figures_are_the_files():
+    """"a bundled 42 KB corpus, character tokens, 10% held out": the file's size and the default."""
+    import inspect
+
+    from examples import data
+
+    kb = int(found(r"a bundled (\d+) KB corpus", README, "README.md").group(1))
+    assert kb == round((ROOT / "examples" / "data" / "corpus.txt").stat().st_size / 1000)
+    held = int(found(r"character\s+tokens, (\d+)% held out", README, "README.md").group(1))
+    assert held / 100 == inspect.signature(data.TextData).parameters["eval_fraction"].default
+
+
+def readme_sp_temporaries() -> tuple[float, float]:
+    """README's "(llama_tp) 46.8 MB to (llama_sp) 34.4 MB" of XLA temporaries, in MB."""
+    m = found(r"fall from\s+([\d.]+) MB under `llama_tp` to ([\d.]+) MB", README, "README.md")
+    return float(m.group(1)), float(m.group(2))

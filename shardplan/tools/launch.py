@@ -9,6 +9,7 @@ rank blocked in a collective with a dead peer never hangs the job.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -45,8 +46,18 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
+# Gloo's own note, printed by its C++ code on stdout (unbuffered apart from Python's, so it can land
+# inside another line) once per communicator a rank builds: noise to a user, a dozen lines a run.
+GLOO_NOTE = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks is : \d+"
+)
+
+
 def _pump(stream, rank: int, out: TextIO, lock: threading.Lock) -> None:
-    for line in iter(stream.readline, ""):
+    for raw in iter(stream.readline, ""):
+        line = GLOO_NOTE.sub("", raw)
+        if raw != line and not line.strip():
+            continue
         with lock:
             out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
             out.flush()
