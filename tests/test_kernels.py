@@ -176,7 +176,7 @@ def test_scan_operand_groups_are_read_from_either_jax_form():
     (consts, carry, xs) in a flat tree, ``ft_in``. Both give the same split."""
     from types import SimpleNamespace
 
-    from shardplan.runtime.partition import scan_counts
+    from shardplan.runtime.sharding import scan_counts
 
     w = jnp.ones(3)
     jaxpr = jax.make_jaxpr(lambda c, xs: jax.lax.scan(lambda c, x: (c + x * w, c.sum()), c, xs))(jnp.ones(3),

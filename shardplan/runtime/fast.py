@@ -30,6 +30,7 @@ from typing import Any
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable, fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize
+from shardplan.runtime.sharding import constraint_target, permuted, scan_counts
 from shardplan.runtime.sources import INTERNAL_SCOPE, eqn_source
 
 Dims = tuple[tuple[str, ...], ...]
@@ -492,7 +493,6 @@ class _Propagator:
         """Shardy gives a fully closed sharding constraint's layout to the op computing its operand
         (its import pass ``apply-sharding-constraints``), unless the operand is an input or another
         constraint reads it with another layout. See ``elementwise`` for what that changes."""
-        from shardplan.runtime.partition import constraint_target
 
         made = {o for eqn in jaxpr.eqns for o in eqn.outvars}
         seen: dict[Any, Dims] = {}
@@ -728,8 +728,6 @@ class _Propagator:
         if name == "sharding_constraint":
             return [self.constraint(eqn, ins[0], mult)]
         if name == "reshard":  # jax.sharding.reshard in library code (e.g. an optimizer's scalar)
-            from shardplan.runtime.partition import constraint_target
-
             target = constraint_target(eqn, ins[0].dims)
             if target is not None:
                 return [self.to_layout(eqn.invars[0], ins[0], target, mult, name)]
@@ -1040,7 +1038,6 @@ class _Propagator:
         """An activation constrained to a layout (``with_sharding_constraint``: a plan's ``act``
         rule, a logical name, the model's own): pending sums resolved onto it (a reduce-scatter
         where it splits a dim the sum leaves whole), then resharded to it."""
-        from shardplan.runtime.partition import constraint_target
 
         scope = str(getattr(eqn.source_info, "name_stack", ""))
         internal = INTERNAL_SCOPE in scope  # shardplan's own (a pipeline's buffers): kept, not listed
@@ -1418,7 +1415,6 @@ class _Propagator:
     def scan(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         length = int(eqn.params["length"])
         body = eqn.params["jaxpr"].jaxpr
-        from shardplan.runtime.partition import scan_counts
 
         nc, ncarry = scan_counts(eqn)
         env: dict[Any, Val] = {}
@@ -1445,7 +1441,6 @@ def _spread(jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None
     are computed from, through elementwise, layout and reduction ops and matmuls. ``constraints``:
     "seed" starts a want at each constrained activation (its layout), "stop" ends one there, None
     passes through."""
-    from shardplan.runtime.partition import constraint_target, permuted
 
     def want(x: Any, dims: Dims) -> None:
         if not hasattr(x, "val") and any(dims) and len(dims) == len(getattr(x.aval, "shape", ())):

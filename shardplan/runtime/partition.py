@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-Dims = tuple[tuple[str, ...], ...]
+from shardplan.runtime.sharding import Dims, constraint_target, permuted, scan_counts, spec_axes, typed_dims
 
 _ELEMENTWISE = {
     "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
@@ -464,14 +464,14 @@ class Partitioner:
         manual = set(p.get("newly_manual_axes") or p.get("manual_axes") or self.mesh)
         inner = []
         for v, spec, var in zip(ins, p["in_specs"], body.invars, strict=True):
-            want = _spec_axes(spec, len(v.shape))
+            want = spec_axes(spec, len(v.shape))
             auto = tuple(tuple(a for a in d if a not in manual) for d in v.dims)
             v = self.to(self.resolve(v), tuple(w + a for w, a in zip(want, auto, strict=True)))
             inner.append(V(v.x, tuple(var.aval.shape), v.dtype, auto, v.partial, v.act))
         results = self.run(body, consts, inner)
         outs = []
         for r, spec, var in zip(results, p["out_specs"], eqn.outvars, strict=True):
-            dims = tuple(w + a for w, a in zip(_spec_axes(spec, len(r.dims)), r.dims, strict=True))
+            dims = tuple(w + a for w, a in zip(spec_axes(spec, len(r.dims)), r.dims, strict=True))
             outs.append(V(r.x, tuple(var.aval.shape), r.dtype, dims, r.partial - manual, r.act))
         return outs
 
@@ -1188,72 +1188,6 @@ def _hints(jaxpr: Any, out_hints: list, hints: dict) -> None:
                     hints.setdefault(x, h)
 
 
-def _spec_axes(spec: Any, rank: int) -> Dims:
-    """A PartitionSpec's entries as per-dim axis tuples, ``rank`` long."""
-    dims = [(() if e is None else (e,) if isinstance(e, str) else tuple(e)) for e in tuple(spec)]
-    return tuple(dims + [()] * (rank - len(dims)))
-
-
-def constraint_target(eqn: Any, dims: Dims) -> Dims | None:
-    """The layout a ``sharding_constraint`` (or ``reshard``) equation sets, per dim the mesh axes (an
-    unconstrained dim keeps ``dims``); None when it carries no PartitionSpec. A ``reshard`` sets
-    only its mesh's explicit axes: jax lowers it to nothing over automatic ones (its ``dst_sharding``
-    replicated over an all-auto mesh, as ``jnp.where`` writes under a mesh context, moves nothing)."""
-    sharding = eqn.params.get("sharding", eqn.params.get("dst_sharding"))
-    spec = getattr(sharding, "spec", None)
-    if spec is None:
-        return None
-    auto: set[str] = set()
-    if "dst_sharding" in eqn.params:
-        mesh = getattr(sharding, "mesh", None)
-        names, types = getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())
-        auto = {n for n, t in zip(names, types, strict=False) if getattr(t, "name", str(t)) == "Auto"}
-    unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
-    target: list[tuple[str, ...] | None] = []
-    for i in range(len(dims)):
-        entry = spec[i] if i < len(spec) else None
-        if entry is unconstrained:
-            target.append(None)
-        else:
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            target.append(tuple(a for a in axes if a not in auto))
-    # An unconstrained dim keeps its split over the axes the constrained dims leave free (and a
-    # reshard's dim its automatic axes).
-    taken = {a for t in target if t is not None for a in t}
-    return tuple(
-        t + tuple(a for a in current if a in auto and a not in taken)
-        if t is not None
-        else tuple(a for a in current if a not in taken)
-        for t, current in zip(target, dims, strict=True)
-    )
-
-
-def typed_dims(aval: Any, dims: Dims, mesh: dict[str, int]) -> Dims | None:
-    """The layout an aval's sharding type names over the explicit axes of ``mesh`` (a dim whose
-    type names none keeps ``dims``); None when the aval is not typed by explicit axes."""
-    sharding = getattr(aval, "sharding", None)
-    explicit = set(getattr(getattr(sharding, "mesh", None), "explicit_axes", ()) or ()) & set(mesh)
-    spec = getattr(sharding, "spec", None)
-    if not explicit or spec is None or len(dims) != len(getattr(aval, "shape", ())):
-        return None
-    typed = []
-    for i in range(len(dims)):
-        entry = spec[i] if i < len(spec) else None
-        named = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        typed.append(tuple(a for a in named if a in explicit))
-    used = {a for d in typed for a in d}
-    # Explicit axes where the type says; an auto axis keeps its split where the type leaves room.
-    return tuple(t + tuple(a for a in cur if a not in explicit and a not in used) for t, cur in zip(typed, dims))
-
-
-def permuted(out: Dims, perm) -> Dims:
-    """The operand layout a transpose by ``perm`` turns into ``out``."""
-    inv: list[tuple[str, ...]] = [()] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = out[i]
-    return tuple(inv)
-
-
 def _a2a_move(dims: list[list[str]], target: Dims, shape, n: Callable) -> tuple[int, int, str] | None:
     """A mesh axis the relayout from ``dims`` to ``target`` moves by one all-to-all: the minor
     axis of dim ``i``, which ``target`` does not keep there, and the next axis ``target`` adds to
@@ -1358,13 +1292,3 @@ def local_step(
         return loss.x, [g.x for g in grads]
 
     return fn
-
-
-def scan_counts(eqn: Any) -> tuple[int, int]:
-    """A ``scan`` equation's (constants, carries) counts: ``num_consts``/``num_carry`` up to jax 0.10;
-    from jax 0.11 its operands are grouped (consts, carry, xs) by the ``ft_in`` flat tree."""
-    params = eqn.params
-    if "num_consts" in params:
-        return int(params["num_consts"]), int(params["num_carry"])
-    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
-    return len(list(consts)), len(list(carry))

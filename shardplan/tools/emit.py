@@ -10,6 +10,7 @@ partitioned one (a copy of ``shardplan/runtime/partition.py`` is appended), and
 
 from __future__ import annotations
 
+import re
 from importlib import resources
 
 from shardplan.core import backends
@@ -122,9 +123,20 @@ def emit(plan: Plan, params: Resolution, opt: Resolution, lowering: Lowering, ba
 def _partitioner_source() -> str:
     """shardplan's partitioner (``shardplan/runtime/partition.py``), copied in so the module stays
     standalone; source lines of ops are not looked up there (reports only)."""
-    text = resources.files("shardplan.runtime").joinpath("partition.py").read_text()
-    text = text.replace("from __future__ import annotations\n", "")
+    runtime = resources.files("shardplan.runtime")
+    floor = runtime.joinpath("sharding.py").read_text().replace("from __future__ import annotations\n", "")
+    text = runtime.joinpath("partition.py").read_text().replace("from __future__ import annotations\n", "")
+    text = re.sub(r"\nfrom shardplan\.runtime\.sharding import [^\n]+\n", "\n", text)  # carried above it
     start = text.index("def _source(")
     end = text.index("\nclass ", start)
     text = text[:start] + 'def _source(eqn: Any) -> str:\n    return ""\n\n' + text[end:]
-    return "# -- the partitioner: a copy of shardplan/runtime/partition.py " + "-" * 30 + "\n" + text
+    return (
+        "# -- the sharding floor: a copy of shardplan/runtime/sharding.py "
+        + "-" * 28
+        + "\n"
+        + floor
+        + "\n\n# -- the partitioner: a copy of shardplan/runtime/partition.py "
+        + "-" * 30
+        + "\n"
+        + text
+    )

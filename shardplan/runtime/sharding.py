@@ -1,0 +1,94 @@
+"""The neutral floor under both sharding engines (fast mode's propagation, the shard_map
+backend's partitioner): the layout vocabulary and the jaxpr helpers they share. It imports
+nothing else from shardplan, so the standalone module ``shardplan lower`` emits carries it
+beside the partitioner (shardplan/tools/emit.py copies both).
+
+- ``Dims``: a value's layout, per dim the mesh axes that split it, major first;
+- ``spec_axes``: a PartitionSpec as ``Dims``;
+- ``constraint_target``: the layout a ``sharding_constraint`` / ``reshard`` equation sets;
+- ``typed_dims``: the layout an aval's sharding type names over a mesh's explicit axes;
+- ``permuted``: the operand layout a transpose turns into a given one;
+- ``scan_counts``: a ``scan`` equation's constants and carries, across jax releases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Dims = tuple[tuple[str, ...], ...]
+
+
+def spec_axes(spec: Any, rank: int) -> Dims:
+    """A PartitionSpec's entries as per-dim axis tuples, ``rank`` long."""
+    dims = [(() if e is None else (e,) if isinstance(e, str) else tuple(e)) for e in tuple(spec)]
+    return tuple(dims + [()] * (rank - len(dims)))
+
+
+def constraint_target(eqn: Any, dims: Dims) -> Dims | None:
+    """The layout a ``sharding_constraint`` (or ``reshard``) equation sets, per dim the mesh axes (an
+    unconstrained dim keeps ``dims``); None when it carries no PartitionSpec. A ``reshard`` sets
+    only its mesh's explicit axes: jax lowers it to nothing over automatic ones (its ``dst_sharding``
+    replicated over an all-auto mesh, as ``jnp.where`` writes under a mesh context, moves nothing)."""
+    sharding = eqn.params.get("sharding", eqn.params.get("dst_sharding"))
+    spec = getattr(sharding, "spec", None)
+    if spec is None:
+        return None
+    auto: set[str] = set()
+    if "dst_sharding" in eqn.params:
+        mesh = getattr(sharding, "mesh", None)
+        names, types = getattr(mesh, "axis_names", ()), getattr(mesh, "axis_types", ())
+        auto = {n for n, t in zip(names, types, strict=False) if getattr(t, "name", str(t)) == "Auto"}
+    unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
+    target: list[tuple[str, ...] | None] = []
+    for i in range(len(dims)):
+        entry = spec[i] if i < len(spec) else None
+        if entry is unconstrained:
+            target.append(None)
+        else:
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            target.append(tuple(a for a in axes if a not in auto))
+    # An unconstrained dim keeps its split over the axes the constrained dims leave free (and a
+    # reshard's dim its automatic axes).
+    taken = {a for t in target if t is not None for a in t}
+    return tuple(
+        t + tuple(a for a in current if a in auto and a not in taken)
+        if t is not None
+        else tuple(a for a in current if a not in taken)
+        for t, current in zip(target, dims, strict=True)
+    )
+
+
+def typed_dims(aval: Any, dims: Dims, mesh: dict[str, int]) -> Dims | None:
+    """The layout an aval's sharding type names over the explicit axes of ``mesh`` (a dim whose
+    type names none keeps ``dims``); None when the aval is not typed by explicit axes."""
+    sharding = getattr(aval, "sharding", None)
+    explicit = set(getattr(getattr(sharding, "mesh", None), "explicit_axes", ()) or ()) & set(mesh)
+    spec = getattr(sharding, "spec", None)
+    if not explicit or spec is None or len(dims) != len(getattr(aval, "shape", ())):
+        return None
+    typed = []
+    for i in range(len(dims)):
+        entry = spec[i] if i < len(spec) else None
+        named = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        typed.append(tuple(a for a in named if a in explicit))
+    used = {a for d in typed for a in d}
+    # Explicit axes where the type says; an auto axis keeps its split where the type leaves room.
+    return tuple(t + tuple(a for a in cur if a not in explicit and a not in used) for t, cur in zip(typed, dims))
+
+
+def permuted(out: Dims, perm) -> Dims:
+    """The operand layout a transpose by ``perm`` turns into ``out``."""
+    inv: list[tuple[str, ...]] = [()] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = out[i]
+    return tuple(inv)
+
+
+def scan_counts(eqn: Any) -> tuple[int, int]:
+    """A ``scan`` equation's (constants, carries) counts: ``num_consts``/``num_carry`` up to jax 0.10;
+    from jax 0.11 its operands are grouped (consts, carry, xs) by the ``ft_in`` flat tree."""
+    params = eqn.params
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    return len(list(consts)), len(list(carry))
