@@ -46,3 +46,9 @@ PLAN_MODELS = {
     "moe_ep_tp.splan": "moe_tiny_shared",
     "typed_tp.splan": "typed_tiny",
 }
+
+
+def plan_line(plan: str, starts: str) -> int:
+    """The line number in plans/``plan`` of the first line starting with ``starts`` (headers grow)."""
+    lines = (PLANS / plan).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.startswith(starts))
