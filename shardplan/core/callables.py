@@ -22,13 +22,15 @@ def _fail(what: str, message: str, hint: str) -> None:
     raise as_error([error("bad-model-arg", message, hint, path=what)])
 
 
-def top_level_names(source: str) -> set[str] | None:
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def top_level_names(tree: ast.Module) -> set[str] | None:
     """Names a module's top level binds (defs, classes, assignments, imports), or None when it may
     bind others at run time (``from m import *``, a module ``__getattr__``, ``globals()`` writes)."""
-    tree = ast.parse(source)
     names: set[str] = set()
     for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        if isinstance(node, _DEFS):
             names.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             for alias in node.names:
@@ -42,9 +44,7 @@ def top_level_names(source: str) -> set[str] | None:
         elif not isinstance(node, (ast.Expr, ast.Pass)):
             # if/try/with/for blocks at the top level: what they bind, wherever it is
             names.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
-            names.update(
-                n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            )
+            names.update(n.name for n in ast.walk(node) if isinstance(n, _DEFS))
     if "__getattr__" in names or "globals" in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}:
         return None
     return names
@@ -52,12 +52,12 @@ def top_level_names(source: str) -> set[str] | None:
 
 def _check_name(what: str, name: str, where: str, source: str) -> None:
     try:
-        names = top_level_names(source)
+        tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return  # the import names the line, with Python's own message
+    names = top_level_names(tree)
     if names is not None and name not in names:
-        kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-        defs = (n for n in ast.parse(source).body if isinstance(n, kinds))
+        defs = (n for n in tree.body if isinstance(n, _DEFS))
         callables = sorted((n.name for n in defs if not n.name.startswith("_")), key=lambda n: (n[0].isupper(), n))
         near = closest(name, names)
         _fail(
