@@ -316,21 +316,26 @@ def test_fast_mode_matches_exact_mode(model, plan):
     assert fast.hbm_bytes == pytest.approx(exact.hbm_bytes, rel=0.3)
 
 
+@pytest.mark.parametrize("backend", ["auto", "shard_map"])
 @pytest.mark.parametrize("plan, kind", [("fsdp.splan", "reduce-scatter"), ("dp.splan", "all-reduce")])
-def test_every_gradient_reduction_names_the_param_and_rule_it_moves(plan, kind):
+def test_every_gradient_reduction_names_the_param_and_rule_it_moves(plan, kind, backend):
     """Gradient sums over the batch axis: each row names the param whose gradient it moves and the
-    plan rule that placed it, and every param of the model has its gradient reduced once."""
-    fast = analyze(plan, mode="fast")
-    rows = [c for c in fast.communication if c.kind == kind and c.axes == ("data",)]
-    assert rows and all(c.moves and c.rule.startswith(str(PLANS / plan) + ":") for c in rows), [
-        (c.op, c.source, c.moves, c.rule) for c in rows if not (c.moves and c.rule)]
+    plan rule that placed it, and every param of the model has its gradient reduced once (the
+    shard_map backend's rows are its partitioner's, reduced where the per-device code sums them)."""
+    fast = analyze(plan, mode="fast", backend=backend)
+    assert fast.backend == backend
     decisions = shardplan.check(PLANS / plan, model=f"{MODELS}:gpt_tiny", devices=8).resolution.decisions
     params = {d.path: d for d in decisions if d.role == "param"}
+    rows = [c for c in fast.communication if c.kind == kind and c.axes == ("data",) and c.moves in params]
+    assert rows and all(c.rule.startswith(str(PLANS / plan) + ":") for c in rows), [
+        (c.op, c.source, c.moves, c.rule) for c in rows if not c.rule]
     reduced = {c.moves for c in rows}
-    assert reduced <= set(params)
     # FSDP: every split param's gradient is reduce-scattered; data parallel: every gradient all-reduced
     want = {p for p, d in params.items() if any(d.spec.dims)} if kind == "reduce-scatter" else set(params)
     assert reduced == want, (sorted(want - reduced), sorted(reduced - want))
+    # Each moves its param's whole gradient (the operand of the sum: the param's global bytes).
+    for path in want:
+        assert sum(c.bytes for c in rows if c.moves == path) == params[path].nbytes, path
 
 
 def test_fast_mode_follows_xla_through_a_2d_plan_on_a_scanned_model():
@@ -450,6 +455,11 @@ def test_check_step_names_backend_and_mode_in_text_and_json():
     assert doc["step_cost"]["mode"] == "fast" and doc["step_cost"]["backend"] == "auto"
     assert doc["communication"]["backend"] == "gather-whole lowering"
     assert doc["step_cost"]["communication_per_device"]["by_kind"]["reduce-scatter"] > 0
+    r = cli(*args, "--backend", "shard_map", env={"COLUMNS": "200"})
+    assert "backend shard_map (--backend; the plan says auto)" in r.stdout, r.stdout[:400]
+    assert "backend shard_map, fast mode" in r.stdout
+    scattered = [line for line in r.stdout.splitlines() if "reduce-scatter" in line and "transpose" in line]
+    assert scattered and all("/kernel (fsdp.splan:12)" in line for line in scattered), scattered
 
 
 def test_without_a_step_check_shows_state_and_says_how_to_cost_the_step():

@@ -30,7 +30,7 @@ from typing import Any
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable, fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize
-from shardplan.runtime.sharding import constraint_target, permuted, scan_counts
+from shardplan.runtime.sharding import constraint_target, permuted, scan_counts, update_paths
 from shardplan.runtime.sources import INTERNAL_SCOPE, eqn_source
 
 Dims = tuple[tuple[str, ...], ...]
@@ -1931,7 +1931,7 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
         prop.aliased = {v for v in jaxpr.outvars[: len(out_specs)] if not hasattr(v, "val")}
         updates = traced.memo.get("updates")
         if updates is None:  # what depends on the trace alone: once per trace
-            updates = traced.memo["updates"] = update_paths(jaxpr, list(params.decisions))
+            updates = traced.memo["updates"] = update_paths(jaxpr, [d.path for d in params.decisions], ELEMENTWISE)
         prop.updates = updates
         outs = prop.run(jaxpr, env, 1)
         for var, v, d in zip(jaxpr.outvars, outs, out_specs, strict=False):
@@ -2074,9 +2074,13 @@ def analyze_shard_map(
         return tuple(tuple(a) for a in d.spec.dims) + ((),) * (len(d.shape) - len(d.spec.dims))
 
     record = partition.predict(
-        closed, mesh, [dims(d) for d in records(params.decisions)], [dims(d) for d in records(inputs.decisions)]
+        closed,
+        mesh,
+        [dims(d) for d in records(params.decisions)],
+        [dims(d) for d in records(inputs.decisions)],
+        paths=[d.path for d in params.decisions],
     )
-    comm = [Communication(c.kind, c.axes, c.bytes, c.count, c.why, c.source) for c in record.issued]
+    comm = [Communication(c.kind, c.axes, c.bytes, c.count, c.why, c.source, c.moves) for c in record.issued]
     notes = [
         "fast mode, shard_map backend: the collectives are the partitioned per-device code's own (a dry run "
         "of shardplan's partitioner; the compiled step issues exactly these, tests/test_shard_map.py); FLOPs, "
@@ -2093,51 +2097,6 @@ def analyze_shard_map(
         constraint_delta=(),
         fallbacks=tuple((f.op, f.source, f.bytes) for f in record.fallbacks),
     )
-
-
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat2", "checkpoint")
-_SAME_VALUES = ELEMENTWISE | {"transpose", "reshape", "squeeze", "expand_dims"}  # the same elements, moved or mapped
-
-
-def update_paths(jaxpr: Any, param_decisions: list) -> dict[Any, str]:
-    """Each value of the step that the update of one param is computed from element by element
-    (its gradient, and the matmul transpose or sum that made it, through the optimizer's
-    arithmetic) -> that param's path: a gradient's all-reduce or reduce-scatter moves that param's
-    gradient. Found backwards from the step's outputs (the updated params come first), through
-    elementwise and layout ops whose operand has as many elements as the result (a global
-    norm's scalar, a reduction's input, are not followed), into calls."""
-    labels: dict[Any, str] = {}
-    for var, d in zip(jaxpr.outvars, param_decisions, strict=False):
-        if not hasattr(var, "val"):
-            labels[var] = d.path
-    _label_back(jaxpr, labels)
-    return labels
-
-
-def _label_back(jaxpr: Any, labels: dict[Any, str]) -> None:
-    for eqn in reversed(jaxpr.eqns):
-        outs = [labels.get(o) for o in eqn.outvars]
-        if not any(outs):
-            continue
-        name = eqn.primitive.name
-        sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
-        if name in _CALLS and sub is not None:
-            inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
-            for io, label in zip(inner.outvars, outs, strict=False):
-                if label and not hasattr(io, "val"):
-                    labels.setdefault(io, label)
-            _label_back(inner, labels)
-            for iv, ov in zip(inner.invars, eqn.invars[len(eqn.invars) - len(inner.invars) :], strict=True):
-                if iv in labels and not hasattr(ov, "val"):
-                    labels.setdefault(ov, labels[iv])
-            continue
-        if name not in _SAME_VALUES:
-            continue
-        for o, label in zip(eqn.outvars, outs, strict=True):
-            size = math.prod(getattr(o.aval, "shape", ()))
-            for x in eqn.invars:
-                if label and not hasattr(x, "val") and math.prod(getattr(x.aval, "shape", ())) == size and size > 1:
-                    labels.setdefault(x, label)
 
 
 def _merge(comm: list[Communication], params: Any, opt: Any) -> list[Communication]:

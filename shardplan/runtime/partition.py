@@ -32,7 +32,7 @@ Every collective issued is recorded (kind, axes, per-device bytes in the convent
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +41,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
-from shardplan.runtime.sharding import Dims, constraint_target, permuted, scan_counts, spec_axes, typed_dims
+from shardplan.runtime.sharding import (
+    Dims,
+    constraint_target,
+    permuted,
+    scan_counts,
+    spec_axes,
+    typed_dims,
+    update_paths,
+)
 
 _ELEMENTWISE = {
     "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
@@ -74,6 +82,7 @@ class Issued:
     count: int  # executions per step (a scan body's run once per iteration)
     why: str
     source: str = ""
+    moves: str = ""  # the param whose value (a weight gathered) or gradient (a sum reduced) it moves
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,17 @@ class Partitioner:
         self.caches: list[dict] = [{}]
         self.hints: dict[Any, Dims] = {}  # jaxpr var -> the layout its consumers want
         self.eqn_now: Any = None
+        # What a collective moves: jaxpr var -> param path (a gradient, update_paths), and the
+        # values so named, by id (each kept alive with its name): a param, a gradient.
+        self.labels: dict[Any, str] = {}
+        self.named: dict[int, tuple[V, str]] = {}
+
+    def name(self, v: V, path: str) -> None:
+        self.named.setdefault(id(v), (v, path))
+
+    def moves(self, v: V) -> str:
+        hit = self.named.get(id(v))
+        return hit[1] if hit is not None and hit[0] is v else ""
 
     def _cached(self, key: tuple) -> V | None:
         for cache in reversed(self.caches):
@@ -173,10 +193,11 @@ class Partitioner:
     def fits(self, shape, dims) -> bool:
         return all(s % self.n(d) == 0 for s, d in zip(shape, dims, strict=True) if d)
 
-    def issue(self, kind: str, axes, nbytes: int, why: str = "") -> None:
+    def issue(self, kind: str, axes, nbytes: int, why: str = "", moves: str = "") -> None:
         if (self.dry and not self.predict) or not axes:
             return
-        self.record.issued.append(Issued(kind, tuple(axes), nbytes * self.mult, self.mult, why or self.op, self.source))
+        issued = Issued(kind, tuple(axes), nbytes * self.mult, self.mult, why or self.op, self.source, moves)
+        self.record.issued.append(issued)
 
     def index(self, axes) -> Any:
         """This device's linear index over ``axes`` (the first the major one)."""
@@ -226,14 +247,14 @@ class Partitioner:
                     and all(t[len(dims[i])] not in d for d in dims)
                 ):
                     a = t[len(dims[i])]
-                    self.issue("reduce-scatter", (a,), self.nbytes(v.shape, dims, v.dtype))
+                    self.issue("reduce-scatter", (a,), self.nbytes(v.shape, dims, v.dtype), moves=self.moves(v))
                     if not self.dry:
                         x = jax.lax.psum_scatter(x, a, scatter_dimension=i, tiled=True)
                     dims[i].append(a)
                     todo = todo - {a}
         if todo:
             rest = tuple(a for a in self.mesh if a in todo)
-            self.issue("all-reduce", rest, self.nbytes(v.shape, dims, v.dtype))
+            self.issue("all-reduce", rest, self.nbytes(v.shape, dims, v.dtype), moves=self.moves(v))
             if not self.dry:
                 x = jax.lax.psum(x, rest)
         return V(x, v.shape, v.dtype, _t(dims), frozenset(v.partial & keep), v.act)
@@ -275,7 +296,7 @@ class Partitioner:
         # same bytes on the wire as the buffer, where gather-then-slice moves the axis-size times more.
         while (move := _a2a_move(dims, target, v.shape, self.n)) is not None:
             i, j, a = move
-            self.issue("all-to-all", (a,), self.nbytes(v.shape, dims, v.dtype))
+            self.issue("all-to-all", (a,), self.nbytes(v.shape, dims, v.dtype), moves=self.moves(v))
             if not self.dry:
                 x = jax.lax.all_to_all(x, a, split_axis=j, concat_axis=i, tiled=True)
             dims[i].pop()
@@ -288,7 +309,7 @@ class Partitioner:
             drop = cur[k:]
             if drop:
                 dims[i] = list(cur[:k])
-                self.issue("all-gather", drop, self.nbytes(v.shape, dims, v.dtype))
+                self.issue("all-gather", drop, self.nbytes(v.shape, dims, v.dtype), moves=self.moves(v))
                 if not self.dry:
                     x = jax.lax.all_gather(x, drop if len(drop) > 1 else drop[0], axis=i, tiled=True)
         # Slice what it adds (the value is replicated over those axes: free).
@@ -337,6 +358,8 @@ class Partitioner:
                         # A pending sum read by several ops: reduced once (into the layout its
                         # first reader wants), not per reader.
                         val = V(val.x, val.shape, val.dtype, val.dims, val.partial, val.act, shared=True)
+                    if var in self.labels:
+                        self.name(val, self.labels[var])
                     env[var] = val
         return [self.read(env, x) for x in jaxpr.outvars]
 
@@ -1256,10 +1279,13 @@ def _groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int],
     return groups
 
 
-def predict(closed: Any, mesh: dict[str, int], param_dims: list[Dims], batch_dims: list[Dims]) -> Record:
-    """What the per-device code of ``closed`` issues on ``mesh``, from a dry run (no devices)."""
+def predict(
+    closed: Any, mesh: dict[str, int], param_dims: list[Dims], batch_dims: list[Dims], paths: Sequence[str] = ()
+) -> Record:
+    """What the per-device code of ``closed`` issues on ``mesh``, from a dry run (no devices);
+    ``paths``: the params' paths, named in what each collective moves."""
     record = Record()
-    local_step(closed, mesh, param_dims, batch_dims, record, predict=True)(
+    local_step(closed, mesh, param_dims, batch_dims, record, predict=True, paths=paths)(
         [None] * len(param_dims), [None] * len(batch_dims)
     )
     return record
@@ -1272,22 +1298,31 @@ def local_step(
     batch_dims: list[Dims],
     record: Record,
     predict: bool = False,
+    paths: Sequence[str] = (),
 ) -> Callable:
-    """The per-device function: (flat local params, flat local batch) -> (loss, flat local grads)."""
+    """The per-device function: (flat local params, flat local batch) -> (loss, flat local grads).
+    ``paths`` (the params' paths, optional) name what each recorded collective moves: a param
+    gathered where it is read, a gradient where its sum is reduced."""
+    labels = update_paths(closed.jaxpr, paths, _ELEMENTWISE, first=1) if paths else {}
 
     def fn(params: list, batch: list):
         batch_axes = frozenset(a for d in batch_dims for dd in d for a in dd)
         part = Partitioner(mesh, record, predict=predict, batch_axes=batch_axes)
+        part.labels = labels
         record.issued.clear()
         record.fallbacks.clear()
         args = []
         for x, d, var in zip(params, param_dims, closed.jaxpr.invars[: len(params)], strict=True):
             args.append(V(x, tuple(var.aval.shape), var.aval.dtype, d))
+        for a, path in zip(args, paths, strict=False):
+            part.name(a, path)
         for x, d, var in zip(batch, batch_dims, closed.jaxpr.invars[len(params) :], strict=True):
             args.append(V(x, tuple(var.aval.shape), var.aval.dtype, d, act=True))
         outs = part.run(closed.jaxpr, list(closed.consts), args, [None, *param_dims])
         part.source, part.op = "", "gradient"
         loss = part.whole(outs[0])
+        for g, path in zip(outs[1:], paths, strict=False):
+            part.name(g, path)
         grads = [part.to(g, d) for g, d in zip(outs[1:], param_dims, strict=True)]
         return loss.x, [g.x for g in grads]
 

@@ -8,11 +8,15 @@ beside the partitioner (shardplan/tools/emit.py copies both).
 - ``constraint_target``: the layout a ``sharding_constraint`` / ``reshard`` equation sets;
 - ``typed_dims``: the layout an aval's sharding type names over a mesh's explicit axes;
 - ``permuted``: the operand layout a transpose turns into a given one;
-- ``scan_counts``: a ``scan`` equation's constants and carries, across jax releases.
+- ``scan_counts``: a ``scan`` equation's constants and carries, across jax releases;
+- ``update_paths``: the values a param's update is computed from element by element (what a
+  gradient's all-reduce or reduce-scatter moves).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Collection, Sequence
 from typing import Any
 
 Dims = tuple[tuple[str, ...], ...]
@@ -92,3 +96,52 @@ def scan_counts(eqn: Any) -> tuple[int, int]:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
     return len(list(consts)), len(list(carry))
+
+
+# Equations that run a sub-jaxpr once on their own operands (inlined by both engines).
+CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat2", "checkpoint")
+_LAYOUT_OPS = frozenset({"transpose", "reshape", "squeeze", "expand_dims"})
+
+
+def update_paths(
+    jaxpr: Any, paths: Sequence[str | None], elementwise: Collection[str], first: int = 0
+) -> dict[Any, str]:
+    """Each value of the step that the update of one param is computed from element by element
+    (its gradient, and the matmul transpose or sum that made it, through the optimizer's
+    arithmetic) -> that param's path: a gradient's all-reduce or reduce-scatter moves that param's
+    gradient. ``paths[k]`` names ``jaxpr.outvars[first + k]`` (the updated param, or its gradient);
+    found backwards from there, through ``elementwise`` and layout ops whose operand has as many
+    elements as the result (a global norm's scalar, a reduction's input, are not followed), into
+    calls."""
+    labels: dict[Any, str] = {}
+    for var, path in zip(jaxpr.outvars[first:], paths, strict=False):
+        if path and not hasattr(var, "val"):
+            labels[var] = path
+    _label_back(jaxpr, labels, frozenset(elementwise) | _LAYOUT_OPS)
+    return labels
+
+
+def _label_back(jaxpr: Any, labels: dict[Any, str], same: frozenset[str]) -> None:
+    for eqn in reversed(jaxpr.eqns):
+        outs = [labels.get(o) for o in eqn.outvars]
+        if not any(outs):
+            continue
+        name = eqn.primitive.name
+        sub = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr") or eqn.params.get("fun_jaxpr")
+        if name in CALLS and sub is not None:
+            inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+            for io, label in zip(inner.outvars, outs, strict=False):
+                if label and not hasattr(io, "val"):
+                    labels.setdefault(io, label)
+            _label_back(inner, labels, same)
+            for iv, ov in zip(inner.invars, eqn.invars[len(eqn.invars) - len(inner.invars) :], strict=True):
+                if iv in labels and not hasattr(ov, "val"):
+                    labels.setdefault(ov, labels[iv])
+            continue
+        if name not in same:
+            continue
+        for o, label in zip(eqn.outvars, outs, strict=True):
+            size = math.prod(getattr(o.aval, "shape", ()))
+            for x in eqn.invars:
+                if label and not hasattr(x, "val") and math.prod(getattr(x.aval, "shape", ())) == size and size > 1:
+                    labels.setdefault(x, label)

@@ -159,7 +159,13 @@ def cmd_check(args, out: Console, err: Console) -> int:
     else:
         if first.resolution is not None:
             report.print_text(
-                out, first.plan, first.resolution, expand=args.expand, show_opt=args.show_opt, budget=budget
+                out,
+                first.plan,
+                first.resolution,
+                expand=args.expand,
+                show_opt=args.show_opt,
+                budget=budget,
+                backend=args.backend,
             )
             if costs is None:
                 report.print_step_hint(out, first.plan)

@@ -126,7 +126,7 @@ def _partitioner_source() -> str:
     runtime = resources.files("shardplan.runtime")
     floor = runtime.joinpath("sharding.py").read_text().replace("from __future__ import annotations\n", "")
     text = runtime.joinpath("partition.py").read_text().replace("from __future__ import annotations\n", "")
-    text = re.sub(r"\nfrom shardplan\.runtime\.sharding import [^\n]+\n", "\n", text)  # carried above it
+    text = re.sub(r"\nfrom shardplan\.runtime\.sharding import (\([^)]*\)|[^\n]+)\n", "\n", text)  # carried above it
     start = text.index("def _source(")
     end = text.index("\nclass ", start)
     text = text[:start] + 'def _source(eqn: Any) -> str:\n    return ""\n\n' + text[end:]

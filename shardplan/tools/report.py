@@ -213,10 +213,13 @@ def print_text(
     expand: bool = False,
     show_opt: bool = False,
     budget: int | None = None,
+    backend: str | None = None,
 ) -> None:
     mesh = ", ".join(f"{k}={v}" for k, v in res.mesh.items())
+    used = backend or plan.backend
+    said = f" (--backend; the plan says {plan.backend})" if used != plan.backend else ""
     console.print(
-        f"[bold]plan[/] {escape(plan.name or plan.files[0])}  [bold]mesh[/] {mesh}  [bold]backend[/] {plan.backend}"
+        f"[bold]plan[/] {escape(plan.name or plan.files[0])}  [bold]mesh[/] {mesh}  [bold]backend[/] {used}{said}"
     )
     roles = ("param", "state", "opt") if show_opt else ("param", "state")
     table = Table(
