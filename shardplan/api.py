@@ -697,7 +697,7 @@ def _step_cost(
     from shardplan.errors import Diagnostic, Span
 
     name = backend or p.backend
-    backends.lookup(name, "--backend")
+    info = backends.lookup(name, "--backend")
     if mode not in ("exact", "fast"):
         raise as_error([error("bad-argument", f"unknown mode '{mode}'", "use 'fast' or 'exact'", path="mode")])
     optimizers.lookup(optimizer)
@@ -718,10 +718,12 @@ def _step_cost(
     # Fail early, in this process, on what needs no devices: the batch must divide over its axes.
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":
-        from shardplan.runtime import fast
+        import importlib
+
         from shardplan.runtime.model import load_factory
 
-        run = fast.analyze if name == "auto" else fast.analyze_shard_map
+        module, function = info.fast_cost.split(":")
+        run = getattr(importlib.import_module(module), function)
         return run(p, load_factory(model), load_factory(step, what="--step"), shapes, optimizer, sizes)
     if n > MAX_SIMULATED_DEVICES:
         raise as_error(

@@ -64,7 +64,9 @@ def test_mypy_is_clean():
     assert "Success: no issues found" in r.stdout
 
 
-def test_every_registered_backend_has_a_runtime_module_and_a_template():
+def test_every_registered_backend_has_a_runtime_module_a_fast_cost_and_a_template():
+    import importlib
+    import inspect
     from importlib import resources
 
     from shardplan.core.backends import BACKENDS
@@ -72,6 +74,10 @@ def test_every_registered_backend_has_a_runtime_module_and_a_template():
 
     for name, info in BACKENDS.items():
         assert callable(backends.get(name).build), name
+        module, function = info.fast_cost.split(":")
+        cost = getattr(importlib.import_module(module), function)
+        assert list(inspect.signature(cost).parameters)[:6] == ["plan", "factory", "loss_fn", "batch", "optimizer",
+                                                                "mesh"], name
         assert resources.files("shardplan.tools").joinpath("templates", info.template).is_file(), name
 
 

@@ -16,6 +16,7 @@ from shardplan.errors import as_error, error
 class BackendInfo:
     name: str
     module: str  # the runtime module with ``build(placement, loss_fn, model, optimizer)``
+    fast_cost: str  # "module:function": its step cost in fast mode (plan, factory, loss, batch, optimizer, mesh)
     template: str  # the step template under shardplan/tools/templates/ for ``shardplan lower``
     doc: str
 
@@ -26,12 +27,14 @@ BACKENDS: dict[str, BackendInfo] = {
         BackendInfo(
             "auto",
             "shardplan.runtime.backends.auto",
+            "shardplan.runtime.fast:analyze",
             "step_auto.py.tmpl",
             "NamedSharding + device_put, one jax.jit step; XLA inserts the collectives",
         ),
         BackendInfo(
             "shard_map",
             "shardplan.runtime.backends.shard_map",
+            "shardplan.runtime.backends.shard_map:fast_cost",
             "step_shard_map.py.tmpl",
             "jax.shard_map with the plan's explicit collectives",
         ),

@@ -1757,7 +1757,7 @@ def _fits(shape: tuple[int, ...], dims: Dims, ctx: _Ctx) -> bool:
     return len(dims) <= len(shape) and all(shape[i] % ctx.split(d) == 0 for i, d in enumerate(dims) if d)
 
 
-def _abstract_mesh(mesh: dict[str, int], plan: Any = None) -> Any:
+def abstract_mesh(mesh: dict[str, int], plan: Any = None) -> Any:
     """The mesh the step is traced under: each axis typed as the plan says (auto without one)."""
     from jax.sharding import AbstractMesh, AxisType
 
@@ -1811,7 +1811,7 @@ def trace_key(plan: Any, mesh: dict[str, int], abs_model: Any = None) -> tuple:
     )
 
 
-def _pipelined(plan: Any, loss_fn: Callable[[Any, Any], Any], abs_model: Any, mesh: dict[str, int]) -> Any:
+def pipelined(plan: Any, loss_fn: Callable[[Any, Any], Any], abs_model: Any, mesh: dict[str, int]) -> Any:
     """``loss_fn`` with the plan's pipeline applied, as both backends train it (itself without one)."""
     if plan.pipeline is None:
         return loss_fn
@@ -1820,7 +1820,7 @@ def _pipelined(plan: Any, loss_fn: Callable[[Any, Any], Any], abs_model: Any, me
     params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
     split = pipeline.stage_split(params, plan.pipeline.axis)
     p = plan.pipeline
-    return pipeline.wrap(loss_fn, p, mesh[p.axis], _abstract_mesh(mesh, plan), split, plan.batch_dim0_axes)
+    return pipeline.wrap(loss_fn, p, mesh[p.axis], abstract_mesh(mesh, plan), split, plan.batch_dim0_axes)
 
 
 def trace(
@@ -1846,8 +1846,8 @@ def trace(
     t0 = time.perf_counter()
     abs_model, abs_opt = built or model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
     batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
-    acts = Activations(plan, _abstract_mesh(mesh, plan), "auto")
-    wrapped = acts.wrap(_pipelined(plan, loss_fn, abs_model, mesh))
+    acts = Activations(plan, abstract_mesh(mesh, plan), "auto")
+    wrapped = acts.wrap(pipelined(plan, loss_fn, abs_model, mesh))
     with cudnn_traceable():
         check_loss(wrapped, abs_model, batch_abs, where="--step", plan=plan)
         step = pure_step(wrapped, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
@@ -1963,7 +1963,7 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
     if prop.constrained and delta:  # what the constraints change: the same step propagated without them
         bare, _ = settled(True)
         changed = _delta(ctx.comm, bare.comm)
-    comm = _merge(ctx.comm, params, opt)
+    comm = merge_communication(ctx.comm, params, opt)
     notes = [
         "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns; "
         "XLA may choose other collectives (compare with --compile)"
@@ -2029,77 +2029,9 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
     )
 
 
-def analyze_shard_map(
-    plan: Any,
-    factory: Callable[[], Any],
-    loss_fn: Callable[[Any, Any], Any],
-    batch: dict[str, tuple[tuple[int, ...], str]],
-    optimizer: str,
-    mesh: dict[str, int],
-) -> StepCost:
-    """The shard_map backend's step cost: its collectives exactly (the partitioner run dry over
-    the traced gradient program: what the per-device code issues), FLOPs and memory as the auto
-    backend's propagation reads them (both backends compute the same local shards)."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    from shardplan.core.leaves import records
-    from shardplan.runtime import model as model_mod
-    from shardplan.runtime import partition, specs
-    from shardplan.runtime.activations import Activations
-
-    t0 = time.perf_counter()
-    built = model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
-    base = analyze(plan, factory, loss_fn, batch, optimizer, mesh, built)
-    abs_model = built[0]
-    params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
-    batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
-    inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
-    piped = _pipelined(plan, loss_fn, abs_model, mesh)
-    wrapped = Activations(plan, _abstract_mesh(mesh, plan), "shard_map").wrap(piped, mesh_context=True)
-    gm, state = nnx.split(abs_model)
-    flat, ptree = jax.tree_util.tree_flatten(state)
-    bflat, btree = jax.tree_util.tree_flatten(batch_abs)
-
-    def loss_of(fp, fb):
-        return wrapped(nnx.merge(gm, jax.tree_util.tree_unflatten(ptree, fp)), jax.tree_util.tree_unflatten(btree, fb))
-
-    with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
-        closed = jax.make_jaxpr(jax.value_and_grad(loss_of))(
-            [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat], bflat
-        )
-
-    def dims(d):
-        return tuple(tuple(a) for a in d.spec.dims) + ((),) * (len(d.shape) - len(d.spec.dims))
-
-    record = partition.predict(
-        closed,
-        mesh,
-        [dims(d) for d in records(params.decisions)],
-        [dims(d) for d in records(inputs.decisions)],
-        paths=[d.path for d in params.decisions],
-    )
-    comm = [Communication(c.kind, c.axes, c.bytes, c.count, c.why, c.source, c.moves) for c in record.issued]
-    notes = [
-        "fast mode, shard_map backend: the collectives are the partitioned per-device code's own (a dry run "
-        "of shardplan's partitioner; the compiled step issues exactly these, tests/test_shard_map.py); FLOPs, "
-        "memory and memory traffic are the auto backend's propagation; the optimizer update runs on global arrays "
-        "outside shard_map, and collectives XLA adds there (a global-norm clip's all-reduce) are not listed"
-    ]
-    notes += [f"fell back to whole operands: {f.op} at {f.source or '?'} ({f.why})" for f in record.fallbacks]
-    return replace(
-        base,
-        backend="shard_map",
-        communication=tuple(_merge(comm, params, params)),
-        notes=tuple(notes) + tuple(n for n in base.notes if not n.startswith("fast mode:")),
-        seconds=time.perf_counter() - t0,
-        constraint_delta=(),
-        fallbacks=tuple((f.op, f.source, f.bytes) for f in record.fallbacks),
-    )
-
-
-def _merge(comm: list[Communication], params: Any, opt: Any) -> list[Communication]:
+def merge_communication(comm: list[Communication], params: Any, opt: Any) -> list[Communication]:
+    """One row per (kind, axes, op, source, what it moves), each named with the plan rule that
+    placed what it moves (``params``/``opt``: the resolutions that name them)."""
     rules = {d.path: d.origin for d in list(params.decisions) + list(opt.decisions) if d.how in ("rule", "default")}
     groups: dict[tuple, list[int]] = {}
     for c in comm:

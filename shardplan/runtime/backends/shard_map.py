@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.core.leaves import records
 from shardplan.core.lowering import Collective, Lowering, lower
+from shardplan.core.stepcost import StepCost
 from shardplan.errors import Diagnostic, PlanApplyError, ShardMapFallbackWarning, error
 from shardplan.runtime import partition, specs
 from shardplan.runtime.mesh import has_explicit_axes
@@ -85,6 +86,81 @@ def typed_like(x: Any, explicit: bool) -> jax.ShapeDtypeStruct:
     if explicit:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.typeof(x).sharding)
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def gradient_program(graphdef: Any, ptree: Any, btree: Any, loss_fn: LossFn, params: list, batch: list) -> Any:
+    """The step's ``value_and_grad`` as a closed jaxpr over the flat params and the flat batch
+    (abstract values): (loss, grads in the params' order). The program the partitioner runs per
+    device, in the step and in fast mode's cost (:func:`fast_cost`) alike."""
+
+    def loss_of(fp, fb):
+        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(ptree, fp))
+        return loss_fn(model, jax.tree_util.tree_unflatten(btree, fb))
+
+    return jax.make_jaxpr(jax.value_and_grad(loss_of))(params, batch)
+
+
+def fast_cost(
+    plan: Any,
+    factory: Callable[[], Any],
+    loss_fn: LossFn,
+    batch: dict[str, tuple[tuple[int, ...], str]],
+    optimizer: str,
+    mesh: dict[str, int],
+) -> StepCost:
+    """This backend's step cost in fast mode: its collectives exactly (the partitioner run dry
+    over the step's gradient program: what the per-device code issues, each named with what it
+    moves), FLOPs and memory as the auto backend's propagation reads them (both backends compute
+    the same local shards)."""
+    import time
+    from dataclasses import replace
+
+    import numpy as np
+
+    from shardplan.core.stepcost import Communication
+    from shardplan.runtime import fast
+    from shardplan.runtime import model as model_mod
+    from shardplan.runtime.activations import Activations
+
+    t0 = time.perf_counter()
+    built = model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
+    base = fast.analyze(plan, factory, loss_fn, batch, optimizer, mesh, built)
+    abs_model = built[0]
+    params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
+    batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
+    inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
+    piped = fast.pipelined(plan, loss_fn, abs_model, mesh)
+    wrapped = Activations(plan, fast.abstract_mesh(mesh, plan), "shard_map").wrap(piped, mesh_context=True)
+    gm, state = nnx.split(abs_model)
+    flat, ptree = jax.tree_util.tree_flatten(state)
+    bflat, btree = jax.tree_util.tree_flatten(batch_abs)
+    with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
+        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
+        closed = gradient_program(gm, ptree, btree, wrapped, abstract, bflat)
+    record = partition.predict(
+        closed,
+        mesh,
+        [_dims(d.spec.dims, len(d.shape)) for d in records(params.decisions)],
+        [_dims(d.spec.dims, len(d.shape)) for d in records(inputs.decisions)],
+        paths=[d.path for d in params.decisions],
+    )
+    comm = [Communication(c.kind, c.axes, c.bytes, c.count, c.why, c.source, c.moves) for c in record.issued]
+    notes = [
+        "fast mode, shard_map backend: the collectives are the partitioned per-device code's own (a dry run "
+        "of shardplan's partitioner; the compiled step issues exactly these, tests/test_shard_map.py); FLOPs, "
+        "memory and memory traffic are the auto backend's propagation; the optimizer update runs on global arrays "
+        "outside shard_map, and collectives XLA adds there (a global-norm clip's all-reduce) are not listed"
+    ]
+    notes += [f"fell back to whole operands: {f.op} at {f.source or '?'} ({f.why})" for f in record.fallbacks]
+    return replace(
+        base,
+        backend="shard_map",
+        communication=tuple(fast.merge_communication(comm, params, params)),
+        notes=tuple(notes) + tuple(n for n in base.notes if not n.startswith("fast mode:")),
+        seconds=time.perf_counter() - t0,
+        constraint_delta=(),
+        fallbacks=tuple((f.op, f.source, f.bytes) for f in record.fallbacks),
+    )
 
 
 def _dims(dims, rank: int) -> partition.Dims:
@@ -211,15 +287,9 @@ class ShardMapStep:
         def step(sm, so, batch):
             flat, ptree = jax.tree_util.tree_flatten(sm)
             bflat = jax.tree_util.tree_leaves(batch)
-
-            def loss_of(fp, fb):
-                return loss_fn(
-                    nnx.merge(gm, jax.tree_util.tree_unflatten(ptree, fp)), jax.tree_util.tree_unflatten(btree, fb)
-                )
-
             abstract = [typed_like(x, explicit) for x in flat]
             babstract = [typed_like(x, explicit) for x in bflat]
-            closed = jax.make_jaxpr(jax.value_and_grad(loss_of))(abstract, babstract)
+            closed = gradient_program(gm, ptree, btree, loss_fn, abstract, babstract)
             fn = jax.shard_map(
                 partition.local_step(closed, mesh_shape, param_dims, batch_dims, record),
                 mesh=p.mesh,
