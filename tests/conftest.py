@@ -18,21 +18,31 @@ simulate(8)
 # at the width a pipe gets. Tests of narrow output set COLUMNS themselves.
 _os.environ["COLUMNS"] = "160"
 
-# The shapes cache of this run: a fresh folder, never the user's (subprocesses inherit it).
+# The folders of this run, under one temporary folder that the process which made it (the
+# controller, or a lone pytest) removes when the run ends, so a run leaves nothing in /tmp:
+# - the shapes cache: a fresh folder, never the user's (subprocesses inherit it);
+# - one persistent XLA compilation cache, empty at its start (never a cache of the developer's own)
+#   and shared by the xdist workers and every subprocess: tests that compile the same program (the
+#   same model, plan and step in another test, a CLI run of it) load it instead of compiling it
+#   again. A cache hit still reports a backend compile (jax.monitoring wraps the lookup), so
+#   compile counts hold;
+# - the plain-NNX one-device reference runs (tests/reference.py), made once per run for all workers.
+# Workers, loading this file again, inherit the folder from the controller's environment.
+import shutil as _shutil  # noqa: E402
 import tempfile as _tempfile  # noqa: E402
 
-_os.environ.setdefault("SHARDPLAN_CACHE_DIR", _tempfile.mkdtemp(prefix="shardplan-shapes-"))
-
-# One persistent XLA compilation cache per test run, empty at its start (never a cache of the
-# developer's own) and shared by the xdist workers and every subprocess: tests that compile the
-# same program (the same model, plan and step in another test, a CLI run of it) load it instead
-# of compiling it again. A cache hit still reports a backend compile (jax.monitoring wraps the
-# lookup), so compile counts hold. The controller makes it; workers, loading this file again,
-# inherit it.
-if "SHARDPLAN_TEST_RUN" not in _os.environ:
-    _os.environ["SHARDPLAN_TEST_RUN"] = "1"
-    _os.environ["JAX_COMPILATION_CACHE_DIR"] = _tempfile.mkdtemp(prefix="shardplan-xla-")
-    # The plain-NNX one-device reference runs (tests/reference.py), made once per run for all workers.
-    _os.environ["SHARDPLAN_REF_DIR"] = _tempfile.mkdtemp(prefix="shardplan-ref-")
+_MADE_HERE = "SHARDPLAN_TEST_RUN" not in _os.environ
+if _MADE_HERE:
+    _run = _tempfile.mkdtemp(prefix="shardplan-test-")
+    _os.environ["SHARDPLAN_TEST_RUN"] = _run
+    _os.environ.setdefault("SHARDPLAN_CACHE_DIR", _os.path.join(_run, "shapes"))
+    _os.environ["JAX_COMPILATION_CACHE_DIR"] = _os.path.join(_run, "xla")
+    _os.environ["SHARDPLAN_REF_DIR"] = _os.path.join(_run, "ref")
+    _os.makedirs(_os.environ["SHARDPLAN_REF_DIR"])
     _os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     _os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
+
+def pytest_unconfigure(config):
+    if _MADE_HERE:
+        _shutil.rmtree(_os.environ["SHARDPLAN_TEST_RUN"], ignore_errors=True)

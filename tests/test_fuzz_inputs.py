@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from shardplan.tools import cli
 from tests.helpers import PLANS
 
 MANY = settings(max_examples=800, deadline=None, suppress_health_check=list(HealthCheck))
-TMP = Path(tempfile.mkdtemp(prefix="shardplan-fuzz-"))
+TMP = Path(tempfile.mkdtemp(prefix="fuzz-", dir=os.environ.get("SHARDPLAN_TEST_RUN")))  # removed with the run
 PLAN = shardplan.loads('mesh data = *, model = 2\nparam ".*/w" (data, model)\naxis embed -> model\n'
                        'default replicated\n', "fuzz.splan")
 
