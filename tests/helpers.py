@@ -10,6 +10,19 @@ import shardplan
 from shardplan.errors import Diagnostic
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# XLA flags the suite compiles with (tests/conftest.py says why) and that the benchmarks' runs drop.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+
+
+def compiler_defaults_env() -> dict[str, str]:
+    """This process's environment with XLA's default compile settings: what ``python -m benchmarks``
+    runs under in the suite, since its figures (the compiled step's kernels and memory traffic,
+    timed on a chip's preset) are the program users get."""
+    import os
+
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE]
+    return {**os.environ, "XLA_FLAGS": " ".join(flags)}
 PLANS = ROOT / "plans"
 FIXTURES = ROOT / "tests" / "fixtures"
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, compiler_defaults_env
 
 
 def quick(tmp_path, *sections: str) -> tuple[dict, list[dict]]:
@@ -18,7 +18,7 @@ def quick(tmp_path, *sections: str) -> tuple[dict, list[dict]]:
     too; a timing target ("timing": true) may miss at quick mode's sizes."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "benchmarks", "--quick", "--only", ",".join(sections), "--json", str(out)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=compiler_defaults_env())
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert set(doc["results"]) == set(sections)

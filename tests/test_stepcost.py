@@ -187,6 +187,51 @@ def test_hlo_reader_sees_a_reduce_scatter_in_a_fusion_that_slices_per_device():
     assert not second.as_reduce_scatter  # written whole
 
 
+ASYNC = """HloModule m, entry_computation_layout={()->f32[]}
+
+%body (p: (s32[], f32[8,128])) -> (s32[], f32[8,128]) {
+  %p = (s32[], f32[8,128]{1,0:T(8,128)}) parameter(0)
+  %x = f32[8,128]{1,0:T(8,128)} get-tuple-element(%p), index=1
+  %cps = (f32[8,128]{1,0:T(8,128)}, f32[8,128]{1,0:T(8,128)}, u32[]{:S(2)}, u32[]{:S(2)}) collective-permute-start(%x), channel_id=3, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cpd = f32[8,128]{1,0:T(8,128)} collective-permute-done(%cps)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8,128]{1,0:T(8,128)}) tuple(%i, %cpd)
+}
+
+%cond (p: (s32[], f32[8,128])) -> pred[] {
+  %p = (s32[], f32[8,128]{1,0:T(8,128)}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (p0: f32[4,16], p1: f32[2,8], p2: f32[16], p3: f32[8]) -> f32[] {
+  %p0 = f32[4,16]{1,0} parameter(0)
+  %p1 = f32[2,8]{1,0} parameter(1)
+  %p2 = f32[16]{0} parameter(2)
+  %p3 = f32[8]{0} parameter(3)
+  %ags = ((f32[4,16]{1,0}, f32[2,8]{1,0}), (f32[32,16]{1,0}, f32[16,8]{1,0})) all-gather-start(%p0, %p1), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true
+  %agd = (f32[32,16]{1,0}, f32[16,8]{1,0}) all-gather-done(%ags)
+  %ars = (f32[16]{0}, f32[8]{0}) all-reduce-start(%p2, %p3), channel_id=2, replica_groups=[1,8]<=[8], to_apply=%add
+  %ard = (f32[16]{0}, f32[8]{0}) all-reduce-done(%ars)
+  %init = (s32[], f32[8,128]{1,0:T(8,128)}) tuple(%z, %w)
+  %loop = (s32[], f32[8,128]{1,0:T(8,128)}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %r = f32[] constant(0)
+}
+"""
+
+
+def test_hlo_reader_counts_async_collectives_by_their_results_combined_or_with_contexts():
+    """Accelerator programs run collectives async: XLA:GPU combines gathers in one start whose tuple
+    is (operands, results); TPU's permute-start tuple ends in u32[] contexts; a combined
+    all-reduce-start returns its results. Each is counted by its results, a loop's by its trips."""
+    ops = {o.kind: o for o in hlo.parse(ASYNC, 8) if o.kind != "all-reduce"}
+    assert ops["all-gather"].bytes == (32 * 16 + 16 * 8) * 4  # both results, not the last array
+    assert ops["all-gather"].shapes == ("f32[32,16]", "f32[16,8]")
+    permute = ops["collective-permute"]
+    assert (permute.bytes, permute.runs) == (8 * 128 * 4, 4)  # the buffer, not the u32[] context
+    reduced = [o for o in hlo.parse(ASYNC, 8) if o.kind == "all-reduce"]
+    assert [o.bytes for o in reduced] == [16 * 4, 8 * 4]  # one entry per combined array
+
+
 def test_memory_bytes_are_xlas_and_count_every_loop_iteration():
     """On a program without loops, the bytes read and written are XLA's own cost analysis; in a
     scan, each iteration's body counts (XLA's cost analysis counts a while body once)."""

@@ -102,6 +102,41 @@ def _shape_bytes(shape: str) -> tuple[int, tuple[str, ...], int]:
     return total, tuple(shapes), first
 
 
+def _elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape ``(a, (b, c), d)``; ``[shape]`` for an array. Commas
+    inside layouts (``{1,0:T(8,128)}``) and dims are not separators."""
+    text = shape.strip()
+    if not text.startswith("("):
+        return [text]
+    out: list[str] = []
+    cur: list[str] = []
+    depth = 0
+    for ch in text[1 : text.rindex(")")]:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+def _async_result(op: str, shape: str) -> str:
+    """The result of an async collective's ``-start``, from its shape. ``all-reduce-start`` returns
+    its result (a tuple of results when XLA combined several); the other starts return
+    ``(operands, results, contexts...)``: element 1 (a tuple when combined: XLA:GPU's combined
+    all-gathers), not the last array (TPU's collective-permute-start ends in ``u32[]`` contexts)."""
+    if op == "all-reduce-start" or not shape.strip().startswith("("):
+        return shape
+    parts = _elements(shape)
+    return parts[1] if len(parts) >= 2 else shape
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -376,9 +411,8 @@ def parse(hlo_text: str, n_devices: int | None = None) -> list[CollectiveOp]:
             if kind not in KINDS:
                 continue
             shape = ins.shape
-            if ins.op.endswith("-start"):  # async start: result tuple holds (operand, result); count the result
-                inner = _ARRAY.findall(shape)
-                shape = f"{inner[-1][0]}[{inner[-1][1]}]" if inner else shape
+            if ins.op.endswith("-start"):  # async start: count its result (the operands are in its tuple too)
+                shape = _async_result(ins.op, shape)
             nbytes, shapes, elements = _shape_bytes(shape)
             groups = _groups(ins.line, n_devices)
             group = len(groups[0]) if groups else 1
@@ -589,7 +623,10 @@ def _instr_traffic(ins: _Instr, defs: dict[str, _Instr], comps: dict[str, list[_
         return 2 * write + sum(reads[1:])
     if ins.op.endswith("-start") and ins.op != "fusion-start" and ins.shape.startswith("("):
         # An async op's result tuple holds its operands (and a context) beside its result.
-        write = max((float(_shape_bytes(f"{d}[{dims}]")[0]) for d, dims in _ARRAY.findall(ins.shape)), default=0.0)
+        if ins.op[:-6] in KINDS:  # a collective: its results (several when combined)
+            write = float(_shape_bytes(_async_result(ins.op, ins.shape))[0])
+        else:
+            write = max((float(_shape_bytes(f"{d}[{dims}]")[0]) for d, dims in _ARRAY.findall(ins.shape)), default=0.0)
     body = next(iter(_CALLS.findall(ins.line)), None) if ins.op in ("fusion", "fusion-start") else None
     if body is None or body not in comps:
         return sum(reads) + write
