@@ -653,6 +653,7 @@ def analyze(
     mesh: dict[str, int | None] | None = None,
     devices: int | None = None,
     timeout_s: float = COMPILE_TIMEOUT_S,
+    target: str = "cpu",
 ) -> StepCost:
     """What one training step costs per device on the plan's whole mesh (``check --step``).
 
@@ -672,13 +673,16 @@ def analyze(
         mesh, devices: the mesh, as for :func:`check` (a ``*`` axis needs ``devices``).
         timeout_s: how long the child process may compile (a value other than the default
             always uses a child).
+        target: exact mode's compiler (``shardplan.core.targets``): ``cpu`` (XLA:CPU on simulated
+            devices), a TPU slice (``tpu-v5p:2x2x2``) or GPUs (``h100:8``), compiled offline for
+            that many devices; the mesh must have as many devices as the target.
 
     Raises:
         ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace,
             a loss that is not a scalar, or a mesh too large to simulate.
     """
     p = _plan(plan, mesh)
-    cost = _step_cost(p, model, step, batch, optimizer, backend, mode, devices, timeout_s)
+    cost = _step_cost(p, model, step, batch, optimizer, backend, mode, devices, timeout_s, target)
     return with_pipeline(cost, p)
 
 
@@ -692,8 +696,9 @@ def _step_cost(
     mode: str,
     devices: int | None,
     timeout_s: float,
+    target: str = "cpu",
 ) -> StepCost:
-    from shardplan.core import backends
+    from shardplan.core import backends, targets
     from shardplan.errors import Diagnostic, Span
 
     name = backend or p.backend
@@ -713,8 +718,31 @@ def _step_cost(
                 )
             ]
         )
-    sizes = p.mesh_shape(devices)
+    aim = targets.parse(target, "target")
+    if aim.platform != "cpu" and mode != "exact":
+        raise as_error(
+            [
+                error(
+                    "bad-target",
+                    f"--target {aim.name} names exact mode's compiler; fast mode compiles nothing",
+                    "add --compile to compile for it",
+                    path="--target",
+                )
+            ]
+        )
+    sizes = p.mesh_shape(devices if devices is not None or aim.devices is None else aim.devices)
     n = math.prod(sizes.values())
+    if aim.devices is not None and n != aim.devices:
+        raise as_error(
+            [
+                error(
+                    "bad-target",
+                    f"the mesh {sizes} has {n} devices; --target {aim.name} has {aim.devices}",
+                    f"give a mesh of {aim.devices} devices (--mesh / --devices {aim.devices}) or a target of {n}",
+                    path="--target",
+                )
+            ]
+        )
     # Fail early, in this process, on what needs no devices: the batch must divide over its axes.
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":
@@ -725,7 +753,7 @@ def _step_cost(
         module, function = info.fast_cost.split(":")
         run = getattr(importlib.import_module(module), function)
         return run(p, load_factory(model), load_factory(step, what="--step"), shapes, optimizer, sizes)
-    if n > MAX_SIMULATED_DEVICES:
+    if aim.platform == "cpu" and n > MAX_SIMULATED_DEVICES:
         raise as_error(
             [
                 error(
@@ -739,12 +767,12 @@ def _step_cost(
         )
     from shardplan.runtime.exact import devices_here
 
-    if timeout_s == COMPILE_TIMEOUT_S and devices_here(n):  # this process has the mesh's devices: no child
+    if aim.platform == "cpu" and timeout_s == COMPILE_TIMEOUT_S and devices_here(n):  # the mesh's devices: no child
         return _compile_here(load_sources(p.sources, mesh=sizes), model, step, shapes, optimizer, name)
     from shardplan.runtime.devices import simulate
 
-    env = simulate(n, dict(os.environ))
-    env["JAX_PLATFORMS"] = "cpu"
+    env = simulate(n if aim.platform == "cpu" else 1, dict(os.environ))
+    env["JAX_PLATFORMS"] = "cpu"  # a target's compiler is reached through its topology, never a device
     request = {
         "sources": [list(x) for x in p.sources],
         "mesh": sizes,
@@ -753,6 +781,7 @@ def _step_cost(
         "batch": {k: [list(s), d] for k, (s, d) in shapes.items()},
         "optimizer": optimizer,
         "backend": name,
+        "target": aim.name,
     }
     try:
         proc = subprocess.run(
@@ -768,7 +797,8 @@ def _step_cost(
             [
                 error(
                     "bad-argument",
-                    f"compiling the step for {n} simulated devices took over {timeout_s:.0f} s",
+                    f"compiling the step for {n} {'simulated' if aim.platform == 'cpu' else aim.compiler} devices "
+                    f"took over {timeout_s:.0f} s",
                     "check a smaller mesh or model",
                     path="--compile",
                 )

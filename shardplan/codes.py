@@ -106,6 +106,12 @@ CODES: dict[str, Code] = {
         _e("bad-argument", "argument", "a command-line or API argument out of range or malformed"),
         _e("unknown-optimizer", "argument", "an optimizer name that is not registered"),
         _e("unknown-chip", "argument", "a `--chip` that is not in the registry of accelerators"),
+        _e("bad-target", "argument", "a `--target` that names no compile target, or a `--chip` that disagrees with it"),
+        _e(
+            "target-compiler-missing",
+            "argument",
+            "a `--target`'s compiler is not installed (the `pip install` line that brings it is in the hint)",
+        ),
         _e("bad-axis-types", "argument", "`axis_types` other than `auto` or `explicit`"),
         _e("model-import", "argument", "the model's module fails to import"),
         _e("model-build", "argument", "the model factory fails under `nnx.eval_shape`"),

@@ -10,8 +10,8 @@ from shardplan.runtime.devices import simulate
 # time). XLA's HLO passes up to the SPMD partitioner are the same; measured on four plans'
 # exact-mode steps against the default flags: every collective's bytes equal, peak within 0.05%,
 # FLOPs within 0.1%, memory traffic within 0.4%, losses equal to 6 digits; but the program has
-# more kernels (unfused loops), so what reads a compiled step's kernel count (the benchmarks'
-# exact-mode step times) runs with XLA's defaults: tests/helpers.compiler_defaults_env().
+# more kernels (unfused loops), so what reads a compiled step's kernel count (suggest's
+# confirmation by the compiled step's time) runs with XLA's defaults: tests/helpers.compiler_defaults_env().
 # Subprocesses inherit the flags; simulate() keeps the rest.
 from tests.helpers import FAST_COMPILE as _FAST_COMPILE  # noqa: E402
 

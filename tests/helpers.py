@@ -16,9 +16,9 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emit
 
 
 def compiler_defaults_env() -> dict[str, str]:
-    """This process's environment with XLA's default compile settings: what ``python -m benchmarks``
-    runs under in the suite, since its figures (the compiled step's kernels and memory traffic,
-    timed on a chip's preset) are the program users get."""
+    """This process's environment with XLA's default compile settings, for what reads a compiled
+    step's kernel count (suggest's benchmark times the compiled step on a chip's preset, kernel
+    launches included): the program users get."""
     import os
 
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in FAST_COMPILE]

@@ -328,12 +328,13 @@ def _argument(ins: _Instr, defs: dict[str, _Instr], depth: int = 8) -> str:
 
 
 def _same_data(ins: _Instr, operand: _Instr) -> bool:
-    """``ins`` only moves or relayouts ``operand``: a pass-through op with the same dtype and elements."""
+    """``ins`` only moves, relayouts or casts ``operand``: a pass-through op with the same elements
+    (and dtype, but for a convert: XLA:TPU casts f32 params to bf16 before gathering them)."""
     a, b = _ARRAY.findall(ins.shape), _ARRAY.findall(operand.shape)
     return (
         ins.op in _PASS_THROUGH
         and len(a) == len(b) == 1
-        and a[0][0] == b[0][0]
+        and (a[0][0] == b[0][0] or ins.op == "convert")
         and _shape_bytes(ins.shape)[2] == _shape_bytes(operand.shape)[2]
     )
 

@@ -108,6 +108,11 @@ class StepCost:
     # results XLA's fusion stores, collectives included. The step time's launch overhead.
     kernels: float = 0.0
     pipeline: PipelineCost | None = None  # a pipeline plan's schedule (the bubble, the stage permutes)
+    # Exact mode: the compiler that made the program ("XLA:CPU", "XLA:TPU tpu-v5p:2x2x2", ...) and
+    # that compiler's own estimate of the step's seconds where it gives a meaningful one (XLA:TPU
+    # v5p's cost analysis ``optimal_seconds``; None elsewhere).
+    compiler: str = ""
+    compiler_seconds: float | None = None
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -146,6 +151,7 @@ class StepCost:
             "fallbacks": [{"op": op, "source": src, "bytes": n} for op, src, n in self.fallbacks],
             "kernels_per_device": self.kernels,
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
+            **({"compiler": self.compiler, "compiler_seconds": self.compiler_seconds} if self.compiler else {}),
         }
 
     @staticmethod
@@ -170,4 +176,6 @@ class StepCost:
             tuple((f["op"], f["source"], int(f["bytes"])) for f in doc.get("fallbacks", ())),
             doc.get("kernels_per_device", 0.0),
             PipelineCost(**doc["pipeline"]) if doc.get("pipeline") else None,
+            doc.get("compiler", ""),
+            doc.get("compiler_seconds"),
         )

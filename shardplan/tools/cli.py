@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 
 from shardplan import api
-from shardplan.core import backends, callables, chips, lock, optimizers, timing
+from shardplan.core import backends, callables, chips, lock, optimizers, targets, timing
 from shardplan.core.format import fmt_bytes, parse_bytes
 from shardplan.core.meshes import parse_links_arg, parse_mesh_arg, with_links
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD
@@ -142,9 +142,10 @@ def cmd_check(args, out: Console, err: Console) -> int:
     costs = _step_costs(args, results) if args.step else None
     shown = [_warnings(r, c) for r, c in zip(results, costs or [None] * len(results), strict=True)]
     times = None
-    if args.chip and costs is not None:
+    chip_name = args.chip or targets.parse(args.target).chip
+    if chip_name and costs is not None:
         links = parse_links_arg(args.link or [])
-        chip = chips.lookup(args.chip)
+        chip = chips.lookup(chip_name)
         times = [timing.step_time(c, with_links(r.plan, links), chip) for c, r in zip(costs, results, strict=True)]
     all_diags = [d for w in shown for d in w]
     if args.format == "json":
@@ -361,6 +362,10 @@ def _check_step_args(args) -> None:
         raise _UsageError("--batch and --compile describe a step: name it with --step FILE:LOSS_FN")
     if (args.chip or args.link) and not args.step:
         raise _UsageError("--chip and --link estimate a step's time: name the step with --step and --batch")
+    target = targets.parse(args.target)
+    if target.platform != "cpu" and not args.compile:
+        raise _UsageError(f"--target {target.name} names exact mode's compiler: add --compile (and --step, --batch)")
+    targets.agree(target, args.chip)
 
 
 def _step_costs(args, results) -> list:
@@ -375,6 +380,7 @@ def _step_costs(args, results) -> list:
             backend=args.backend,
             mode="exact" if args.compile else "fast",
             devices=args.devices,
+            target=args.target,
         )
         for r in results
     ]
@@ -545,6 +551,7 @@ _USAGE_CODES = frozenset(
         "bad-argument",
         "unknown-optimizer",
         "unknown-chip",
+        "bad-target",
         "bad-axis-types",
         "axis-size",
         "two-inferred-sizes",
@@ -722,6 +729,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exact mode: compile the real step for the whole mesh (simulated CPU devices in a child process) "
         "and read XLA's program",
+    )
+    st.add_argument(
+        "--target",
+        default="cpu",
+        help="exact mode's compiler: cpu (XLA:CPU, default), a TPU slice (tpu-v5e:2x4, tpu-v5p:2x2x2, tpu-v6e:4x4) "
+        "or GPUs (h100:8, h200:2x8, a100-80gb:8, b200:8), compiled offline without the devices",
     )
     st.add_argument("--backend", choices=backends.NAMES, help="the backend to cost (default: the plan's)")
     st.add_argument("--chip", choices=sorted(chips.CHIPS), help="estimate the step time and MFU on this accelerator")

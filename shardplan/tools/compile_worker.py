@@ -13,12 +13,14 @@ from shardplan.errors import ShardPlanError, Span
 def main() -> None:
     req = json.loads(sys.stdin.read())
     try:
+        from shardplan.core import targets
         from shardplan.lang.loader import load_sources
-        from shardplan.runtime.exact import compile_step
+        from shardplan.runtime.exact import compile_step, target_mesh
         from shardplan.runtime.model import load_factory
 
         plan = load_sources(tuple(tuple(s) for s in req["sources"]), mesh=req["mesh"])
         batch = {k: (tuple(s), d) for k, (s, d) in req["batch"].items()}
+        target = targets.parse(req.get("target", "cpu"))
         cost = compile_step(
             plan,
             load_factory(req["model"]),
@@ -26,6 +28,8 @@ def main() -> None:
             batch,
             req["optimizer"],
             req["backend"],
+            mesh=target_mesh(plan, target) if target.platform != "cpu" else None,
+            target=target,
         )
         print(json.dumps({"cost": cost.to_json()}))
     except ShardPlanError as e:

@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from shardplan.core import chips
 from shardplan.core.cost import communication, summary
 from shardplan.core.format import fmt_bytes, fmt_op, fmt_seconds, fmt_shape, layer_group
 from shardplan.core.leaves import Decision, Resolution
@@ -85,7 +86,7 @@ def print_step_cost(
 ) -> None:
     """One step's cost: FLOPs, memory, and every collective with where it comes from."""
     mesh = ",".join(f"{k}={v}" for k, v in cost.mesh.items())
-    what = "XLA's compiled program" if cost.mode == "exact" else "the step's jaxpr (no compile)"
+    what = f"{cost.compiler or 'XLA'}'s compiled program" if cost.mode == "exact" else "the step's jaxpr (no compile)"
     console.print(
         f"[bold]step cost[/] {escape(name)}: backend [bold]{cost.backend}[/], {cost.mode} mode ({what}), "
         f"mesh {mesh}, per device; analysed in {cost.seconds:.1f} s"
@@ -96,6 +97,11 @@ def print_step_cost(
         mem.add_column(col, justify="right", overflow="fold")
     mem.add_row(*(fmt_bytes(x) for x in (m.params, m.opt_state, m.batch, m.temporaries, m.outputs - m.aliased, m.peak)))
     console.print(mem)
+    chip = cost.compiler.split(" ", 1)[1].split(":")[0] if " " in cost.compiler else None
+    if chip in chips.CHIPS:  # a target's program ("XLA:TPU tpu-v5p:2x2x2"): its peak against the chip's memory
+        room = chips.lookup(chip).hbm_bytes
+        verdict = "fits" if m.peak <= room else f"does not fit (over by {fmt_bytes(int(m.peak - room))})"
+        console.print(f"peak {fmt_bytes(m.peak)} per device against {chip}'s {fmt_bytes(int(room))}: {verdict}")
     console.print(
         f"compute: {cost.flops / 1e9:,.3f} GFLOP per device per step; memory traffic: "
         f"{fmt_bytes(int(cost.hbm_bytes))} read and written per device per step"
@@ -150,6 +156,8 @@ def print_step_cost(
             console.print(f"the constraints change this step's communication (vs none): {moved}")
         else:
             console.print("the constraints change no communication of this step")
+    if cost.compiler_seconds is not None:
+        console.print(f"{cost.compiler}'s own estimate of the step: {fmt_seconds(cost.compiler_seconds)}")
     if time is not None:
         links = ", ".join(f"{k} {fmt_seconds(v)}" for k, v in sorted(time.comm_by_link.items())) or "none"
         local = time.compute_s + time.memory_s + time.launch_s

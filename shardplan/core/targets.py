@@ -1,0 +1,192 @@
+"""Compile targets: the compiler exact mode judges a step with (jax-free).
+
+``cpu`` is XLA:CPU on simulated devices (the default). The others are the compilers users run,
+compiled offline with no accelerator through jax's topology API (FACTS.md, "Compiling for TPUs
+and GPUs offline"):
+
+- ``tpu-v5e:2x4``, ``tpu-v5p:2x2x2``, ``tpu-v6e:4x4``: XLA:TPU for a slice of that shape, named as
+  TPU names it (one device per chip); needs ``jax[tpu]`` (``pip install 'shardplan[tpu]'``).
+- ``h100:8``, ``h200:64``, ``a100-80gb:8``, ``b200:16``, or ``h100:8x8`` (hosts x GPUs per host;
+  8 per host when one count is given): XLA:GPU for that many GPUs, each described to the compiler
+  by :data:`GPUS` (datasheet facts, sources beside them); needs the CUDA plugin
+  (``pip install 'shardplan[gpu]'``, no NVIDIA libraries or GPU).
+
+Each target names its chip in ``shardplan.core.chips`` (``--chip`` must agree with it).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from shardplan.core import chips
+from shardplan.core.meshes import closest
+from shardplan.errors import as_error, error
+
+JAX_VERSION = "0.10.2"  # the extras are pinned to the jax release shardplan is built on
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str  # as written by shardplan: "cpu", "tpu-v5p:2x2x2", "h100:2x8"
+    platform: str  # "cpu", "tpu" or "cuda"
+    chip: str | None  # its chip in shardplan.core.chips (None: XLA:CPU, no chip)
+    devices: int | None  # devices it has (None: cpu, as many as the mesh)
+    topology: str = ""  # TPU: "v5p:2x2x2"; GPU: "slices x hosts x per host", e.g. "1x2x8"
+
+    @property
+    def compiler(self) -> str:
+        return {"cpu": "XLA:CPU", "tpu": "XLA:TPU", "cuda": "XLA:GPU"}[self.platform]
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """What XLA:GPU's compiler is told about a GPU (its ``GpuDeviceInfoProto``) beyond the memory
+    size and bandwidth, which are the chip registry's (``shardplan.core.chips``)."""
+
+    description: str  # the device kind the driver reports
+    sms: int
+    clock_ghz: float  # boost clock
+    l2_bytes: int
+    compute_capability: tuple[int, int]
+    shared_per_sm: int
+    source: str
+
+
+GPUS: dict[str, GpuSpec] = {
+    "a100-80gb": GpuSpec(
+        "NVIDIA A100-SXM4-80GB",
+        108,
+        1.41,
+        40 * 2**20,
+        (8, 0),
+        167936,
+        "NVIDIA A100 datasheet and whitepaper: 108 SMs, 1,410 MHz boost, 80 GB HBM2e at 2,039 GB/s, "
+        "40 MB L2, sm_80, 164 KB shared memory per SM",
+    ),
+    "h100": GpuSpec(
+        "NVIDIA H100 80GB HBM3",
+        132,
+        1.98,
+        50 * 2**20,
+        (9, 0),
+        233472,
+        "NVIDIA H100 SXM datasheet and Hopper whitepaper: 132 SMs, 1,980 MHz boost, 80 GB HBM3 at "
+        "3.35 TB/s, 50 MB L2, sm_90, 228 KB shared memory per SM",
+    ),
+    "h200": GpuSpec(
+        "NVIDIA H200",
+        132,
+        1.98,
+        50 * 2**20,
+        (9, 0),
+        233472,
+        "NVIDIA H200 SXM datasheet: the H100's GH100 (132 SMs, 1,980 MHz, 50 MB L2, sm_90) with 141 GB "
+        "HBM3e at 4.8 TB/s",
+    ),
+    "b200": GpuSpec(
+        "NVIDIA B200",
+        148,
+        1.965,
+        126 * 2**20,
+        (10, 0),
+        233472,
+        "NVIDIA DGX B200 datasheet: 180 GB HBM3e per GPU at 8 TB/s; Blackwell: 148 SMs, 1,965 MHz, 126 MB L2, sm_100",
+    ),
+}
+
+# TPU generations the topology API names ("v5p:2x2x2"), by their chip in shardplan.core.chips.
+TPUS: dict[str, str] = {"tpu-v5e": "v5e", "tpu-v5p": "v5p", "tpu-v6e": "v6e"}
+GPUS_PER_HOST = 8
+
+INSTALL = {
+    "tpu": f"pip install 'shardplan[tpu]'  (that is: pip install 'jax[tpu]=={JAX_VERSION}')",
+    "cuda": f"pip install 'shardplan[gpu]'  (that is: pip install jax-cuda12-plugin=={JAX_VERSION} "
+    f"jax-cuda12-pjrt=={JAX_VERSION})",
+}
+
+CPU = Target("cpu", "cpu", None, None)
+_SHAPE = re.compile(r"^[1-9][0-9]*(x[1-9][0-9]*)*$")
+EXAMPLES = "cpu, tpu-v5e:2x4, tpu-v5p:2x2x2, tpu-v6e:4x4, h100:8, h200:2x8, a100-80gb:8, b200:8"
+
+
+def parse(text: str, where: str = "--target") -> Target:
+    """A target name -> Target.
+
+    Raises:
+        ArgumentError: an unknown chip (with the nearest name), a missing or malformed shape.
+    """
+    name, _, shape = text.strip().lower().partition(":")
+    if name == "cpu" and not shape:
+        return CPU
+    known = ["cpu", *TPUS, *GPUS]
+    if name not in TPUS and name not in GPUS:
+        near = closest(name, known)
+        raise _bad(f"unknown target '{text}'", f"{near + ' ' if near else ''}targets: {EXAMPLES}", where)
+    if not _SHAPE.match(shape):
+        example = "tpu-v5p:2x2x2" if name in TPUS else f"{name}:8 or {name}:2x8"
+        raise _bad(
+            f"target '{text}' needs its size after ':' as dims joined by 'x'",
+            f"e.g. {example}",
+            where,
+        )
+    dims = [int(d) for d in shape.split("x")]
+    if name in TPUS:
+        if len(dims) not in (2, 3):
+            raise _bad(f"TPU slice '{shape}' must have 2 (v5e, v6e) or 3 (v5p) dims", "e.g. tpu-v5p:2x2x2", where)
+        return Target(f"{name}:{shape}", "tpu", name, math.prod(dims), f"{TPUS[name]}:{shape}")
+    if len(dims) == 1:
+        n = dims[0]
+        hosts, per_host = (1, n) if n <= GPUS_PER_HOST else (n // GPUS_PER_HOST, GPUS_PER_HOST)
+        if hosts * per_host != n:
+            raise _bad(
+                f"{n} GPUs do not fill hosts of {GPUS_PER_HOST}",
+                f"give hosts x GPUs per host, e.g. {name}:{math.ceil(n / GPUS_PER_HOST)}x{GPUS_PER_HOST}",
+                where,
+            )
+    elif len(dims) == 2:
+        hosts, per_host = dims
+    else:
+        raise _bad(f"GPU target '{text}' takes a count or hosts x GPUs per host", f"e.g. {name}:2x8", where)
+    return Target(f"{name}:{hosts}x{per_host}", "cuda", name, hosts * per_host, f"1x{hosts}x{per_host}")
+
+
+def gpu_target_config(chip: str) -> str:
+    """The ``GpuTargetConfig`` text proto XLA:GPU compiles against for ``chip`` (no GPU needed)."""
+    g, figures = GPUS[chip], chips.lookup(chip)  # memory and bandwidth: the chip registry's datasheet figures
+    major, minor = g.compute_capability
+    return (
+        "gpu_device_info {\n"
+        "  threads_per_block_limit: 1024\n  threads_per_warp: 32\n  shared_memory_per_block: 49152\n"
+        f"  shared_memory_per_core: {g.shared_per_sm}\n  threads_per_core_limit: 2048\n"
+        f"  core_count: {g.sms}\n  fpus_per_core: 128\n"
+        "  block_dim_limit_x: 2147483647\n  block_dim_limit_y: 65535\n  block_dim_limit_z: 65535\n"
+        f"  memory_bandwidth: {int(figures.hbm_bandwidth)}\n  l2_cache_size: {g.l2_bytes}\n"
+        f"  clock_rate_ghz: {g.clock_ghz}\n  device_memory_size: {int(figures.hbm_bytes)}\n"
+        f"  shared_memory_per_block_optin: {g.shared_per_sm - 1024}\n"
+        f"  cuda_compute_capability {{ major: {major} minor: {minor} }}\n"
+        "  registers_per_core_limit: 65536\n  registers_per_block_limit: 65536\n"
+        "}\n"
+        'platform_name: "CUDA"\n'
+        "dnn_version_info { major: 9 minor: 8 }\n"
+        f'device_description_str: "{g.description}"\n'
+    )
+
+
+def agree(target: Target, chip: str | None, where: str = "--chip") -> None:
+    """``--chip`` and the target name one chip (or the target is XLA:CPU, which has none).
+
+    Raises:
+        ArgumentError: they name different chips.
+    """
+    if chip is not None and target.chip is not None and chip != target.chip:
+        raise _bad(
+            f"--chip {chip} and --target {target.name} name different chips",
+            f"drop --chip (the target's chip, {target.chip}, is used) or make them the same",
+            where,
+        )
+
+
+def _bad(message: str, hint: str, where: str):
+    return as_error([error("bad-target", message, hint, path=where)])

@@ -1,0 +1,109 @@
+"""Exact mode for the compilers users run: XLA:TPU and XLA:GPU, offline, no accelerator
+(``check --compile --target``), and the HLO reader on programs they made (stored in
+tests/fixtures/hlo/, so the reader's tests run without the compilers)."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+import shardplan
+from shardplan.core import hlo
+from tests.helpers import FIXTURES, PLANS, ROOT, compiler_defaults_env
+
+MODEL = f"{ROOT / 'examples' / 'models.py'}:gpt_tiny"
+STEP = f"{ROOT / 'examples' / 'train.py'}:lm_loss"
+BATCH = "tokens=int32[32,32],labels=int32[32,32]"
+HLO = FIXTURES / "hlo"
+HAS_TPU = importlib.util.find_spec("libtpu") is not None
+HAS_GPU = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+MiB = 2**20
+
+
+def test_the_reader_sees_what_xla_tpu_made():
+    """``jax.grad`` of sum(tanh(x @ w) @ w.T) with w (1024 x 1024 f32) and x split over 8 v5e chips,
+    XLA:TPU's program: w cast to bf16 and gathered once (2 MiB), its gradient reduce-scattered
+    as a fused all-reduce + per-device slice (4 MiB operand)."""
+    ops = hlo.parse((HLO / "tpu_v5e_2x4.hlo").read_text(), 8)
+    gathers = [o for o in ops if o.kind == "all-gather"]
+    assert [(o.shapes, o.bytes) for o in gathers] == [(("bf16[1024,1024]",), 2 * MiB)]
+    scattered = [o for o in ops if o.as_reduce_scatter]
+    assert [(o.bytes, o.group_size) for o in scattered] == [(4 * MiB, 8)]
+
+
+def test_the_reader_sees_what_xla_gpu_made():
+    """The same step for 8 H100s: XLA:GPU combines the forward and backward gathers of w in one
+    async start (two 4 MiB results: 8 MiB, where the last array alone read 4), gathers x's
+    cotangent, and reduce-scatters w's gradient async (its operand: 4 MiB)."""
+    ops = hlo.parse((HLO / "gpu_h100_8.hlo").read_text(), 8)
+    by = sorted((o.kind, o.bytes) for o in ops)
+    assert by == [("all-gather", 2 * MiB), ("all-gather", 8 * MiB), ("reduce-scatter", 4 * MiB)]
+
+
+def _check(target: str, fmt: str = "json") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardplan", "check", PLANS / "fsdp.splan", "--model", MODEL,
+                           "--devices", "8", "--step", STEP, "--batch", BATCH, "--compile", "--target", target,
+                           "--format", fmt], capture_output=True, text=True, timeout=300, env=compiler_defaults_env())
+
+
+def _split_param_bytes() -> int:
+    """FSDP's hand sum: the whole bytes of every param the plan splits (what one gather of each moves)."""
+    decisions = shardplan.check(PLANS / "fsdp.splan", model=MODEL, devices=8).resolution.decisions
+    return sum(d.nbytes for d in decisions if d.role == "param" and any(d.spec.dims))
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs the CUDA plugin: pip install 'shardplan[gpu]'")
+def test_fsdp_compiled_for_8_h100s_gathers_and_reduce_scatters_every_split_param_once():
+    r = _check("h100:8")
+    assert r.returncode == 0, r.stderr[-3000:]
+    cost = json.loads(r.stdout)["step_cost"]
+    assert cost["compiler"] == "XLA:GPU h100:1x8" and cost["mode"] == "exact"
+    kinds = cost["communication_per_device"]["by_kind"]
+    whole = _split_param_bytes()
+    assert kinds["all-gather"] == whole and kinds["reduce-scatter"] == whole, (kinds, whole)
+    assert 0 < cost["memory_per_device"]["peak"] < 80e9
+
+
+@pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")
+def test_fsdp_compiled_for_a_tpu_slice_reduce_scatters_every_gradient_and_reports_its_memory():
+    r = _check("tpu-v5p:2x2x2", fmt="text")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exact mode (XLA:TPU tpu-v5p:2x2x2's compiled program)" in r.stdout
+    assert "against tpu-v5p's 88.48 GiB: fits" in r.stdout
+    r = _check("tpu-v5e:2x4")
+    cost = json.loads(r.stdout)["step_cost"]
+    kinds = cost["communication_per_device"]["by_kind"]
+    assert kinds["reduce-scatter"] == _split_param_bytes()  # f32 gradients, each once
+    assert kinds["all-gather"] > 0 and cost["flops_per_device"] > 0
+    assert cost["compiler_seconds"] is None  # v5e's own estimate is not meaningful (FACTS.md)
+
+
+def test_a_missing_target_compiler_names_the_pip_line(monkeypatch):
+    """Without the plugin, the error says what to install (here the import is made to fail)."""
+    import builtins
+
+    from shardplan.core import targets
+    from shardplan.runtime import exact
+
+    real = builtins.__import__
+
+    def no_topologies(name, *a, **k):
+        if name == "jax.experimental" and a and a[2] and "topologies" in a[2]:
+            raise ImportError("No module named 'libtpu'")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_topologies)
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        exact.target_mesh(shardplan.load(PLANS / "dp.splan"), targets.parse("tpu-v5e:2x4"))
+    d = info.value.diagnostics[0]
+    assert d.code == "target-compiler-missing" and "pip install 'shardplan[tpu]'" in d.hint
+
+
+def test_the_extras_pin_the_jax_release():
+    from shardplan.core import targets
+
+    text = (ROOT / "pyproject.toml").read_text()
+    assert f'tpu = ["jax[tpu]=={targets.JAX_VERSION}"]' in text
+    assert f'"jax-cuda12-plugin=={targets.JAX_VERSION}", "jax-cuda12-pjrt=={targets.JAX_VERSION}"' in text
