@@ -27,7 +27,7 @@ Llama param paths: ``embed/embedding``, ``layers/<i>/attn/(q|k|v|o)/kernel``,
 each with a leading layer dimension (``layers/attn/q/kernel`` is (L, d_model, q_dim)).
 
 Factories with no required arguments (``gpt_tiny``, ``gpt_small``, ``mlp_small``,
-``llama2_70b``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_deep_scan``, ``llama_1b``, ``moe_tiny``,
+``llama2_70b``, ``llama2_70b_scan``, ``llama_tiny``, ``llama_tiny_scan``, ``llama_deep_scan``, ``llama_1b``, ``moe_tiny``,
 ``moe_small``, ``moe_tiny_dropless``, ``moe_tiny_shared``, ``mixtral_8x7b``, ``deepseek_v3``, ``typed_tiny``) are what
 ``shardplan check --model examples/models.py:FACTORY`` calls.
 """
@@ -508,6 +508,17 @@ def gpt_small_annotated(seed: int = 0) -> GPT:
 
 def mlp_small(seed: int = 0) -> MLP:
     return MLP((64, 256, 256, 16), nnx.Rngs(seed))
+
+
+LLAMA2_70B_SCAN = LlamaConfig(vocab=32000, d_model=8192, n_heads=64, n_kv_heads=8, d_ff=28672, n_layers=80,
+                              max_len=4096, scan_layers=True)
+
+
+def llama2_70b_scan(seed: int = 0) -> Llama:
+    """Llama-2-70B shapes with its 80 blocks stacked and scanned (each under nnx.remat): the step
+    compiles like one layer's, so exact mode reaches it at pod size (``--compile --target``).
+    Build it abstractly only."""
+    return Llama(LLAMA2_70B_SCAN, nnx.Rngs(seed))
 
 
 def llama2_70b(seed: int = 0) -> GPT:

@@ -743,6 +743,8 @@ def _step_cost(
                 )
             ]
         )
+    if mode == "exact":
+        targets.require_compiler(aim)
     # Fail early, in this process, on what needs no devices: the batch must divide over its axes.
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":

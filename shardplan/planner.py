@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardplan import api
-from shardplan.core import chips, optimizers, search, timing
+from shardplan.core import chips, optimizers, search, targets, timing
 from shardplan.core.format import fmt_bytes
 from shardplan.core.stepcost import StepCost
 from shardplan.errors import ShardPlanError, as_error, error
@@ -172,27 +172,33 @@ def suggest(
     step: str,
     batch: dict | list[str],
     devices: int,
-    chip: str = DEFAULT_CHIP,
+    chip: str | None = None,
     devices_per_host: int | None = None,
     device_memory: int | None = None,
     optimizer: str = "adamw",
     top: int = 5,
     confirm: int = CONFIRM,
     progress: Any = None,
+    target: str = "cpu",
 ) -> Suggestion:
     """Search plans for ``model`` on ``devices`` devices and return the best as .splan text.
 
     Args:
         model, step, batch, optimizer: as for :func:`shardplan.api.analyze`.
         devices: the device count the mesh factors.
-        chip: the accelerator whose step time ranks plans (``shardplan.core.chips``).
+        chip: the accelerator whose step time ranks plans (``shardplan.core.chips``; default: the
+            target's chip, else h100).
         devices_per_host: devices a host holds: the model axis stays inside one, and axes that
             cross hosts are tagged ``@dcn`` (network rates).
         device_memory: bytes per device a plan must fit (default: the chip's memory).
         top: runners-up to keep.
         confirm: the best this many are compiled (exact mode) and re-ranked, where the mesh
-            compiles here (at most ``api.MAX_SIMULATED_DEVICES`` devices); 0 to skip.
+            compiles here (at most ``api.MAX_SIMULATED_DEVICES`` devices for XLA:CPU, any size
+            for a target's compiler); 0 to skip.
         progress: called with a line per plan costed.
+        target: the compiler that confirms (``shardplan.core.targets``): ``cpu`` (XLA:CPU on
+            simulated devices) or the TPU slice or GPUs the plan is for (``tpu-v5p:2x2x2``,
+            ``h100:8``), compiled offline at the full mesh; it must have ``devices`` devices.
 
     Raises:
         ShardPlanError: bad arguments, a model or step that fails, or no plan that fits.
@@ -224,7 +230,20 @@ def suggest(
                 )
             ]
         )
-    hw = chips.lookup(chip)
+    aim = targets.parse(target, "--target")
+    targets.agree(aim, chip)
+    if aim.devices is not None and aim.devices != devices:
+        raise as_error(
+            [
+                error(
+                    "bad-target",
+                    f"--target {aim.name} has {aim.devices} devices; the plans are searched for {devices}",
+                    f"search for --devices {aim.devices}, or name a target of {devices} devices",
+                    path="--target",
+                )
+            ]
+        )
+    hw = chips.lookup(chip or aim.chip or DEFAULT_CHIP)
     optimizers.lookup(optimizer)
     budget = device_memory if device_memory is not None else int(hw.hbm_bytes)
     t0 = time.perf_counter()
@@ -265,11 +284,13 @@ def suggest(
     notes: list[str] = []
     t1 = time.perf_counter()
     confirmed: dict[str, tuple[float, int, StepCost]] = {}
-    if confirm and devices <= api.MAX_SIMULATED_DEVICES:
+    if confirm and (devices <= api.MAX_SIMULATED_DEVICES or aim.platform != "cpu"):
         for r in fitting[:confirm]:
             plan = loads(r.text, "<suggest>")
             try:
-                exact = api.analyze(plan, model=model, step=step, batch=batch, optimizer=optimizer, mode="exact")
+                exact = api.analyze(
+                    plan, model=model, step=step, batch=batch, optimizer=optimizer, mode="exact", target=aim.name
+                )
             except ShardPlanError as e:
                 notes.append(f"exact mode failed for {r.choice.describe(space)}: {str(e).splitlines()[0]}")
                 continue
@@ -320,7 +341,7 @@ def suggest(
     others = [candidate(r) for r in fitting[1:]][: max(top - 1, 0)]
     ruled_out = [candidate(r) for r in ranked if not r.fits][:2]
     cost = confirmed[winner.text][2] if winner.text in confirmed else winner.cost
-    text = render(best, others + ruled_out, winner, space, hw, devices, budget, len(s.seen), search_s)
+    text = render(best, others + ruled_out, winner, space, hw, devices, budget, len(s.seen), search_s, aim.compiler)
     return Suggestion(
         text,
         best,
@@ -351,6 +372,7 @@ def render(
     budget: int,
     searched: int,
     seconds: float,
+    compiler: str = "XLA:CPU",
 ) -> str:
     """The winner's plan in the house style, its prediction and the runners-up as comments."""
     t = winner.time
@@ -361,7 +383,8 @@ def render(
         f"Predicted step {_ms(best.step_s)} with no overlap, {_ms(best.overlapped_s)} with communication "
         f"hidden (MFU {t.mfu_serial:.0%}..{t.mfu_overlapped:.0%}); peak {fmt_bytes(best.peak)} per device."
         + (
-            f" Compiled (exact mode): step {_ms(best.exact_step_s)}, peak {fmt_bytes(best.exact_peak or 0)}."
+            f" Compiled by {compiler} (exact mode): step {_ms(best.exact_step_s)}, peak "
+            f"{fmt_bytes(best.exact_peak or 0)}."
             if best.exact_step_s is not None
             else ""
         ),

@@ -494,7 +494,7 @@ def test_check_step_names_backend_and_mode_in_text_and_json():
     args = [PLANS / "fsdp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8, "--step", STEP, "--batch", BATCH[0]]
     r = cli(*args, "--compile")
     assert r.returncode == 0, r.stderr
-    assert "backend auto, exact mode (XLA's compiled program)" in r.stdout and "reduce-scatter" in r.stdout
+    assert "backend auto, exact mode (XLA:CPU's compiled program)" in r.stdout and "reduce-scatter" in r.stdout
     assert "gather-whole" not in r.stdout, "the step's own collectives only, not the emitted module's"
     doc = json.loads(cli(*args, "--format", "json").stdout)
     assert doc["step_cost"]["mode"] == "fast" and doc["step_cost"]["backend"] == "auto"

@@ -40,6 +40,11 @@ def test_the_reader_sees_what_xla_gpu_made():
     ops = hlo.parse((HLO / "gpu_h100_8.hlo").read_text(), 8)
     by = sorted((o.kind, o.bytes) for o in ops)
     assert by == [("all-gather", 2 * MiB), ("all-gather", 8 * MiB), ("reduce-scatter", 4 * MiB)]
+    # XLA:GPU gives no cost analysis: its FLOPs from the HLO. By hand: four matmuls of a 64-row shard
+    # of x with the whole w (x @ w, (.) @ w.T, and two in the backward pass), 2 * 64 * 1024 * 1024
+    # each, plus the elementwise ops (tanh and its derivative on 64 x 1024: well under 1%).
+    assert hlo.program_flops((HLO / "gpu_h100_8.hlo").read_text()) == pytest.approx(4 * 2 * 64 * 1024 * 1024,
+                                                                                      rel=0.01)
 
 
 def _check(target: str, fmt: str = "json") -> subprocess.CompletedProcess:
@@ -60,6 +65,8 @@ def test_fsdp_compiled_for_8_h100s_gathers_and_reduce_scatters_every_split_param
     assert r.returncode == 0, r.stderr[-3000:]
     cost = json.loads(r.stdout)["step_cost"]
     assert cost["compiler"] == "XLA:GPU h100:1x8" and cost["mode"] == "exact"
+    fast = shardplan.api.analyze(PLANS / "fsdp.splan", model=MODEL, step=STEP, batch=[BATCH], mode="fast", devices=8)
+    assert cost["flops_per_device"] == pytest.approx(fast.flops, rel=0.05)  # counted from its HLO
     kinds = cost["communication_per_device"]["by_kind"]
     whole = _split_param_bytes()
     assert kinds["all-gather"] == whole and kinds["reduce-scatter"] == whole, (kinds, whole)
@@ -80,25 +87,18 @@ def test_fsdp_compiled_for_a_tpu_slice_reduce_scatters_every_gradient_and_report
     assert cost["compiler_seconds"] is None  # v5e's own estimate is not meaningful (FACTS.md)
 
 
-def test_a_missing_target_compiler_names_the_pip_line(monkeypatch):
-    """Without the plugin, the error says what to install (here the import is made to fail)."""
-    import builtins
-
-    from shardplan.core import targets
-    from shardplan.runtime import exact
-
-    real = builtins.__import__
-
-    def no_topologies(name, *a, **k):
-        if name == "jax.experimental" and a and a[2] and "topologies" in a[2]:
-            raise ImportError("No module named 'libtpu'")
-        return real(name, *a, **k)
-
-    monkeypatch.setattr(builtins, "__import__", no_topologies)
+@pytest.mark.parametrize("target, extra", [("tpu-v5e:2x4", "tpu"), ("h100:8", "gpu")])
+def test_a_missing_target_compiler_names_the_pip_line(monkeypatch, target, extra):
+    """Without the compiler's package, the error says what to install, before any compile (here
+    the package is made unfindable)."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("libtpu", "jax_plugins.xla_cuda12") else real(name, *a))
     with pytest.raises(shardplan.ShardPlanError) as info:
-        exact.target_mesh(shardplan.load(PLANS / "dp.splan"), targets.parse("tpu-v5e:2x4"))
+        shardplan.api.analyze(PLANS / "dp.splan", model=MODEL, step=STEP, batch=[BATCH], mode="exact", devices=8,
+                              target=target)
     d = info.value.diagnostics[0]
-    assert d.code == "target-compiler-missing" and "pip install 'shardplan[tpu]'" in d.hint
+    assert d.code == "target-compiler-missing" and f"pip install 'shardplan[{extra}]'" in d.hint, d
 
 
 def test_the_extras_pin_the_jax_release():
@@ -107,3 +107,19 @@ def test_the_extras_pin_the_jax_release():
     text = (ROOT / "pyproject.toml").read_text()
     assert f'tpu = ["jax[tpu]=={targets.JAX_VERSION}"]' in text
     assert f'"jax-cuda12-plugin=={targets.JAX_VERSION}", "jax-cuda12-pjrt=={targets.JAX_VERSION}"' in text
+
+
+@pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")
+def test_suggest_confirms_its_plan_with_the_targets_compiler(tmp_path):
+    out = tmp_path / "s.splan"
+    r = subprocess.run([sys.executable, "-m", "shardplan", "suggest", "--model", MODEL, "--step", STEP, "--batch",
+                        BATCH, "--devices", "8", "--target", "tpu-v5e:2x4", "--confirm", "1", "-o", out],
+                       capture_output=True, text=True, timeout=300, env=compiler_defaults_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    head = out.read_text()
+    assert "for 8 devices on tpu-v5e" in head  # ranked on the target's chip
+    assert "Compiled by XLA:TPU (exact mode)" in head.replace("\n#  ", "")
+    wrong = subprocess.run([sys.executable, "-m", "shardplan", "suggest", "--model", MODEL, "--step", STEP, "--batch",
+                            BATCH, "--devices", "4", "--target", "tpu-v5e:2x4"], capture_output=True, text=True,
+                           timeout=120)
+    assert wrong.returncode == 2 and "has 8 devices; the plans are searched for 4" in wrong.stderr, wrong.stderr

@@ -487,11 +487,28 @@ def _dims_of(shape: str) -> list[int]:
     return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
-def loop_flops(hlo_text: str, entry_only: bool = False) -> float:
+def _bodies(comps: dict[str, list[_Instr]]) -> set[str]:
+    return {
+        body.group(1)
+        for instrs in comps.values()
+        for ins in instrs
+        if ins.op == "while" and (body := _BODY.search(ins.line)) and body.group(1) in comps
+    }
+
+
+def program_flops(hlo_text: str) -> float:
+    """A program's FLOPs per step counted from its HLO (every loop body times its runs), for a
+    compiler that gives no cost analysis (XLA:GPU): matmuls (in fusions too, as XLA:GPU's gemm
+    fusions hold them) 2*M*N*K, elementwise ops and reductions one per element."""
+    return loop_flops(hlo_text, whole=True)
+
+
+def loop_flops(hlo_text: str, entry_only: bool = False, whole: bool = False) -> float:
     """FLOPs that XLA's cost analysis leaves out: it counts a ``while`` body once, but the body
     runs once per iteration. Returns each body's own FLOPs x (its runs per step - 1) summed over
     loops, a body nested in another loop running trip x the outer body's runs (matmuls 2*M*N*K,
-    elementwise ops and reductions one per element, as the cost analysis counts)."""
+    elementwise ops and reductions one per element, as the cost analysis counts). ``whole``: the
+    program's own count instead (:func:`program_flops`)."""
     comps, entry = _computations(hlo_text)
     runs = _runs(comps, entry)
     memo: dict[str, float] = {}
@@ -523,6 +540,8 @@ def loop_flops(hlo_text: str, entry_only: bool = False) -> float:
 
     if entry_only:
         return own(entry, frozenset())
+    if whole:
+        return own(entry, frozenset()) + sum(runs.get(b, 1) * own(b, frozenset()) for b in sorted(_bodies(comps)))
     bodies = {
         body.group(1)
         for instrs in comps.values()

@@ -174,6 +174,36 @@ def gpu_target_config(chip: str) -> str:
     )
 
 
+# The module each target compiler installs (found without importing it).
+_PACKAGES = {"tpu": "libtpu", "cuda": "jax_plugins.xla_cuda12"}
+
+
+def require_compiler(target: Target, where: str = "--target") -> None:
+    """The target's compiler is installed (XLA:CPU always is).
+
+    Raises:
+        ArgumentError: it is not (``target-compiler-missing``; the hint is the ``pip install`` line).
+    """
+    import importlib.util
+
+    package = _PACKAGES.get(target.platform)
+    try:
+        found = package is None or importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise as_error(
+            [
+                error(
+                    "target-compiler-missing",
+                    f"{target.compiler} is not installed here (no module {package}); --target {target.name} needs it",
+                    INSTALL[target.platform],
+                    path=where,
+                )
+            ]
+        )
+
+
 def agree(target: Target, chip: str | None, where: str = "--chip") -> None:
     """``--chip`` and the target name one chip (or the target is XLA:CPU, which has none).
 

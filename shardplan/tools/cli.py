@@ -588,15 +588,15 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
         step=args.step,
         batch=args.batch,
         devices=args.devices,
-        chip=args.chip,
+        chip=args.chip or targets.parse(args.target).chip or "h100",
         device_memory=budget,
         optimizer=args.optimizer,
     )
     if args.start:
-        if args.devices_per_host or args.top != 5 or args.confirm != 3 or args.no_compile:
+        if args.devices_per_host or args.top != 5 or args.confirm != 3 or args.no_compile or args.target != "cpu":
             raise _UsageError(
-                "--from keeps the plan's mesh and proposes rule changes: --devices-per-host, --top, --confirm "
-                "and --no-compile do not apply"
+                "--from keeps the plan's mesh and proposes rule changes: --devices-per-host, --top, --confirm, "
+                "--no-compile and --target do not apply"
             )
         return _improve(args, out, err, common)
     if args.devices is None:
@@ -606,6 +606,7 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
         devices_per_host=args.devices_per_host,
         top=args.top,
         confirm=0 if args.no_compile else args.confirm,
+        target=args.target,
     )
     live = err.is_terminal and args.format == "text"
     if live:
@@ -932,7 +933,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="devices per host: the model axis stays inside one; axes crossing hosts are @dcn",
     )
     sg.add_argument(
-        "--chip", choices=sorted(chips.CHIPS), default="h100", help="rank plans by the step time here (default h100)"
+        "--chip",
+        choices=sorted(chips.CHIPS),
+        help="rank plans by the step time here (default: the --target's chip, else h100)",
+    )
+    sg.add_argument(
+        "--target",
+        default="cpu",
+        help="the compiler that confirms the best plans at the full mesh: cpu (XLA:CPU on simulated devices, "
+        "default), a TPU slice (tpu-v5p:2x2x2) or GPUs (h100:8), compiled offline",
     )
     sg.add_argument("--device-memory", help="per-device memory budget, e.g. 80GB (default: the chip's)")
     sg.add_argument("--optimizer", choices=[n for n in optimizers.NAMES if n != "none"], default="adamw")
