@@ -17,8 +17,17 @@ MODEL = f"{ROOT / 'examples' / 'models.py'}:gpt_tiny"
 STEP = f"{ROOT / 'examples' / 'train.py'}:lm_loss"
 BATCH = "tokens=int32[32,32],labels=int32[32,32]"
 HLO = FIXTURES / "hlo"
-HAS_TPU = importlib.util.find_spec("libtpu") is not None
-HAS_GPU = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def _installed(module: str) -> bool:
+    try:  # a submodule's spec imports its parent, which may be missing
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+HAS_TPU = _installed("libtpu")
+HAS_GPU = _installed("jax_plugins.xla_cuda12")
 MiB = 2**20
 
 
