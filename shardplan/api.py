@@ -775,6 +775,8 @@ def _step_cost(
 
     env = simulate(n if aim.platform == "cpu" else 1, dict(os.environ))
     env["JAX_PLATFORMS"] = "cpu"  # a target's compiler is reached through its topology, never a device
+    if aim.platform == "tpu":  # compile-only: libtpu's one-process lock (held by any jax here that
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # started its backends, or a parallel compile) does not apply
     request = {
         "sources": [list(x) for x in p.sources],
         "mesh": sizes,

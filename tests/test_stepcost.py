@@ -232,6 +232,16 @@ def test_hlo_reader_counts_async_collectives_by_their_results_combined_or_with_c
     assert [o.bytes for o in reduced] == [16 * 4, 8 * 4]  # one entry per combined array
 
 
+def test_hlo_reader_reads_a_tpu_loops_trip_count_from_its_condition():
+    """XLA:TPU leaves a scan's while loop without known_trip_count: its condition says counter < 6."""
+    text = ASYNC.replace(', backend_config={"known_trip_count":{"n":"4"}}', "").replace(
+        "  ROOT %c = pred[] constant(true)",
+        "  %n = s32[]{:T(128)} constant(6)\n  %i = s32[]{:T(128)} get-tuple-element(%p), index=0\n"
+        "  ROOT %c = pred[]{:T(512)} compare(%i, %n), direction=LT")
+    (permute,) = [o for o in hlo.parse(text, 8) if o.kind == "collective-permute"]
+    assert permute.runs == 6
+
+
 def test_memory_bytes_are_xlas_and_count_every_loop_iteration():
     """On a program without loops, the bytes read and written are XLA's own cost analysis; in a
     scan, each iteration's body counts (XLA's cost analysis counts a while body once)."""

@@ -233,6 +233,30 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
     return comps, entry
 
 
+_CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
+_CONSTANT = re.compile(r"constant\((\d+)\)")
+
+
+def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]]) -> int:
+    """A while loop's iterations: its ``known_trip_count`` (XLA:CPU, XLA:GPU), else read from its
+    condition as XLA:TPU leaves it, ``counter < N`` on a scalar integer constant (a scan's loop,
+    counting from 0); 1 when neither says."""
+    trip = _TRIP.search(ins.line)
+    if trip:
+        return int(trip.group(1))
+    cond = _CONDITION.search(ins.line)
+    body = comps.get(cond.group(1), []) if cond else []
+    defs = {i.name: i for i in body}
+    root = next((i for i in body if i.line.lstrip().startswith("ROOT ")), None)
+    if root is None or root.op != "compare" or "direction=LT" not in root.line or len(root.operands) != 2:
+        return 1
+    counter, bound = (defs.get(o) for o in root.operands)
+    if counter is None or bound is None or counter.op != "get-tuple-element" or bound.op != "constant":
+        return 1
+    m = _CONSTANT.search(bound.line)
+    return int(m.group(1)) if m and re.match(r"[su](8|16|32|64)\[\]", bound.shape) else 1
+
+
 def _runs(comps: dict[str, list[_Instr]], entry: str) -> dict[str, int]:
     """How many times each computation runs per execution of the entry (while bodies x trip count)."""
     runs = {entry: 1} if entry else {}
@@ -240,8 +264,7 @@ def _runs(comps: dict[str, list[_Instr]], entry: str) -> dict[str, int]:
     while stack:
         name = stack.pop()
         for ins in comps.get(name, []):
-            trip = _TRIP.search(ins.line)
-            mult = int(trip.group(1)) if ins.op == "while" and trip else 1
+            mult = _trip_count(ins, comps) if ins.op == "while" else 1
             callees = _BODY.findall(ins.line) + _CALLEES.findall(ins.line)
             for b in _BRANCHES.findall(ins.line):
                 callees += _OPERAND.findall(b)
@@ -480,6 +503,8 @@ _ELEMENTWISE_FLOP = {
     "is-finite",
 }
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
+_WINDOW = re.compile(r"window=\{size=([0-9x]+)")
 
 
 def _dims_of(shape: str) -> list[int]:
@@ -499,7 +524,8 @@ def _bodies(comps: dict[str, list[_Instr]]) -> set[str]:
 def program_flops(hlo_text: str) -> float:
     """A program's FLOPs per step counted from its HLO (every loop body times its runs), for a
     compiler that gives no cost analysis (XLA:GPU): matmuls (in fusions too, as XLA:GPU's gemm
-    fusions hold them) 2*M*N*K, elementwise ops and reductions one per element."""
+    fusions hold them; XLA:TPU's convolutions) 2*M*N*K, elementwise ops and reductions one per
+    element."""
     return loop_flops(hlo_text, whole=True)
 
 
@@ -526,6 +552,16 @@ def loop_flops(hlo_text: str, entry_only: bool = False, whole: bool = False) -> 
                 m = _CONTRACT.search(ins.line)
                 k = math.prod(_dims_of(lhs.shape)[int(i)] for i in _ints(m.group(1))) if lhs and m else 1
                 total += 2.0 * max(n, 0) * k
+            elif ins.op == "convolution":  # XLA:TPU writes its matmuls as convolutions
+                lhs = defs.get(ins.operands[0]) if ins.operands else None
+                labels = _DIM_LABELS.search(ins.line)
+                k = 1
+                if lhs is not None and labels:
+                    dims = _dims_of(lhs.shape)
+                    k = math.prod(d for d, c in zip(dims, labels.group(1), strict=False) if c == "f")
+                window = _WINDOW.search(ins.line)
+                k *= math.prod(int(w) for w in window.group(1).split("x")) if window else 1
+                total += 2.0 * max(n, 0) * k
             elif ins.op in _ELEMENTWISE_FLOP:
                 total += max(n, 0)
             elif ins.op == "reduce" and ins.operands:
@@ -546,7 +582,10 @@ def loop_flops(hlo_text: str, entry_only: bool = False, whole: bool = False) -> 
         body.group(1)
         for instrs in comps.values()
         for ins in instrs
-        if ins.op == "while" and _TRIP.search(ins.line) and (body := _BODY.search(ins.line)) and body.group(1) in comps
+        if ins.op == "while"
+        and _trip_count(ins, comps) > 1
+        and (body := _BODY.search(ins.line))
+        and body.group(1) in comps
     }
     return sum((runs.get(b, 1) - 1) * own(b, frozenset()) for b in sorted(bodies))
 

@@ -107,6 +107,20 @@ def compile_step(
         try:
             compiled = step.lower(sm, so, batch_in).compile()
         except Exception as e:
+            oom = _out_of_memory(e)
+            if oom:
+                raise as_error(
+                    [
+                        error(
+                            "step-out-of-memory",
+                            f"{target.compiler} refuses the step for {target.name}: {oom}",
+                            "split more of what the step holds (FSDP over more devices, tensor parallel, "
+                            "an act rule on the residual stream, remat), or a smaller batch per device; "
+                            "fast mode's memory table says what dominates",
+                            path="--compile",
+                        )
+                    ]
+                ) from None
             if _in_kernel(e):
                 raise as_error(
                     [
@@ -291,6 +305,18 @@ def communications(
             )
         )
     return tuple(sorted(out, key=lambda c: (c.kind, -c.bytes)))
+
+
+def _out_of_memory(e: BaseException) -> str:
+    """XLA's own words when it refused to compile for lack of device memory ('' otherwise):
+    XLA:TPU checks its buffer assignment against the chip's HBM at compile time."""
+    import re
+
+    text = str(e)
+    m = re.search(r"(Ran out of memory in memory space \w+\.[^\n]*|Ran out of memory on HBM[^\n]*)", text)
+    if "RESOURCE_EXHAUSTED" not in text and m is None:
+        return ""
+    return (m.group(1) if m else text.splitlines()[0]).strip()[:400]
 
 
 def _in_kernel(e: BaseException) -> bool:

@@ -366,6 +366,8 @@ def _check_step_args(args) -> None:
     if target.platform != "cpu" and not args.compile:
         raise _UsageError(f"--target {target.name} names exact mode's compiler: add --compile (and --step, --batch)")
     targets.agree(target, args.chip)
+    if args.devices is None and target.devices is not None and not args.mesh:
+        args.devices = target.devices  # a '*' axis takes the target's devices, not this machine's
 
 
 def _step_costs(args, results) -> list:
