@@ -164,6 +164,12 @@ def compile_step(
     )
     # XLA's cost analysis counts a while body (a scan over layers) once; add the other iterations.
     loops = hlo.loop_flops(text)
+    if target.platform == "tpu" and loops and "flops" in costs:
+        # XLA:TPU's matmuls are convolutions (windowed, padded in its loops) that the HLO count
+        # over-counts against XLA's own cost analysis: scale the loops' extra iterations by how
+        # XLA counts one pass of the whole program against the HLO count of that same pass.
+        once = hlo.program_flops(text) - loops
+        loops *= float(costs["flops"]) / once if once > 0 else 1.0
     notes = (
         [
             "all-reduces whose every use is a per-device slice are counted as the reduce-scatters an "
@@ -180,6 +186,12 @@ def compile_step(
     optimal = costs.get("optimal_seconds")
     # XLA:TPU's own estimate: negative on every v5e compile measured, plausible on v5p (FACTS.md).
     compiler_seconds = float(optimal) if optimal is not None and optimal > 0 and target.chip == "tpu-v5p" else None
+    if loops and compiler_seconds is not None:  # its estimate, like its FLOPs, counts a loop body once
+        notes.append(
+            f"{target.compiler}'s own estimate ({compiler_seconds * 1e3:,.1f} ms) counts each loop body once, as its "
+            "cost analysis does: not shown as the step's time"
+        )
+        compiler_seconds = None
     if loops:
         notes.append(
             f"FLOPs include {loops / 1e9:,.3f} GFLOP of loop iterations XLA's cost analysis leaves out "
