@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, compiler_defaults_env
+from tests.helpers import FAST_COMPILE, ROOT, compiler_defaults_env
 
 
 def quick(tmp_path, *sections: str, compiler_defaults: bool = False) -> tuple[dict, list[dict]]:
@@ -158,9 +158,9 @@ def test_device_benchmark_quick_mode_measures_and_predicts_side_by_side(tmp_path
     """`python -m benchmarks.device` (the step measured on the local accelerator beside fast mode's
     prediction for its chip) runs here on one CPU device; its times say nothing about a chip."""
     out = tmp_path / "device.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": " ".join(FAST_COMPILE), "JAX_PLATFORMS": "cpu"}  # one device
     r = subprocess.run([sys.executable, "-m", "benchmarks.device", "--quick", "--json", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, env={**env, "JAX_PLATFORMS": "cpu"})
+                       capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["on_chip"] is False and "says nothing" in r.stdout

@@ -125,7 +125,7 @@ def test_model_only_restore_for_inference(dp_checkpoint):
 
 CRASHER = r'''
 import os, sys, signal, glob
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"  # the suite's compile flags kept
 sys.path.insert(0, sys.argv[2])
 import optax, models, shardplan
 from flax import nnx

@@ -75,6 +75,13 @@ CASES = [
     # stack (a primitive in jax 0.10): a new whole dim, the operands' splits kept
     ("stack/keeps splits", lambda a, b: jnp.stack([a, b]) * 2.0, (S(B, D), S(B, D)), (P("data", "model"),) * 2,
      P(None, "data", "model")),
+    # unstack (a primitive in jax 0.10) along a whole dim: each part keeps the other dims' splits
+    ("unstack/keeps splits", lambda a: sum(jnp.unstack(a, axis=0)) * 2.0, (S(4, B, D),),
+     (P(None, "data", "model"),), P("data", "model")),
+    pytest.param("unstack/along a split dim", lambda a: jnp.unstack(a, axis=1)[0] * 2.0 + jnp.unstack(a, axis=1)[3],
+                 (S(B, 8, D),), (P(None, "data", "model"),), P(None, "model"),
+                 marks=xfail("XLA moves only the parts read, each from the device that holds it (an all-reduce "
+                             "and a collective-permute of 32 KiB); fast mode gathers the dim whole (128 KiB)")),
     # dot_general
     ("dot/column-parallel", mm, (S(B, D), S(D, F)), (P("data"), P(None, "model")), P("data", "model")),
     ("dot/row-parallel", mm, (S(B, F), S(F, D)), (P("data", "model"), P("model")), P("data")),

@@ -83,7 +83,7 @@ def test_shard_map_dispatches_tokens_with_all_to_alls_and_compiles_what_it_recor
     assert {c.axes for c in a2a} == {("expert",)}
     # the dispatched tokens (models.py's "gsec,gsd->egcd", constrained to the expert axis) and
     # the experts' outputs (its "egcf,efd->egcd") each cross once forward, as one device's buffer
-    lines = {c.source.rsplit(":", 1)[1] for c in a2a if c.why == "sharding_constraint"}
+    lines = {c.source.rsplit(":", 1)[1] for c in a2a if c.op == "sharding_constraint"}
     assert len(lines) == 2, a2a
     # no gather of the tokens forward: what is gathered over `expert` is smaller than the buffers
     assert sum(c.bytes for c in record.issued if c.kind == "all-gather") < sum(c.bytes for c in a2a)

@@ -16,7 +16,7 @@ import pytest
 from examples import models
 from examples import train as example
 import shardplan
-from tests.helpers import PLANS, ROOT
+from tests.helpers import FAST_COMPILE, PLANS, ROOT
 from shardplan import checkpoint
 
 TRAIN = str(ROOT / "examples" / "train.py")
@@ -36,11 +36,17 @@ def losses(path):
 
 def test_launch_runs_ranks_with_prefixed_output():
     code = ("from shardplan import distributed; distributed.initialize(); import jax; "
-            "print('proc', jax.process_index(), 'of', jax.process_count(), 'devices', jax.device_count())")
+            "print('proc', jax.process_index(), 'of', jax.process_count(), 'devices', jax.device_count()); "
+            "import os; print('flags', os.environ['XLA_FLAGS'])")
     r = launch(sys.executable, "-c", code)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[rank 0] proc 0 of 2 devices 8" in r.stdout and "[rank 1] proc 1 of 2 devices 8" in r.stdout
     assert "all 2 ranks exited 0" in r.stdout
+    # the user's XLA flags reach every rank; only the device count is the launcher's
+    for rank in (0, 1):
+        assert f"[rank {rank}] flags " in r.stdout
+    flags = [line.split(" flags ", 1)[1].split() for line in r.stdout.splitlines() if " flags " in line]
+    assert all(set(FAST_COMPILE) <= set(f) and "--xla_force_host_platform_device_count=4" in f for f in flags), flags
 
 
 # examples/train.py's own defaults (--steps aside): its seed, batch size, sequence length and rate.
@@ -201,7 +207,7 @@ MANAGED = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "JAX_", "SHARDPLAN_", "JOB_", "JO
 def manager_env(kind: str, rank: int, n: int, port: int, **extra) -> dict:
     """What SLURM (srun), Open MPI (mpirun) or a Kubernetes indexed Job sets for a rank, on 127.0.0.1."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(MANAGED)}
-    env.update(JAX_PLATFORMS="cpu", SHARDPLAN_TIMEOUT="60", PYTHONUNBUFFERED="1")
+    env.update(JAX_PLATFORMS="cpu", SHARDPLAN_TIMEOUT="60", PYTHONUNBUFFERED="1", XLA_FLAGS=" ".join(FAST_COMPILE))
     if kind == "slurm":
         env.update(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS=str(n),
                    SLURM_STEP_NUM_TASKS=str(n), SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
@@ -259,7 +265,8 @@ def test_ranks_join_under_other_cluster_managers(kind):
     variables are tests/test_clusters.py's)."""
     code = ("import sys; from shardplan import distributed, simulate_devices; simulate_devices(4); "
             "distributed.initialize(); import jax; "
-            "print('proc', jax.process_index(), 'of', jax.process_count(), 'devices', jax.device_count())")
+            "print('proc', jax.process_index(), 'of', jax.process_count(), 'devices', jax.device_count()); "
+            "import os; print('flags', os.environ['XLA_FLAGS'])")
     ranks = run_ranks(kind, ["-c", code], timeout=120)
     manager = {"ompi": "Open MPI", "k8s": "Kubernetes"}[kind]
     for i, (rc, o, e) in enumerate(ranks):

@@ -321,3 +321,11 @@ def test_coverage_table_names_every_rule():
 def test_stack_keeps_the_operands_splits_under_a_new_whole_dim():
     layouts, _ = check(lambda a, b: jnp.stack([a, b], axis=1), (f32(8, 4), f32(8, 4)),
                        ((("data",), ("model",)), (("data",), ("model",))), dims=(("data",), (), ("model",)))
+
+
+def test_unstack_along_a_whole_dim_keeps_the_other_splits_and_along_a_split_one_takes_it_whole():
+    x = f32(4, 16, 8)
+    check(lambda a: jnp.unstack(a, axis=0)[1] * 2.0, [x], [((), ("data",), ("model",))], dims=(("data",), ("model",)))
+    check(lambda a: jnp.unstack(a, axis=1)[3] + 1.0, [x], [((), ("data",), ("model",))], dims=((), ("model",)),
+          issued=("all-gather",))
+

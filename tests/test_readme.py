@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import FAST_COMPILE, ROOT
 
 README = (ROOT / "README.md").read_text()
 STARTS = ("shardplan ", "python ", "python3 ")
@@ -89,7 +89,9 @@ def folder(tmp_path: Path) -> Path:
 
 def run_block(commands: list[str], cwd: Path, timeout: float = 55) -> None:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    env.pop("XLA_FLAGS", None)  # the commands set their own devices (--simulate-devices, --devices)
+    # The commands set their own devices (--simulate-devices, --devices): no device count here, only
+    # the suite's compile flags (tests/conftest.py).
+    env["XLA_FLAGS"] = " ".join(FAST_COMPILE)
     for command in commands:
         r = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=cwd, env=env, capture_output=True,
                            text=True, timeout=timeout)

@@ -150,8 +150,8 @@ def test_emitted_shard_map_module_runs_and_matches(plan_name, tmp_path):
     module, path = _emitted(plan_name, "shard_map", tmp_path)
     imports = {line.split()[1].split(".")[0] for line in path.read_text().splitlines()
                if line.startswith(("import ", "from "))}
-    assert imports <= {"__future__", "re", "math", "collections", "dataclasses", "typing", "numpy", "jax", "flax",
-                       "optax"}
+    assert imports <= {"__future__", "re", "math", "collections", "dataclasses", "types", "typing", "numpy", "jax",
+                       "flax", "optax"}
     assert_same(run_emitted(module, plan_name), run(plan_name, "shard_map"))
 
 

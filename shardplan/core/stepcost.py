@@ -12,22 +12,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from shardplan.core.hlo import KINDS
+from shardplan.ledger import Communication as Communication  # the collective ledger's row
 
 Mode = Literal["fast", "exact"]
-
-
-@dataclass(frozen=True)
-class Communication:
-    """One collective (or a group of identical ones) per device per step."""
-
-    kind: str
-    axes: tuple[str, ...]  # the mesh axes it runs over
-    bytes: int  # per device per step, all executions
-    count: int  # executions per step
-    op: str = ""  # the jax op it comes from, e.g. transpose(jvp())/dot_general
-    source: str = ""  # model source 'file:line'
-    moves: str = ""  # the param / optimizer-state / input path it moves, when it moves one
-    rule: str = ""  # the plan rule 'file:line' that placed that path
 
 
 @dataclass(frozen=True)

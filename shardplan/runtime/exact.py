@@ -20,6 +20,7 @@ from shardplan.core import hlo, targets
 from shardplan.core.leaves import Resolution
 from shardplan.core.stepcost import Communication, Memory, StepCost
 from shardplan.errors import as_error, error
+from shardplan.ledger import merged
 from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable
 from shardplan.runtime.step import check_loss, pipelined
 
@@ -292,31 +293,19 @@ def communications(
     origin = {f"sm/{d.path}": d for d in params.decisions}
     origin.update({f"so/{d.path}": d for d in opt.decisions})
     origin.update({f"batch/{d.path}": d for d in inputs.decisions})
-    groups: dict[tuple, list[int]] = {}
+    rows = []
     for op in ops:
         kind = "reduce-scatter" if op.as_reduce_scatter else op.kind
         op_name = op.op_name.split("/", 1)[-1] if op.op_name.startswith("jit(") else op.op_name
-        key = (kind, op.axes, op_name, op.source, op.moves)
-        acc = groups.setdefault(key, [0, 0])
-        acc[0] += op.bytes_per_step
-        acc[1] += op.runs
-    out = []
-    for (kind, axes, op_name, source, moves), (nbytes, count) in groups.items():
+        rows.append(Communication(kind, op.axes, op.bytes_per_step, op.runs, op_name, op.source, op.moves))
+
+    def named(moves: str) -> tuple[str, str]:
         d = origin.get(moves)
-        path = moves.split("/", 1)[1] if d is not None else moves
-        out.append(
-            Communication(
-                kind,
-                axes,
-                nbytes,
-                count,
-                op_name,
-                source,
-                path,
-                d.origin if d is not None and d.how in ("rule", "default", "batch") else "",
-            )
-        )
-    return tuple(sorted(out, key=lambda c: (c.kind, -c.bytes)))
+        if d is None:
+            return moves, ""
+        return moves.split("/", 1)[1], d.origin if d.how in ("rule", "default", "batch") else ""
+
+    return merged(rows, named)
 
 
 def _out_of_memory(e: BaseException) -> str:

@@ -28,55 +28,34 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
+from shardplan.ledger import merged
 from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable, fused_attention_cost, pallas_cost
-from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize
+from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize, named
 from shardplan.runtime.sharding import constraint_target, permuted, scan_counts, update_paths
 from shardplan.runtime.sources import INTERNAL_SCOPE, eqn_source
 
 Dims = tuple[tuple[str, ...], ...]
 
-# Ops through which a pending partial sum stays pending: layout changes and conversions. GSPMD
-# all-reduces each operand of an add of partial sums (measured: a column-parallel layer's q, k
-# and v input gradients are three all-reduces, not one), so adds are not among them.
-_LINEAR = {
-    "convert_element_type",
-    "reduce_sum",
-    "transpose",
-    "reshape",
-    "broadcast_in_dim",
-    "copy",
-    "copy_p",
-    "squeeze",
-    "expand_dims",
-    "name",
-}
-# ``name`` is ``checkpoint_name``: an identity that tags a value for a remat policy.
-_LAYOUT = {"reshape", "transpose", "squeeze", "expand_dims", "convert_element_type", "name"}
+# fast mode's sets, as policy over the primitive catalogue (shardplan/runtime/primitives.py).
+# Ops through which a pending partial sum stays pending: linear ops that move or fold elements
+# (views, broadcasts, sums) and conversions. Not elementwise arithmetic: GSPMD all-reduces each
+# operand of an add of partial sums (measured: a column-parallel layer's q, k and v input
+# gradients are three all-reduces, not one).
+_LINEAR = named(traits=("linear",)) - named(kinds=("elementwise",)) | {"convert_element_type", "copy", "copy_p"}
+# Ops XLA does as a bitcast of the same buffer (no memory traffic) or folds into the consumer's
+# operand layout (``name`` is ``checkpoint_name``: an identity that tags a value for a remat
+# policy). A bitcast to another dtype is not modelled (a declared fallback, below).
+_VIEWS = named(traits=("bitcast",)) - {"bitcast_convert_type"}
+_LAYOUT = _VIEWS | {"convert_element_type"}
 # Consumers XLA fuses a single-use elementwise producer into (loop and input fusion).
-_FUSES_PRODUCER = (
-    ELEMENTWISE | _LAYOUT | {"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "broadcast_in_dim"}
-)
+_FUSES_PRODUCER = ELEMENTWISE | _LAYOUT | REDUCTIONS | {"broadcast_in_dim"}
 _FREE = {"iota", "stop_gradient"}
 # Elementwise ops XLA's fusion will not duplicate into several consumers (instruction_fusion's
 # IsExpensive): transcendental functions and divisions.
-_EXPENSIVE = TRANSCENDENTAL | {"div", "rem", "lgamma", "digamma"}
-# Ops XLA does as a bitcast of the same buffer (no memory traffic) or folds into the consumer's
-# operand layout.
-_VIEWS = {"reshape", "squeeze", "expand_dims", "transpose", "name"}
+_EXPENSIVE = named(traits=("expensive",))
 # Ops whose output dims of unchanged size keep their operands' layout (a wanted layout flows back;
 # not scans along a dim, cumsum or rev, where a split would change what each device computes).
-_LAYOUT_PRESERVING = {
-    "name",
-    "convert_element_type",
-    "copy",
-    "copy_p",
-    "slice",
-    "pad",
-    "concatenate",
-    "split",
-    "dynamic_slice",
-    "dynamic_update_slice",
-}
+_LAYOUT_PRESERVING = named(traits=("keeps-layout",))
 
 
 @dataclass(frozen=True)
@@ -608,153 +587,110 @@ class _Propagator:
             )
 
     def eqn(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        """One equation by fast mode's rule book (``_RULES``); a call of a primitive the catalogue
+        does not name is inlined; anything else is a declared fallback (``_FALLBACKS``) or not
+        catalogued: replicated results, counted in the step's notes as not modelled."""
         name = eqn.primitive.name
-        outs_avals = [o.aval for o in eqn.outvars]
         self.ctx.source = self.source_of(eqn) or self.call_source
         if name in ELEMENTWISE:  # most equations (no elementwise primitive has a body)
             return [self.elementwise(eqn, ins, mult)]
-        sub = self.body(eqn)
-        if sub is not None and name not in ("scan", "while", "cond"):
-            for inner_var, outer_var in zip(sub.invars, eqn.invars, strict=False):
-                if not hasattr(outer_var, "val"):
-                    self.origin[inner_var] = self.root(outer_var)
-                if hasattr(outer_var, "val") or outer_var in self.constant:
-                    self.constant.add(inner_var)
-                else:
-                    self.constant.discard(inner_var)
-            for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
-                if outer_var in self.hints and not hasattr(inner_var, "val"):
-                    self.hints.setdefault(inner_var, self.hints[outer_var])
-                if outer_var in self.wants and not hasattr(inner_var, "val"):
-                    self.wants.setdefault(inner_var, self.wants[outer_var])
-                if outer_var in self.claimed and not hasattr(inner_var, "val"):
-                    self.claimed.setdefault(inner_var, self.claimed[outer_var])
-                if outer_var in self.back and not hasattr(inner_var, "val"):
-                    self.back.setdefault(inner_var, self.back[outer_var])
-            outer_call, self.call_source = self.call_source, self.ctx.source
-            outer = self._frame
-            assert outer is not None  # equations run inside a jaxpr
-            bound = [(i, o) for i, o in zip(sub.invars, eqn.invars, strict=False) if not hasattr(o, "val")]
-            boundary = _Boundary(
-                frozenset(i for i, o in bound if o in outer.stored),
-                {i: outer.soft[o] for i, o in zip(sub.outvars, eqn.outvars, strict=False) if o in outer.soft},
-                {} if self.layouts_only else {i: self._closure(outer, o) for i, o in bound if o not in outer.stored},
-            )
-            inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult, boundary)
-            body = self._last_frame
-            assert body is not None
-            for i, o in zip(sub.outvars, eqn.outvars, strict=False):
-                if hasattr(i, "val"):
-                    continue
-                if i in body.stored:
-                    outer.stored.add(o)
-                elif o in outer.soft:  # fused in the body and in the caller's readers: one chain
-                    outer.closures[o] = self._closure(body, i)
-            self.call_source = outer_call
-            for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
-                if not hasattr(inner_var, "val") and self.root(inner_var) is not outer_var:
-                    self.origin[outer_var] = self.root(inner_var)
-            return inner
-        if name == "scan":
-            return self.scan(eqn, ins, mult)
-        if name == "pallas_call":
-            return self.kernel(eqn, ins, mult)
-        if name in FUSED_ATTENTION:
-            return self.fused_attention(eqn, ins, mult)
-        if name == "shard_map":
-            return self.shard_map(eqn, ins, mult)
-        if name in _MANUAL_COLLECTIVES:
-            return self.manual_collective(eqn, ins, mult)
-        if name == "name":  # checkpoint_name: the value itself
-            return [ins[0]]
-        if name == "pvary":  # marks values as varying over axes: no data moves (one per operand)
-            return list(ins)
-        if name == "axis_index":
-            return [_replicated(a) for a in outs_avals]
-        if name in ELEMENTWISE:
-            return [self.elementwise(eqn, ins, mult)]
-        if name == "dot_general":
-            return [self.dot(eqn, ins, mult)]
-        if name in (
-            "reduce_sum",
-            "reduce_max",
-            "reduce_min",
-            "argmax",
-            "argmin",
-            "reduce_prod",
-            "reduce_and",
-            "reduce_or",
-        ):
-            return [self.reduce(eqn, ins[0], mult)]
-        if name == "broadcast_in_dim":
-            v = ins[0]
-            bdims = eqn.params["broadcast_dimensions"]
-            shape = tuple(outs_avals[0].shape)
-            claim = None
-            if eqn.outvars[0] in self.back:
-                natural = tuple(
-                    v.dims[bdims.index(j)] if j in bdims and v.shape[bdims.index(j)] == shape[j] else ()
-                    for j in range(len(shape))
-                )
-                claim = self._back_claim(eqn.outvars[0], natural)
-            if claim is not None and not v.partial and _fits(shape, claim, self.ctx):
-                # Built in the layout its readers were given (Shardy): the operand moved first, at
-                # its own (smaller) size; the new dims are split for free.
-                mine = tuple(claim[j] if v.shape[i] == shape[j] else () for i, j in enumerate(bdims))
-                if mine != v.dims and _fits(v.shape, mine, self.ctx):
-                    self.reshard(eqn.invars[0], v, mine, mult, name)
-                    return [Val(shape, itemsize(outs_avals[0]), _norm(claim, len(shape)))]
-            dims: list[tuple[str, ...]] = [()] * len(shape)
-            for i, j in enumerate(bdims):
-                if v.shape[i] == shape[j]:
-                    dims[j] = v.dims[i]
-            return [Val(shape, itemsize(outs_avals[0]), tuple(dims), v.partial)]
-        if name == "transpose":
-            v = ins[0]
-            perm = eqn.params["permutation"]
-            return [Val(tuple(v.shape[p] for p in perm), v.itemsize, tuple(v.dims[p] for p in perm), v.partial)]
-        if name in ("reshape", "squeeze", "expand_dims"):
-            return [self.reshape(eqn.invars[0], ins[0], tuple(outs_avals[0].shape), mult)]
-        if name in _FREE or name in (
-            "iota",
-            "rng_bit_generator",
-            "random_bits",
-            "random_seed",
-            "random_wrap",
-            "random_unwrap",
-            "threefry2x32",
-        ):
-            return [_replicated(a) for a in outs_avals]
-        if name == "sharding_constraint":
-            return [self.constraint(eqn, ins[0], mult)]
-        if name == "reshard":  # jax.sharding.reshard in library code (e.g. an optimizer's scalar)
-            target = constraint_target(eqn, ins[0].dims)
-            if target is not None:
-                return [self.to_layout(eqn.invars[0], ins[0], target, mult, name)]
-        if name == "gather":
-            return [self.gather(eqn, ins, mult)]
-        if name in ("scatter-add", "scatter_add", "scatter"):
-            return [self.scatter(eqn, ins, mult)]
-        if name == "stack":  # jnp.stack (a primitive in this jax): operands laid out alike, a new whole dim
-            return [self.stack(eqn, ins, mult)]
-        if name in (
-            "slice",
-            "dynamic_slice",
-            "pad",
-            "concatenate",
-            "dynamic_update_slice",
-            "split",
-            "rev",
-            "cumsum",
-            "cumlogsumexp",
-            "cummax",
-            "sort",
-            "top_k",
-            "clamp",
-        ):
-            return self.layout_preserving(eqn, ins, mult)
+        rule = _RULES.get(name)
+        got = rule(self, eqn, ins, mult) if rule is not None else None
+        if got is None and rule is None and name not in ("scan", "while", "cond"):
+            got = self.inline(eqn, ins, mult)
+        if got is not None:
+            return got
         self.ctx.unmodeled[name] = self.ctx.unmodeled.get(name, 0) + 1
-        return [_replicated(a) for a in outs_avals]
+        return [_replicated(o.aval) for o in eqn.outvars]
+
+    def inline(self, eqn: Any, ins: list[Val], mult: int) -> list[Val] | None:
+        """A call XLA inlines: its body walked in place (None: no body)."""
+        sub = self.body(eqn)
+        if sub is None:
+            return None
+        for inner_var, outer_var in zip(sub.invars, eqn.invars, strict=False):
+            if not hasattr(outer_var, "val"):
+                self.origin[inner_var] = self.root(outer_var)
+            if hasattr(outer_var, "val") or outer_var in self.constant:
+                self.constant.add(inner_var)
+            else:
+                self.constant.discard(inner_var)
+        for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
+            if outer_var in self.hints and not hasattr(inner_var, "val"):
+                self.hints.setdefault(inner_var, self.hints[outer_var])
+            if outer_var in self.wants and not hasattr(inner_var, "val"):
+                self.wants.setdefault(inner_var, self.wants[outer_var])
+            if outer_var in self.claimed and not hasattr(inner_var, "val"):
+                self.claimed.setdefault(inner_var, self.claimed[outer_var])
+            if outer_var in self.back and not hasattr(inner_var, "val"):
+                self.back.setdefault(inner_var, self.back[outer_var])
+        outer_call, self.call_source = self.call_source, self.ctx.source
+        outer = self._frame
+        assert outer is not None  # equations run inside a jaxpr
+        bound = [(i, o) for i, o in zip(sub.invars, eqn.invars, strict=False) if not hasattr(o, "val")]
+        boundary = _Boundary(
+            frozenset(i for i, o in bound if o in outer.stored),
+            {i: outer.soft[o] for i, o in zip(sub.outvars, eqn.outvars, strict=False) if o in outer.soft},
+            {} if self.layouts_only else {i: self._closure(outer, o) for i, o in bound if o not in outer.stored},
+        )
+        inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult, boundary)
+        body = self._last_frame
+        assert body is not None
+        for i, o in zip(sub.outvars, eqn.outvars, strict=False):
+            if hasattr(i, "val"):
+                continue
+            if i in body.stored:
+                outer.stored.add(o)
+            elif o in outer.soft:  # fused in the body and in the caller's readers: one chain
+                outer.closures[o] = self._closure(body, i)
+        self.call_source = outer_call
+        for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
+            if not hasattr(inner_var, "val") and self.root(inner_var) is not outer_var:
+                self.origin[outer_var] = self.root(inner_var)
+        return inner
+
+    def broadcast(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        v = ins[0]
+        bdims = eqn.params["broadcast_dimensions"]
+        out_aval = eqn.outvars[0].aval
+        shape = tuple(out_aval.shape)
+        claim = None
+        if eqn.outvars[0] in self.back:
+            natural = tuple(
+                v.dims[bdims.index(j)] if j in bdims and v.shape[bdims.index(j)] == shape[j] else ()
+                for j in range(len(shape))
+            )
+            claim = self._back_claim(eqn.outvars[0], natural)
+        if claim is not None and not v.partial and _fits(shape, claim, self.ctx):
+            # Built in the layout its readers were given (Shardy): the operand moved first, at
+            # its own (smaller) size; the new dims are split for free.
+            mine = tuple(claim[j] if v.shape[i] == shape[j] else () for i, j in enumerate(bdims))
+            if mine != v.dims and _fits(v.shape, mine, self.ctx):
+                self.reshard(eqn.invars[0], v, mine, mult, "broadcast_in_dim")
+                return [Val(shape, itemsize(out_aval), _norm(claim, len(shape)))]
+        dims: list[tuple[str, ...]] = [()] * len(shape)
+        for i, j in enumerate(bdims):
+            if v.shape[i] == shape[j]:
+                dims[j] = v.dims[i]
+        return [Val(shape, itemsize(out_aval), tuple(dims), v.partial)]
+
+    def unstack(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        """``unstack`` along ``axis``: that dim whole first (gathered where split), each result
+        the operand's layout less that dim."""
+        v = ins[0]
+        axis = eqn.params["axis"] % len(v.shape)
+        whole = self.to_layout(
+            eqn.invars[0], v, tuple(() if i == axis else d for i, d in enumerate(v.dims)), mult, "unstack"
+        )
+        dims = whole.dims[:axis] + whole.dims[axis + 1 :]
+        return [Val(tuple(o.aval.shape), itemsize(o.aval), dims) for o in eqn.outvars]
+
+    def reshard_op(self, eqn: Any, ins: list[Val], mult: int) -> list[Val] | None:
+        """``jax.sharding.reshard`` in library code (e.g. an optimizer's scalar)."""
+        target = constraint_target(eqn, ins[0].dims)
+        if target is None:
+            return None
+        return [self.to_layout(eqn.invars[0], ins[0], target, mult, "reshard")]
 
     def _back_claim(self, var: Any, natural: Dims) -> Dims | None:
         """The layout propagated back to ``var`` from a constraint (``_claims_back``), where it
@@ -1733,6 +1669,71 @@ _MANUAL_COLLECTIVES = {
 }
 
 
+def _one(method: Callable[..., Any]) -> Callable[..., list[Val]]:
+    """A rule of one result from a walker method of one result."""
+    return lambda self, eqn, ins, mult: [method(self, eqn, ins, mult)]
+
+
+_P = _Propagator
+# fast mode's rule book: primitive -> rule(walker, eqn, operands' Vals, multiplicity) -> result
+# Vals (None: not modelled for these operands). Elementwise primitives go to ``_P.elementwise``
+# before the table is read; a call of a primitive not catalogued is inlined.
+_RULES: dict[str, Callable[..., list[Val] | None]] = {
+    **dict.fromkeys(ELEMENTWISE, _one(_P.elementwise)),
+    **dict.fromkeys(named(traits=("call",)), _P.inline),
+    "scan": _P.scan,
+    "pallas_call": _P.kernel,
+    **dict.fromkeys(FUSED_ATTENTION, _P.fused_attention),
+    "shard_map": _P.shard_map,
+    **dict.fromkeys(_MANUAL_COLLECTIVES, _P.manual_collective),
+    "name": lambda self, eqn, ins, mult: [ins[0]],  # checkpoint_name: the value itself
+    "pvary": lambda self, eqn, ins, mult: list(ins),  # marks values as varying over axes: nothing moves
+    **dict.fromkeys(
+        {"axis_index", "iota"} | _FREE | named(kinds=("random",)),
+        lambda self, eqn, ins, mult: [_replicated(o.aval) for o in eqn.outvars],
+    ),
+    "dot_general": _one(_P.dot),
+    **dict.fromkeys(REDUCTIONS, lambda self, eqn, ins, mult: [self.reduce(eqn, ins[0], mult)]),
+    "broadcast_in_dim": _P.broadcast,
+    "transpose": lambda self, eqn, ins, mult: [
+        Val(
+            tuple(ins[0].shape[p] for p in eqn.params["permutation"]),
+            ins[0].itemsize,
+            tuple(ins[0].dims[p] for p in eqn.params["permutation"]),
+            ins[0].partial,
+        )
+    ],
+    **dict.fromkeys(
+        ("reshape", "squeeze", "expand_dims"),
+        lambda self, eqn, ins, mult: [self.reshape(eqn.invars[0], ins[0], tuple(eqn.outvars[0].aval.shape), mult)],
+    ),
+    "sharding_constraint": lambda self, eqn, ins, mult: [self.constraint(eqn, ins[0], mult)],
+    "reshard": _P.reshard_op,
+    "gather": _one(_P.gather),
+    **dict.fromkeys(("scatter-add", "scatter_add", "scatter"), _one(_P.scatter)),
+    "unstack": _P.unstack,
+    "stack": _one(_P.stack),  # jnp.stack (a primitive in this jax): operands laid out alike, a new whole dim
+    **dict.fromkeys(
+        named(kinds=("slicing", "along")) - {"stack", "unstack"}
+        | _LAYOUT_PRESERVING - named(kinds=("elementwise", "identity")),
+        _P.layout_preserving,
+    ),
+}
+# What fast mode declares it does not model: replicated results, reported in the step's notes
+# (XLA's program for them is not predicted). The coverage test (tests/test_primitives.py) holds
+# every catalogued primitive to a rule here or an entry in this set.
+_FALLBACKS = frozenset(
+    {"while", "cond", "optimization_barrier", "bitcast_convert_type", "scatter-mul", "scatter_mul"}
+    | {"sharding_cast", "mesh_cast"}  # other jax releases' names of reshard
+    | set(_MANUAL_COLLECTIVES) - set(_RULES)
+)
+
+
+def rule_book() -> tuple[frozenset[str], frozenset[str]]:
+    """fast mode's primitives with a rule, and its declared fallbacks (for the coverage test)."""
+    return frozenset(_RULES) | ELEMENTWISE, _FALLBACKS
+
+
 def _spec_dims(spec: Any, rank: int) -> Dims:
     """A PartitionSpec's entries as per-dim axis tuples."""
     dims = [(() if e is None else (e,) if isinstance(e, str) else tuple(e)) for e in tuple(spec)]
@@ -1931,7 +1932,7 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
         prop.aliased = {v for v in jaxpr.outvars[: len(out_specs)] if not hasattr(v, "val")}
         updates = traced.memo.get("updates")
         if updates is None:  # what depends on the trace alone: once per trace
-            updates = traced.memo["updates"] = update_paths(jaxpr, [d.path for d in params.decisions], ELEMENTWISE)
+            updates = traced.memo["updates"] = update_paths(jaxpr, [d.path for d in params.decisions])
         prop.updates = updates
         outs = prop.run(jaxpr, env, 1)
         for var, v, d in zip(jaxpr.outvars, outs, out_specs, strict=False):
@@ -2029,20 +2030,11 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
     )
 
 
-def merge_communication(comm: list[Communication], params: Any, opt: Any) -> list[Communication]:
-    """One row per (kind, axes, op, source, what it moves), each named with the plan rule that
-    placed what it moves (``params``/``opt``: the resolutions that name them)."""
+def merge_communication(comm: list[Communication], params: Any, opt: Any) -> tuple[Communication, ...]:
+    """The ledger's rows merged (``ledger.merged``), each named with the plan rule that placed
+    what it moves (``params``/``opt``: the resolutions that name them)."""
     rules = {d.path: d.origin for d in list(params.decisions) + list(opt.decisions) if d.how in ("rule", "default")}
-    groups: dict[tuple, list[int]] = {}
-    for c in comm:
-        key = (c.kind, c.axes, c.op, c.source, c.moves)
-        acc = groups.setdefault(key, [0, 0])
-        acc[0] += c.bytes
-        acc[1] += c.count
-    return sorted(
-        (Communication(k, a, b, n, op, src, mv, rules.get(mv, "")) for (k, a, op, src, mv), (b, n) in groups.items()),
-        key=lambda c: (c.kind, -c.bytes),
-    )
+    return merged(comm, lambda moves: (moves, rules.get(moves, "")))
 
 
 def _merge_constrained(items: list[Constrained]) -> tuple[Constrained, ...]:
@@ -2070,7 +2062,7 @@ def _delta(with_: list[Communication], without: list[Communication]) -> tuple[tu
 @dataclass(frozen=True)
 class Ledger:
     """What fast mode's rules predict for one function (``propagate_function``): per device, the
-    collectives (merged by kind, axes, op), FLOPs, memory traffic and the intermediates' peak."""
+    collective ledger's rows (merged), FLOPs, memory traffic and the intermediates' peak."""
 
     communication: tuple[Communication, ...]
     flops: float
@@ -2116,10 +2108,4 @@ def propagate_function(
         done = prop.resolve(var, v, target if target is not None else v.dims, 1, "out_shardings")
         if target is not None:
             prop.reshard(var, done, target, 1, "out_shardings")
-    merged: dict[tuple, list[int]] = {}
-    for c in ctx.comm:
-        acc = merged.setdefault((c.kind, c.axes, c.op), [0, 0])
-        acc[0] += c.bytes
-        acc[1] += c.count
-    comm = tuple(Communication(k, a, b, n, op) for (k, a, op), (b, n) in sorted(merged.items()))
-    return Ledger(comm, ctx.flops, ctx.hbm, prop.peak, tuple(sorted(ctx.unmodeled)))
+    return Ledger(merged(ctx.comm), ctx.flops, ctx.hbm, prop.peak, tuple(sorted(ctx.unmodeled)))

@@ -31,12 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize
+from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize
 
 # Index maps are evaluated at every grid step; past this many steps the fetches are bounded
 # above (every step copies its blocks) instead.
 _MAX_GRID_STEPS = 1 << 22
-_REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"}
 
 
 @dataclass(frozen=True)
@@ -189,7 +188,7 @@ def _body_flops(
             flops += n
             if name in TRANSCENDENTAL:
                 trans += n
-        elif name in _REDUCTIONS:
+        elif name in REDUCTIONS:
             flops += _size(eqn.invars[0].aval)
         elif name == "cond":
             costs = [_body_flops(b, dynamic) for b in eqn.params["branches"]]

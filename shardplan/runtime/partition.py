@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jcore
 
+from shardplan.ledger import Communication
+from shardplan.runtime.primitives import CATALOGUE, ELEMENTWISE, named
 from shardplan.runtime.sharding import (
     Dims,
     constraint_target,
@@ -51,38 +53,44 @@ from shardplan.runtime.sharding import (
     update_paths,
 )
 
-_ELEMENTWISE = {
-    "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
-    "clamp", "conj", "convert_element_type", "copy", "copy_p", "cos", "cosh", "digamma", "div", "eq", "erf",
-    "erf_inv", "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le",
-    "lgamma", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or",
-    "population_count", "pow", "real", "reduce_precision", "rem", "round", "rsqrt", "select_n", "shift_left",
-    "bitcast_convert_type",
-    "shift_right_arithmetic", "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient",
-    "sub", "tan", "tanh", "xor", "optimization_barrier", "name",
-}  # fmt: skip
+# The partitioner's sets, as policy over the primitive catalogue (shardplan/runtime/primitives.py).
+# Run on local shards laid out alike (operands of the result's rank, or scalars): elementwise
+# arithmetic, identities, and a bitcast to a dtype of the same size (its rule checks the ranks).
+_ELEMENTWISE = ELEMENTWISE | named(kinds=("identity",)) | {"bitcast_convert_type"}
 # Equation params that carry an output sharding when traced under explicit mesh axes.
 _SHARDING_PARAMS = ("sharding", "out_sharding")
 # Layout changes of values typed by mesh axes (``jax.sharding.reshard``; ``sharding_cast`` and
 # ``mesh_cast`` in other jax releases): a reshard to the layout they name, as a constraint is.
-_RESHARDS = {"reshard", "sharding_cast", "mesh_cast"}
+_RESHARDS = named(kinds=("reshard",)) - {"sharding_constraint"}
 # Linear in all operands together: a sum of partial sums is a partial sum.
 # ``name`` is ``checkpoint_name``: an identity tagging a value for a remat policy.
-_LINEAR_ALL = {"add", "add_any", "sub", "neg", "convert_element_type", "copy", "copy_p", "reduce_precision", "name"}
-_INLINE = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+_LINEAR_ALL = named(traits=("linear",)) & _ELEMENTWISE
+_REMAT = named(traits=("remat",))
+_INLINE = named(traits=("call",)) - _REMAT
 
 
-@dataclass(frozen=True)
-class Issued:
-    """One collective the per-device code issues (per device, per step)."""
+# What the partitioner runs on whole operands by design (gathered first, then the op as traced,
+# reported as a fallback when anything moved; see ``Partitioner.fallback``): collectives (they are
+# only met inside a shard_map region the user wrote, which runs as written), kernels XLA cannot
+# split, loops and branches it does not partition, and the rest below. The coverage test
+# (tests/test_primitives.py) holds every catalogued primitive to a rule or an entry here.
+_FALLBACKS = named(kinds=("collective", "kernel")) - {"ppermute"} | {
+    "while",
+    "cond",
+    "expand_dims",
+    "scatter-mul",
+    "scatter_mul",
+    "rng_bit_generator",
+    "threefry2x32",
+}
 
-    kind: str  # all-gather, reduce-scatter, all-reduce
-    axes: tuple[str, ...]
-    bytes: int  # all-gather: the gathered result; reduce-scatter: the operand; all-reduce: the buffer
-    count: int  # executions per step (a scan body's run once per iteration)
-    why: str
-    source: str = ""
-    moves: str = ""  # the param whose value (a weight gathered) or gradient (a sum reduced) it moves
+
+def rule_book() -> tuple[frozenset[str], frozenset[str]]:
+    """The partitioner's primitives with a local rule, and its declared fallbacks (for the
+    coverage test)."""
+    ops = {n[3:] for n in dir(Partitioner) if n.startswith("op_")}
+    structure = _INLINE | _REMAT | {"scan", "shard_map"} | _ELEMENTWISE | _RESHARDS
+    return frozenset(structure | ops | {n for n in CATALOGUE if n.replace("-", "_") in ops}), _FALLBACKS
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,7 @@ class Fallback:
 
 @dataclass
 class Record:
-    issued: list[Issued] = field(default_factory=list)
+    issued: list[Communication] = field(default_factory=list)  # the collective ledger's rows
     fallbacks: list[Fallback] = field(default_factory=list)
 
     def summary(self) -> dict[str, dict[str, int]]:
@@ -196,8 +204,8 @@ class Partitioner:
     def issue(self, kind: str, axes, nbytes: int, why: str = "", moves: str = "") -> None:
         if (self.dry and not self.predict) or not axes:
             return
-        issued = Issued(kind, tuple(axes), nbytes * self.mult, self.mult, why or self.op, self.source, moves)
-        self.record.issued.append(issued)
+        row = Communication(kind, tuple(axes), nbytes * self.mult, self.mult, why or self.op, self.source, moves)
+        self.record.issued.append(row)
 
     def index(self, axes) -> Any:
         """This device's linear index over ``axes`` (the first the major one)."""
@@ -403,7 +411,7 @@ class Partitioner:
         name = eqn.primitive.name
         if name in _INLINE:
             return self.inline(eqn, ins)
-        if name in ("remat2", "checkpoint"):
+        if name in _REMAT:
             return self.remat(eqn, ins)
         if name == "scan":
             return self.scan(eqn, ins)
@@ -822,6 +830,14 @@ class Partitioner:
         xs = self.bind(eqn, [v.x for v in vals])
         dims = base.dims[:axis] + ((),) + base.dims[axis:]
         return self.out(eqn, [dims], act=any(v.act for v in ins), xs=xs)
+
+    def op_unstack(self, eqn: Any, ins: list[V]) -> list[V]:
+        """``unstack`` along ``axis``: that dim whole, the others stay split; each result the
+        operand's layout less that dim."""
+        axis = eqn.params["axis"] % len(ins[0].shape)
+        v = self.to(self.resolve(ins[0]), tuple(() if i == axis else d for i, d in enumerate(ins[0].dims)))
+        xs = self.bind(eqn, [v.x])
+        return self.out(eqn, [v.dims[:axis] + v.dims[axis + 1 :]] * len(eqn.outvars), act=v.act, xs=xs)
 
     def _along(self, eqn: Any, ins: list[V], axes) -> list[V]:
         """Ops along some dims (cumsum, sort, argsort, rev): those dims whole, others stay split."""
@@ -1303,7 +1319,7 @@ def local_step(
     """The per-device function: (flat local params, flat local batch) -> (loss, flat local grads).
     ``paths`` (the params' paths, optional) name what each recorded collective moves: a param
     gathered where it is read, a gradient where its sum is reduced."""
-    labels = update_paths(closed.jaxpr, paths, _ELEMENTWISE, first=1) if paths else {}
+    labels = update_paths(closed.jaxpr, paths, first=1) if paths else {}
 
     def fn(params: list, batch: list):
         batch_axes = frozenset(a for d in batch_dims for dd in d for a in dd)

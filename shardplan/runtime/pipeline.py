@@ -46,9 +46,12 @@ from jax.sharding import PartitionSpec as P
 from shardplan.core.pipeline import problems
 from shardplan.core.plan import Pipeline
 from shardplan.errors import ShardPlanError, as_error, error
+from shardplan.runtime.primitives import CALLS, named
 from shardplan.runtime.sources import INTERNAL_SCOPE
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call")  # inlined on the way to the stack's scan
+# Calls followed on the way to the stack's scan: plain calls only (not remat regions or custom
+# derivatives), as before the catalogue.
+_CALLS = CALLS - named(traits=("remat",)) - {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
 @dataclass(frozen=True)

@@ -21,45 +21,29 @@ computation, and each param dim tagged by how the step uses it:
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardplan.runtime.primitives import ELEMENTWISE
+from shardplan.runtime.primitives import CALLS, ELEMENTWISE, REDUCTIONS, named
 
 TAGS = ("contract", "free", "batch", "rows", "stack")
 
-_SAME_SHAPE = ELEMENTWISE | {
-    "select_n",
-    "clamp",
-    "cumsum",
-    "cumprod",
-    "cummax",
-    "cummin",
-    "cumlogsumexp",
-    "sort",
-    "rev",
-    "stop_gradient",
-    "optimization_barrier",
-    "sharding_constraint",
-    "reshard",
-    "mesh_cast",
-    "sharding_cast",
-    "scatter-add",
-    "scatter_add",
-    "scatter",
-    "scatter-mul",
-    "scatter_mul",
-    "dynamic_update_slice",
-    "random_wrap",
-    "random_unwrap",
-    "erf_inv",
-    "name",
-}
-_VIEW_1TO1 = {"convert_element_type", "copy", "copy_p", "optimization_barrier", "sharding_constraint", "name"}
-_INTO_OPERAND = {"scatter-add", "scatter_add", "scatter", "scatter-mul", "scatter_mul"}
-_REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin"}
-_ALIGNED = {"dynamic_slice", "slice", "pad", "concatenate", "split", "top_k", "reduce_precision"}
+# The roles' sets, as policy over the primitive catalogue (shardplan/runtime/primitives.py).
+# Results whose dims are their operands' dims, one for one (``_INTO_OPERAND``: operand 0's).
+_SAME_SHAPE = (
+    ELEMENTWISE
+    | named(kinds=("identity", "reshard"))
+    | named(kinds=("along",)) - {"top_k"}
+    | named(traits=("into-operand",))
+    | {"dynamic_update_slice", "random_wrap", "random_unwrap"}
+)
+# ... and laid out like their operand, with no copy made.
+_VIEW_1TO1 = named(kinds=("identity",)) | {"convert_element_type", "copy", "copy_p", "sharding_constraint"}
+_INTO_OPERAND = named(traits=("into-operand",))
+_REDUCE = REDUCTIONS
+# Results whose dims line up with their operands' where the sizes agree.
+_ALIGNED = named(kinds=("slicing",)) - {"stack", "unstack", "dynamic_update_slice"} | {"top_k", "reduce_precision"}
 
 
 @dataclass(frozen=True)
@@ -168,87 +152,112 @@ class _Walk:
         return got + [self.fresh(v.aval) for v in eqn.outvars[len(got) :]]
 
     def eqn(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
-        name = eqn.primitive.name
-        p = eqn.params
+        """One equation by the roles' rule book (``_RULES``); a call of a primitive the catalogue
+        does not name is walked; anything else is ``fallback``."""
+        rule = _RULES.get(eqn.primitive.name)
+        if rule is not None:
+            return rule(self, eqn, ins)
+        inner = _body(eqn)
+        return self.call(inner, eqn, ins) if inner is not None else self.fallback(eqn, ins)
+
+    def fallback(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        """Anything else (a fused attention kernel, a custom call, a collective): new dims, but a
+        result shaped like the first operand is laid out like it (attention's output is the queries')."""
         out_avals = [v.aval for v in eqn.outvars]
-        if name == "dot_general":
-            return [self.dot(eqn, ins)]
-        if name == "scan":
-            return self.scan(eqn, ins)
-        if name == "while":
-            nb, nc = p["body_nconsts"], p["cond_nconsts"]
-            body = p["body_jaxpr"].jaxpr
-            carry = ins[nc + nb :]
-            outs = self.run(body, ins[nc : nc + nb] + carry)
-            for after, before in zip(outs, carry, strict=False):
-                self._align(after, before)
-            return [list(c) for c in carry]
-        if name == "cond":
-            first: list[list[int]] | None = None
-            for branch in p["branches"]:
-                took = self.run(branch.jaxpr, ins[1:])
-                if first is None:
-                    first = took
-                else:
-                    for x, y in zip(first, took, strict=True):
-                        self._align(x, y)
-            return first or []
-        if name in ("shard_map", "pallas_call"):
-            return [self.fresh(a) for a in out_avals]
-        for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-            inner = p.get(key)
-            if inner is not None and hasattr(inner if not hasattr(inner, "jaxpr") else inner.jaxpr, "eqns"):
-                return self.call(inner, eqn, ins)
-        if name == "transpose":
-            perm = p["permutation"]
-            self.view(eqn.outvars[0], eqn.invars[0], list(perm))
-            return [[ins[0][i] for i in perm]]
-        if name == "reshape":
-            return [self.reshape(eqn, ins[0])]
-        if name == "squeeze":
-            keep = [i for i in range(len(ins[0])) if i not in set(d % max(len(ins[0]), 1) for d in p["dimensions"])]
-            self.view(eqn.outvars[0], eqn.invars[0], keep)
-            return [[ins[0][i] for i in keep]]
-        if name == "broadcast_in_dim":
-            out = self.fresh(out_avals[0])
-            dims: list[int | None] = [None] * len(out)
-            for k, d in enumerate(p["broadcast_dimensions"]):
-                if self.union(out[d], ins[0][k]) or self.find(out[d]) == self.find(ins[0][k]):
-                    out[d] = ins[0][k]
-                    dims[d] = k
-            self.view(eqn.outvars[0], eqn.invars[0], dims)
-            return [out]
-        if name in _REDUCE:
-            axes = set(p["axes"])
-            keep = [i for i in range(len(ins[0])) if i not in axes]
-            return [[ins[0][i] for i in keep] for _ in out_avals]
-        if name == "gather":
-            return [self.gather(eqn, ins)]
-        if name in _SAME_SHAPE or name in _ALIGNED:
-            results = []
-            for k, v in enumerate(eqn.outvars):
-                out = self.fresh(v.aval)
-                if len(eqn.outvars) > 1 and len(eqn.outvars) == len(ins):
-                    sources = [k]  # a tuple through (optimization_barrier): result k is operand k
-                elif name in _INTO_OPERAND:
-                    sources = [0]  # the result is the operand updated: the updates' dims are others
-                else:
-                    sources = list(range(len(ins)))
-                for j in sources:
-                    if len(ins[j]) == len(out):
-                        for a, b in zip(out, ins[j], strict=True):
-                            self.union(a, b)
-                src = sources[0] if len(sources) == 1 else 0
-                if name in _VIEW_1TO1 and eqn.invars and len(ins[src]) == len(out):
-                    self.view(v, eqn.invars[src], list(range(len(out))))
-                results.append(out)
-            return results
         outs = [self.fresh(a) for a in out_avals]
-        # Anything else (a fused attention kernel, a custom call): a result shaped like the first
-        # operand is laid out like it (attention's output is the queries').
         if ins and outs and tuple(self.size[n] for n in ins[0]) == tuple(getattr(out_avals[0], "shape", ())):
             outs[0] = list(ins[0])
         return outs
+
+    def fresh_results(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        """New dims, related to nothing (a kernel's or a shard_map region's results)."""
+        return [self.fresh(v.aval) for v in eqn.outvars]
+
+    def body_call(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        inner = _body(eqn)
+        return self.call(inner, eqn, ins) if inner is not None else self.fallback(eqn, ins)
+
+    def while_loop(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        p = eqn.params
+        nb, nc = p["body_nconsts"], p["cond_nconsts"]
+        carry = ins[nc + nb :]
+        outs = self.run(p["body_jaxpr"].jaxpr, ins[nc : nc + nb] + carry)
+        for after, before in zip(outs, carry, strict=False):
+            self._align(after, before)
+        return [list(c) for c in carry]
+
+    def cond(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        first: list[list[int]] | None = None
+        for branch in eqn.params["branches"]:
+            took = self.run(branch.jaxpr, ins[1:])
+            if first is None:
+                first = took
+            else:
+                for x, y in zip(first, took, strict=True):
+                    self._align(x, y)
+        return first or []
+
+    def transpose(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        perm = eqn.params["permutation"]
+        self.view(eqn.outvars[0], eqn.invars[0], list(perm))
+        return [[ins[0][i] for i in perm]]
+
+    def squeeze(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        dropped = set(d % max(len(ins[0]), 1) for d in eqn.params["dimensions"])
+        keep = [i for i in range(len(ins[0])) if i not in dropped]
+        self.view(eqn.outvars[0], eqn.invars[0], keep)
+        return [[ins[0][i] for i in keep]]
+
+    def broadcast(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        out = self.fresh(eqn.outvars[0].aval)
+        dims: list[int | None] = [None] * len(out)
+        for k, d in enumerate(eqn.params["broadcast_dimensions"]):
+            if self.union(out[d], ins[0][k]) or self.find(out[d]) == self.find(ins[0][k]):
+                out[d] = ins[0][k]
+                dims[d] = k
+        self.view(eqn.outvars[0], eqn.invars[0], dims)
+        return [out]
+
+    def reduce(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        axes = set(eqn.params["axes"])
+        keep = [i for i in range(len(ins[0])) if i not in axes]
+        return [[ins[0][i] for i in keep] for _ in eqn.outvars]
+
+    def stack(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        """``jnp.stack``: each operand's dims are the result's, less the new one at ``axis``."""
+        out = self.fresh(eqn.outvars[0].aval)
+        others = [d for d in range(len(out)) if d != eqn.params["axis"]]
+        for nodes in ins:
+            if len(nodes) == len(others):
+                for d, n in zip(others, nodes, strict=True):
+                    self.union(out[d], n)
+        return [out]
+
+    def unstack(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        """``unstack``: each result's dims are the operand's, less the one at ``axis``."""
+        axis = eqn.params["axis"] % max(len(ins[0]), 1)
+        return [ins[0][:axis] + ins[0][axis + 1 :] for _ in eqn.outvars]
+
+    def same_shape(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        name = eqn.primitive.name
+        results = []
+        for k, v in enumerate(eqn.outvars):
+            out = self.fresh(v.aval)
+            if len(eqn.outvars) > 1 and len(eqn.outvars) == len(ins):
+                sources = [k]  # a tuple through (optimization_barrier): result k is operand k
+            elif name in _INTO_OPERAND:
+                sources = [0]  # the result is the operand updated: the updates' dims are others
+            else:
+                sources = list(range(len(ins)))
+            for j in sources:
+                if len(ins[j]) == len(out):
+                    for a, b in zip(out, ins[j], strict=True):
+                        self.union(a, b)
+            src = sources[0] if len(sources) == 1 else 0
+            if name in _VIEW_1TO1 and eqn.invars and len(ins[src]) == len(out):
+                self.view(v, eqn.invars[src], list(range(len(out))))
+            results.append(out)
+        return results
 
     def _align(self, a: list[int], b: list[int]) -> None:
         if len(a) == len(b):
@@ -380,6 +389,47 @@ class _Walk:
     def major(self, c: int) -> int:
         """The dim that decides how ``c`` splits: its first (major) finest part."""
         return self.atoms(c)[0]
+
+
+def _body(eqn: Any) -> Any:
+    """The sub-jaxpr a call runs (None: not a call)."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        inner = eqn.params.get(key)
+        if inner is not None and hasattr(inner if not hasattr(inner, "jaxpr") else inner.jaxpr, "eqns"):
+            return inner
+    return None
+
+
+_W = _Walk
+# The roles' rule book: primitive -> rule(walk, eqn, operands' dim classes) -> results' dim classes.
+_RULES: dict[str, Callable[[_Walk, Any, list[list[int]]], list[list[int]]]] = {
+    **dict.fromkeys(_SAME_SHAPE | _ALIGNED, _W.same_shape),
+    **dict.fromkeys(CALLS, _W.body_call),
+    **dict.fromkeys(_REDUCE, _W.reduce),
+    "shard_map": _W.fresh_results,  # a region the step runs as written
+    "pallas_call": _W.fresh_results,
+    "dot_general": lambda w, eqn, ins: [w.dot(eqn, ins)],
+    "scan": _W.scan,
+    "while": _W.while_loop,
+    "cond": _W.cond,
+    "transpose": _W.transpose,
+    "reshape": lambda w, eqn, ins: [w.reshape(eqn, ins[0])],
+    "expand_dims": lambda w, eqn, ins: [w.reshape(eqn, ins[0])],
+    "squeeze": _W.squeeze,
+    "broadcast_in_dim": _W.broadcast,
+    "gather": lambda w, eqn, ins: [w.gather(eqn, ins)],
+    "stack": _W.stack,
+    "unstack": _W.unstack,
+}
+# Declared fallbacks (``_Walk.fallback``): values made from no operand dims (iota, random bits),
+# cuDNN's fused attention, collectives (met only inside a user's shard_map region), and a
+# bitcast to another dtype.
+_FALLBACKS = named(kinds=("creation", "random", "kernel", "collective")) - set(_RULES) | {"bitcast_convert_type"}
+
+
+def rule_book() -> tuple[frozenset[str], frozenset[str]]:
+    """The roles' primitives with a rule, and its declared fallbacks (for the coverage test)."""
+    return frozenset(_RULES), _FALLBACKS
 
 
 def roles(closed: Any, paths: list[str], n_params: int, input_paths: list[str], opt_paths: Sequence[str] = ()) -> Roles:

@@ -16,8 +16,10 @@ beside the partitioner (shardplan/tools/emit.py copies both).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+from shardplan.runtime.primitives import CALLS, ELEMENTWISE, named
 
 Dims = tuple[tuple[str, ...], ...]
 
@@ -98,26 +100,23 @@ def scan_counts(eqn: Any) -> tuple[int, int]:
     return len(list(consts)), len(list(carry))
 
 
-# Equations that run a sub-jaxpr once on their own operands (inlined by both engines).
-CALLS = ("pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "remat2", "checkpoint")
-_LAYOUT_OPS = frozenset({"transpose", "reshape", "squeeze", "expand_dims"})
+# What a param's update is followed back through: element-by-element ops and layout views.
+_SAME_ELEMENTS = ELEMENTWISE | named(kinds=("identity", "view")) - {"bitcast_convert_type"}
 
 
-def update_paths(
-    jaxpr: Any, paths: Sequence[str | None], elementwise: Collection[str], first: int = 0
-) -> dict[Any, str]:
+def update_paths(jaxpr: Any, paths: Sequence[str | None], first: int = 0) -> dict[Any, str]:
     """Each value of the step that the update of one param is computed from element by element
     (its gradient, and the matmul transpose or sum that made it, through the optimizer's
     arithmetic) -> that param's path: a gradient's all-reduce or reduce-scatter moves that param's
     gradient. ``paths[k]`` names ``jaxpr.outvars[first + k]`` (the updated param, or its gradient);
-    found backwards from there, through ``elementwise`` and layout ops whose operand has as many
+    found backwards from there, through elementwise and layout ops whose operand has as many
     elements as the result (a global norm's scalar, a reduction's input, are not followed), into
     calls."""
     labels: dict[Any, str] = {}
     for var, path in zip(jaxpr.outvars[first:], paths, strict=False):
         if path and not hasattr(var, "val"):
             labels[var] = path
-    _label_back(jaxpr, labels, frozenset(elementwise) | _LAYOUT_OPS)
+    _label_back(jaxpr, labels, _SAME_ELEMENTS)
     return labels
 
 

@@ -124,14 +124,33 @@ def _partitioner_source() -> str:
     """shardplan's partitioner (``shardplan/runtime/partition.py``), copied in so the module stays
     standalone; source lines of ops are not looked up there (reports only)."""
     runtime = resources.files("shardplan.runtime")
-    floor = runtime.joinpath("sharding.py").read_text().replace("from __future__ import annotations\n", "")
-    text = runtime.joinpath("partition.py").read_text().replace("from __future__ import annotations\n", "")
-    text = re.sub(r"\nfrom shardplan\.runtime\.sharding import (\([^)]*\)|[^\n]+)\n", "\n", text)  # carried above it
+    carried = re.compile(
+        r"^from shardplan\.(ledger|runtime\.sharding|runtime\.primitives) import (\([^)]*\)|[^\n]+)\n", re.M
+    )
+
+    def copied(name: str) -> str:  # less what is copied above it
+        return carried.sub("", runtime.joinpath(name).read_text().replace("from __future__ import annotations\n", ""))
+
+    ledger = (
+        resources.files("shardplan")
+        .joinpath("ledger.py")
+        .read_text()
+        .replace("from __future__ import annotations\n", "")
+    )
+    catalogue, floor, text = copied("primitives.py"), copied("sharding.py"), copied("partition.py")
     start = text.index("def _source(")
     end = text.index("\nclass ", start)
     text = text[:start] + 'def _source(eqn: Any) -> str:\n    return ""\n\n' + text[end:]
     return (
-        "# -- the sharding floor: a copy of shardplan/runtime/sharding.py "
+        "# -- the collective ledger: a copy of shardplan/ledger.py "
+        + "-" * 36
+        + "\n"
+        + ledger
+        + "\n\n# -- the primitive catalogue: a copy of shardplan/runtime/primitives.py "
+        + "-" * 21
+        + "\n"
+        + catalogue
+        + "\n\n# -- the sharding floor: a copy of shardplan/runtime/sharding.py "
         + "-" * 28
         + "\n"
         + floor

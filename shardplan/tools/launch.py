@@ -78,8 +78,7 @@ def launch(
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
-    base = dict(os.environ)
-    base.pop("XLA_FLAGS", None)
+    base = dict(os.environ)  # the user's XLA_FLAGS reach every rank; simulate() replaces only the device count
     # Ctrl-C or SIGTERM on the launcher stops every rank (each runs in its own process group,
     # so the terminal's SIGINT does not reach them): none outlives the launcher. Caught from
     # before the first rank starts (a signal while they start is not a launcher killed outright).

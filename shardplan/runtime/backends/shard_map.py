@@ -117,7 +117,6 @@ def fast_cost(
 
     import numpy as np
 
-    from shardplan.core.stepcost import Communication
     from shardplan.runtime import fast
     from shardplan.runtime import model as model_mod
     from shardplan.runtime.activations import Activations
@@ -144,7 +143,6 @@ def fast_cost(
         [_dims(d.spec.dims, len(d.shape)) for d in records(inputs.decisions)],
         paths=[d.path for d in params.decisions],
     )
-    comm = [Communication(c.kind, c.axes, c.bytes, c.count, c.why, c.source, c.moves) for c in record.issued]
     notes = [
         "fast mode, shard_map backend: the collectives are the partitioned per-device code's own (a dry run "
         "of shardplan's partitioner; the compiled step issues exactly these, tests/test_shard_map.py); FLOPs, "
@@ -155,7 +153,7 @@ def fast_cost(
     return replace(
         base,
         backend="shard_map",
-        communication=tuple(fast.merge_communication(comm, params, params)),
+        communication=fast.merge_communication(record.issued, params, params),
         notes=tuple(notes) + tuple(n for n in base.notes if not n.startswith("fast mode:")),
         seconds=time.perf_counter() - t0,
         constraint_delta=(),
