@@ -549,20 +549,32 @@ _XLA_STATUS = re.compile(
 )
 
 
-class StepCoster:
-    """One model, step and batch, costed under many plans in fast mode (auto backend): the step is
-    traced once per distinct set of what tracing applies (``act``/``axis`` rules, mesh, axis types)
-    and every other plan re-costs on that trace (``fast.cost``), as a plan search needs.
+def _fast_cost(name: str) -> Callable[..., StepCost]:
+    """A backend's fast-mode cost, from the backend registry: ``fn(tracer, plan, mesh, delta=...)``."""
+    import importlib
 
-    Made by :func:`step_coster`; ``traces`` counts the traces made so far.
+    from shardplan.core import backends
+
+    module, function = backends.lookup(name, "--backend").fast_cost.split(":")
+    return getattr(importlib.import_module(module), function)
+
+
+class StepCoster:
+    """One model, step and batch, costed under many plans in fast mode, on either backend: each
+    plan resolved once per costing and the step traced once per distinct set of what tracing
+    applies (``act``/``axis`` rules, mesh, axis types, a pipeline's stage split): every other plan
+    re-costs on that trace (``runtime.tracing.Tracer``), as a plan search needs.
+
+    Made by :func:`step_coster`; ``traces`` counts the traces made so far, ``resolutions`` the
+    plans resolved against the model.
     """
 
     def __init__(self, model: str, step: str, batch: dict | list[str], optimizer: str = "adamw"):
         from shardplan.runtime import model as model_mod
 
         optimizers.lookup(optimizer)
-        self.shapes = parse_batch_arg(batch) if isinstance(batch, list) else dict(batch)
-        if not self.shapes:
+        shapes = parse_batch_arg(batch) if isinstance(batch, list) else dict(batch)
+        if not shapes:
             raise as_error(
                 [
                     error(
@@ -573,15 +585,25 @@ class StepCoster:
                     )
                 ]
             )
+        from shardplan.runtime.tracing import Tracer
+
+        self.shapes = shapes
         self.optimizer = optimizer
         self.factory = model_mod.load_factory(model)
         self.loss_fn = model_mod.load_factory(step, what="--step")
-        self.built = model_mod.abstract_model_and_optimizer(self.factory, model_mod.make_tx(optimizer))
-        self._traces: dict[tuple, Any] = {}
+        self.tracer = Tracer(self.factory, self.loss_fn, shapes, optimizer)  # the model built abstractly
+
+    @property
+    def built(self) -> tuple[Any, Any]:
+        return self.tracer.built
 
     @property
     def traces(self) -> int:
-        return len(self._traces)
+        return self.tracer.traces
+
+    @property
+    def resolutions(self) -> int:
+        return self.tracer.resolutions
 
     def cost(
         self,
@@ -590,46 +612,35 @@ class StepCoster:
         mesh: dict[str, int | None] | None = None,
         devices: int | None = None,
         delta: bool = True,
+        backend: str | None = None,
     ) -> StepCost:
         """The plan's step cost, as ``analyze(..., mode="fast")`` gives it, on a shared trace.
 
         Args:
             delta: also what the plan's constraints change (one more propagation; off for a search).
+            backend: the backend to cost (default: the plan's).
 
         Raises:
             ShardPlanError: the plan does not fit the model, batch or devices; the step fails to trace.
         """
-        from shardplan.runtime import fast
-
         p = _plan(plan, mesh)
+        run = _fast_cost(backend or p.backend)
         sizes = p.mesh_shape(devices)
         resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in self.shapes.items()])
-        key = fast.trace_key(p, sizes, self.built[0])
-        traced = self._traces.get(key)
-        if traced is None:
-            traced = self._traces[key] = fast.trace(
-                p, self.factory, self.loss_fn, self.shapes, self.optimizer, sizes, self.built
-            )
-        return with_pipeline(fast.cost(traced, p, sizes, delta=delta), p)
+        return with_pipeline(run(self.tracer, p, sizes, delta=delta), p)
 
     def roles(self, devices: int) -> Any:
         """What each param dim is, read from the step traced on ``devices`` (``runtime.roles``)."""
         from shardplan.lang.loader import loads
-        from shardplan.runtime import fast, roles, specs
+        from shardplan.runtime import roles
 
         p = loads(f"mesh data = {devices}\ndefault replicated\n", "<roles>")
         sizes = p.mesh_shape(devices)
-        key = fast.trace_key(p, sizes, self.built[0])
-        traced = self._traces.get(key)
-        if traced is None:
-            traced = self._traces[key] = fast.trace(
-                p, self.factory, self.loss_fn, self.shapes, self.optimizer, sizes, self.built
-            )
-        params, opt = specs.model_resolver(traced.abs_model, traced.abs_opt)(p, sizes)
-        inputs = specs.resolve_batch(p, traced.batch_abs, mesh=sizes)
-        paths = [d.path for d in params.decisions]
-        opt_paths = [d.path for d in opt.decisions] if opt is not None else []
-        return roles.roles(traced.closed, paths, len(paths), [d.path for d in inputs.decisions], opt_paths)
+        res = self.tracer.resolve(p, sizes)
+        traced = self.tracer.step(p, sizes, res)
+        paths = [d.path for d in res.params.decisions]
+        opt_paths = [d.path for d in res.opt.decisions] if res.opt is not None else []
+        return roles.roles(traced.closed, paths, len(paths), [d.path for d in res.inputs.decisions], opt_paths)
 
 
 def step_coster(model: str, step: str, batch: dict | list[str], optimizer: str = "adamw") -> StepCoster:
@@ -702,7 +713,7 @@ def _step_cost(
     from shardplan.errors import Diagnostic, Span
 
     name = backend or p.backend
-    info = backends.lookup(name, "--backend")
+    backends.lookup(name, "--backend")
     if mode not in ("exact", "fast"):
         raise as_error([error("bad-argument", f"unknown mode '{mode}'", "use 'fast' or 'exact'", path="mode")])
     optimizers.lookup(optimizer)
@@ -748,13 +759,7 @@ def _step_cost(
     # Fail early, in this process, on what needs no devices: the batch must divide over its axes.
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":
-        import importlib
-
-        from shardplan.runtime.model import load_factory
-
-        module, function = info.fast_cost.split(":")
-        run = getattr(importlib.import_module(module), function)
-        return run(p, load_factory(model), load_factory(step, what="--step"), shapes, optimizer, sizes)
+        return StepCoster(model, step, shapes, optimizer).cost(p, mesh=None, devices=devices, backend=name)
     if aim.platform == "cpu" and n > MAX_SIMULATED_DEVICES:
         raise as_error(
             [

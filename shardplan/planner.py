@@ -215,6 +215,19 @@ def suggest(
                     )
                 ]
             )
+    if devices_per_host is not None and devices > devices_per_host and devices % devices_per_host:
+        fits = devices - devices % devices_per_host
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    f"{devices} devices do not fill hosts of {devices_per_host}: {devices} is not a multiple of "
+                    f"{devices_per_host}",
+                    f"give whole hosts (--devices {fits} or {fits + devices_per_host}), or the hosts' real size",
+                    path="--devices-per-host",
+                )
+            ]
+        )
     if isinstance(confirm, bool) or not isinstance(confirm, int) or confirm < 0:
         raise as_error(
             [error("bad-argument", f"confirm must be 0 or more, not {confirm!r}", "pass confirm=3", path="confirm")]

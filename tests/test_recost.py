@@ -33,11 +33,34 @@ def test_recost_equals_the_full_analysis_and_traces_once_per_mesh():
     assert coster.traces == 2
 
 
+def test_each_costing_resolves_the_plan_once_and_both_backends_share_the_traces():
+    """A costing reads the plan's resolution once (a pipeline plan's stage split included), on
+    either backend; other plans with the same act/axis rules and mesh reuse the step's traces
+    (the shard_map backend's gradient program is one more, once)."""
+    coster = api.step_coster(MODEL, STEP, BATCH)
+    mesh = {"data": 4, "model": 2}
+    for k, name in enumerate(["fsdp.splan", "gpt_tp.splan", "dp.splan"]):
+        plan = shardplan.load(PLANS / name, mesh=dict(mesh))
+        for backend in ("auto", "shard_map"):
+            before = coster.resolutions
+            cost = coster.cost(plan, backend=backend)
+            assert cost.backend == backend and coster.resolutions == before + 1, (name, backend)
+        assert coster.traces == 2, "the auto step and the gradient program, traced once for every plan"
+    deep = api.step_coster(f"{ROOT / 'examples' / 'models.py'}:llama_deep_scan", STEP,
+                           ["tokens=int32[16,16],labels=int32[16,16]"])
+    for backend in ("auto", "shard_map"):
+        before = deep.resolutions
+        deep.cost(PLANS / "llama_pp.splan", devices=8, backend=backend)
+        assert deep.resolutions == before + 1, backend
+
+
 def test_a_trace_is_not_reused_for_another_mesh_or_activation_rules():
     built_plan = shardplan.load(PLANS / "gpt_tp.splan", mesh={"data": 4, "model": 2})
     coster = api.step_coster(MODEL, STEP, BATCH)
     coster.cost(built_plan)
-    (traced,) = coster._traces.values()
+    res = coster.tracer.resolve(built_plan, built_plan.mesh_shape())
+    traced = coster.tracer.step(built_plan, built_plan.mesh_shape(), res)
+    assert coster.traces == 1  # the same trace
     other = shardplan.load(PLANS / "gpt_tp.splan", mesh={"data": 2, "model": 4})
     with pytest.raises(ValueError):
         fast.cost(traced, other, other.mesh_shape())

@@ -136,7 +136,8 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_fit():
 @pytest.mark.parametrize("kw,where", [(dict(devices=0), "--devices"), (dict(devices=8, top=0), "--top"),
                                       (dict(devices=8, device_memory=-1), "--device-memory"),
                                       (dict(devices=8, chip="h1000"), "--chip"),
-                                      (dict(devices=8, confirm=-2), "confirm")])
+                                      (dict(devices=8, confirm=-2), "confirm"),
+                                      (dict(devices=8, devices_per_host=3), "--devices-per-host")])
 def test_bad_arguments_are_located_errors(kw, where):
     with pytest.raises(shardplan.ShardPlanError) as info:
         shardplan.suggest(model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, **kw)
@@ -155,6 +156,16 @@ def test_cli_writes_the_plan_and_json(tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["suggest", "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss", "--devices", "8"]) == 2
     assert "--batch" in capsys.readouterr().err
+
+
+def test_contradictory_or_impossible_device_counts_are_refused_before_any_work(capsys):
+    args = ["suggest", "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss", "--batch", BATCH[0]]
+    with pytest.raises(SystemExit) as info:  # one option, two spellings, two values: not the last one silently
+        cli.main([*args, "--devices", "7", "--mesh-size", "8"])
+    assert info.value.code == 2 and "--mesh-size 8: already given as --devices 7" in capsys.readouterr().err
+    assert cli.main([*args, "--devices", "8", "--devices-per-host", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "8 devices do not fill hosts of 3" in err and "--devices 6 or 9" in err
 
 
 BAD = """plan "bad"

@@ -16,7 +16,7 @@ from shardplan.errors import as_error, error
 class BackendInfo:
     name: str
     module: str  # the runtime module with ``build(placement, loss_fn, model, optimizer)``
-    fast_cost: str  # "module:function": its step cost in fast mode (plan, factory, loss, batch, optimizer, mesh)
+    fast_cost: str  # "module:function": its step cost in fast mode, fn(tracer, plan, mesh, delta=...) (runtime.tracing)
     template: str  # the step template under shardplan/tools/templates/ for ``shardplan lower``
     doc: str
 
@@ -27,7 +27,7 @@ BACKENDS: dict[str, BackendInfo] = {
         BackendInfo(
             "auto",
             "shardplan.runtime.backends.auto",
-            "shardplan.runtime.fast:analyze",
+            "shardplan.runtime.fast:step_cost",
             "step_auto.py.tmpl",
             "NamedSharding + device_put, one jax.jit step; XLA inserts the collectives",
         ),

@@ -29,10 +29,11 @@ from typing import Any
 
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 from shardplan.ledger import merged
-from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable, fused_attention_cost, pallas_cost
+from shardplan.runtime.kernels import FUSED_ATTENTION, fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize, named
 from shardplan.runtime.sharding import constraint_target, permuted, scan_counts, update_paths
 from shardplan.runtime.sources import INTERNAL_SCOPE, eqn_source
+from shardplan.runtime.tracing import Resolution, Trace, trace_key
 
 Dims = tuple[tuple[str, ...], ...]
 
@@ -1758,126 +1759,23 @@ def _fits(shape: tuple[int, ...], dims: Dims, ctx: _Ctx) -> bool:
     return len(dims) <= len(shape) and all(shape[i] % ctx.split(d) == 0 for i, d in enumerate(dims) if d)
 
 
-def abstract_mesh(mesh: dict[str, int], plan: Any = None) -> Any:
-    """The mesh the step is traced under: each axis typed as the plan says (auto without one)."""
-    from jax.sharding import AbstractMesh, AxisType
-
-    from shardplan.runtime.mesh import jax_axis_types
-
-    kinds = jax_axis_types(plan, tuple(mesh)) if plan is not None else (AxisType.Auto,) * len(mesh)
-    return AbstractMesh(tuple(mesh.values()), tuple(mesh), axis_types=kinds)
-
-
-@dataclass(frozen=True)
-class Trace:
-    """A training step traced once over abstract values: what costing another plan reuses.
-
-    The jaxpr depends on a plan only through what is applied while tracing (its ``act`` and
-    ``axis`` rules, its mesh as the mesh context, the mesh's axis types): plans that differ
-    elsewhere (param, opt and input rules, the batch split, the backend) cost on one trace.
-    """
-
-    key: tuple
-    closed: Any
-    abs_model: Any
-    abs_opt: Any
-    batch_abs: dict[str, Any]
-    acts: Any  # the Activations the step was traced under (its notes and the logical names used)
-    seconds: float
-    memo: dict = field(default_factory=dict, compare=False, repr=False)  # per-equation facts, kept between plans
-
-
-def trace_key(plan: Any, mesh: dict[str, int], abs_model: Any = None) -> tuple:
-    """What of ``plan`` and ``mesh`` the traced step depends on (see :class:`Trace`). A pipeline
-    rewrites the step around the params its axis splits and pins its buffers to the batch's rows:
-    with ``abs_model``, which params the stage axis splits (plans that differ only in the other
-    axes of their rules share a trace); without, the param rules themselves."""
-    piped: tuple = ()
-    if plan.pipeline is not None:
-        p = plan.pipeline
-        if abs_model is not None:
-            from shardplan.runtime import pipeline, specs
-
-            params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
-            split: tuple = tuple(pipeline.stage_split(params, p.axis))
-        else:
-            split = (tuple((r.pattern, r.spec) for r in plan.params), plan.default)
-        piped = (p.axis, p.microbatches, p.schedule, p.repeats, split, tuple(plan.batch_dim0_axes))
-    return (
-        tuple((r.pattern, r.spec) for r in plan.acts),
-        tuple((a.logical, a.axes) for a in plan.axes),
-        tuple(mesh.items()),
-        tuple(plan.axis_types),
-        piped,
-    )
-
-
-def pipelined(plan: Any, loss_fn: Callable[[Any, Any], Any], abs_model: Any, mesh: dict[str, int]) -> Any:
-    """``loss_fn`` with the plan's pipeline applied, as both backends train it (itself without one)."""
-    if plan.pipeline is None:
-        return loss_fn
-    from shardplan.runtime import pipeline, specs
-
-    params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
-    split = pipeline.stage_split(params, plan.pipeline.axis)
-    p = plan.pipeline
-    return pipeline.wrap(loss_fn, p, mesh[p.axis], abstract_mesh(mesh, plan), split, plan.batch_dim0_axes)
-
-
-def trace(
-    plan: Any,
-    factory: Callable[[], Any],
-    loss_fn: Callable[[Any, Any], Any],
-    batch: dict[str, tuple[tuple[int, ...], str]],
-    optimizer: str,
-    mesh: dict[str, int],
-    built: tuple[Any, Any] | None = None,
-) -> Trace:
-    """The auto backend's step (forward, backward, optimizer update) traced once under ``plan``'s
-    activation rules and mesh; ``built``: the abstract model and optimizer, when the caller has them."""
-    import jax
-    import numpy as np
-    from flax import nnx
-
-    from shardplan.runtime import model as model_mod
-    from shardplan.runtime.activations import Activations
-    from shardplan.runtime.backends.auto import pure_step
-    from shardplan.runtime.step import check_loss
-
+def step_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = True) -> StepCost:
+    """The auto backend's step cost in fast mode (the backend registry's entry): ``plan``
+    resolved once and propagated through the step ``tracer`` (a ``tracing.Tracer``) traced once
+    per trace key. ``delta``: also what the step's constraints change."""
     t0 = time.perf_counter()
-    abs_model, abs_opt = built or model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
-    batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
-    acts = Activations(plan, abstract_mesh(mesh, plan), "auto")
-    wrapped = acts.wrap(pipelined(plan, loss_fn, abs_model, mesh))
-    with cudnn_traceable():
-        check_loss(wrapped, abs_model, batch_abs, where="--step", plan=plan)
-        step = pure_step(wrapped, nnx.graphdef(abs_model), nnx.graphdef(abs_opt))
-        with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
-            closed = jax.make_jaxpr(step)(nnx.state(abs_model), nnx.state(abs_opt), batch_abs)
-    key = trace_key(plan, mesh, abs_model)
-    return Trace(key, closed, abs_model, abs_opt, batch_abs, acts, time.perf_counter() - t0)
+    res = tracer.resolve(plan, mesh)
+    traced = tracer.step(plan, mesh, res)
+    return replace(cost(traced, plan, mesh, delta=delta, res=res), seconds=time.perf_counter() - t0)
 
 
-def analyze(
-    plan: Any,
-    factory: Callable[[], Any],
-    loss_fn: Callable[[Any, Any], Any],
-    batch: dict[str, tuple[tuple[int, ...], str]],
-    optimizer: str,
-    mesh: dict[str, int],
-    built: tuple[Any, Any] | None = None,
+def cost(
+    traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True, res: Resolution | None = None
 ) -> StepCost:
-    """The auto backend's step cost on ``mesh`` from the traced step (no compile); ``built``: the
-    abstract model and optimizer, when the caller has them."""
-    t0 = time.perf_counter()
-    traced = trace(plan, factory, loss_fn, batch, optimizer, mesh, built)
-    return replace(cost(traced, plan, mesh), seconds=time.perf_counter() - t0)
-
-
-def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) -> StepCost:
     """``plan``'s step cost on ``mesh`` over a step traced once (:func:`trace`), without tracing
-    again: the plan's shardings resolved and propagated through the traced jaxpr. ``delta``: also
-    what the step's constraints change (a second propagation without them).
+    again: the plan's shardings resolved (``res``: already, by ``Tracer.resolve``) and propagated
+    through the traced jaxpr. ``delta``: also what the step's constraints change (a second
+    propagation without them).
 
     Raises:
         ValueError: ``traced`` was traced under other activation rules, mesh or axis types.
@@ -1887,22 +1785,15 @@ def cost(traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True) 
 
     from shardplan.runtime import specs
 
-    if trace_key(plan, mesh, traced.abs_model) != traced.key:
+    if res is None:
+        params, opt = specs.model_resolver(traced.abs_model, traced.abs_opt)(plan, mesh)
+        res = Resolution(params, opt, specs.resolve_batch(plan, traced.batch_abs, mesh=mesh))
+    if trace_key(plan, mesh, res.params) != traced.key:
         raise ValueError("the plan's act/axis rules, mesh or axis types differ from the ones the step was traced under")
     t0 = time.perf_counter()
-    abs_model, abs_opt, batch_abs, acts, closed = (
-        traced.abs_model,
-        traced.abs_opt,
-        traced.batch_abs,
-        traced.acts,
-        traced.closed,
-    )
-    resolver = traced.memo.get("resolver")
-    if resolver is None:  # the trees read once per trace, not once per plan
-        resolver = traced.memo["resolver"] = specs.model_resolver(abs_model, abs_opt)
-    params, opt = resolver(plan, mesh)
+    acts, closed = traced.acts, traced.closed
+    params, opt, inputs = res.params, res.opt, res.inputs
     assert opt is not None
-    inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
     jaxpr = closed.jaxpr
     decisions = list(params.decisions) + list(opt.decisions) + list(inputs.decisions)
     prefixes = ["param"] * len(params.decisions) + ["opt"] * len(opt.decisions) + ["input"] * len(inputs.decisions)

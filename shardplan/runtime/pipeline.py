@@ -79,6 +79,16 @@ def _eqn_jaxpr(eqn: Any) -> Any:
     return getattr(j, "jaxpr", j)
 
 
+def pipelined(plan: Any, loss_fn: Any, mesh: dict[str, int], params: Any, where: Any) -> Any:
+    """``loss_fn`` with the plan's pipeline applied (itself without one): the one program both
+    backends run, in training (``where``: the placement's mesh) and in costing (the abstract
+    mesh); ``params``: the plan's resolution of the model's params."""
+    p = plan.pipeline
+    if p is None:
+        return loss_fn
+    return wrap(loss_fn, p, mesh[p.axis], where, stage_split(params, p.axis), plan.batch_dim0_axes)
+
+
 def find_stack(jaxpr: Any, split: Sequence[bool], p: Pipeline) -> Stack:
     """The scan whose iterated inputs are the stage-split params (followed through calls)."""
     marked = {v for v, s in zip(jaxpr.invars, split) if s}

@@ -93,14 +93,9 @@ class TrainStep:
 def pipelined(placement: Placement, loss_fn: Callable[[Any, Any], jax.Array], backend: str):
     """``loss_fn`` with the plan's pipeline applied (itself when the plan has none). Both backends
     run the same pipelined program: auto hands it to XLA, shard_map partitions it itself."""
-    p = placement.plan.pipeline
-    if p is None:
-        return loss_fn
     from shardplan.runtime import pipeline
 
-    split = pipeline.stage_split(placement.params, p.axis)
-    stages = placement.mesh_shape[p.axis]
-    return pipeline.wrap(loss_fn, p, stages, placement.mesh, split, placement.plan.batch_dim0_axes)
+    return pipeline.pipelined(placement.plan, loss_fn, placement.mesh_shape, placement.params, placement.mesh)
 
 
 def train_step(

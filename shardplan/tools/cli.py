@@ -57,6 +57,18 @@ def _quiet_absl() -> None:
         pass
 
 
+class _Once(argparse.Action):
+    """A single-valued option that may be repeated only with the same value: ``--devices 7
+    --mesh-size 8`` (one option, two spellings) is a usage error, not the last one silently."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        seen = getattr(namespace, f"_{self.dest}_given", None)
+        if seen is not None and seen[1] != values:
+            parser.error(f"{option_string} {values}: already given as {seen[0]} {seen[1]}; give it once")
+        setattr(namespace, f"_{self.dest}_given", (option_string, values))
+        setattr(namespace, self.dest, values)
+
+
 def _count(text: str) -> int:
     """An argparse type: a positive whole number in ASCII digits (``int`` accepts '٣' and ' 3_0 ')."""
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
@@ -921,6 +933,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--devices",
         "--mesh-size",
         type=_count,
+        action=_Once,
         help="how many devices the plan's mesh has (with --from: for a '*' axis)",
     )
     sg.add_argument(

@@ -29,6 +29,7 @@ from shardplan.errors import Diagnostic, PlanApplyError, ShardMapFallbackWarning
 from shardplan.runtime import partition, specs
 from shardplan.runtime.mesh import has_explicit_axes
 from shardplan.runtime.placement import Placement, replicated
+from shardplan.runtime.tracing import gradient_program
 
 LossFn = Callable[[Any, Any], jax.Array]
 
@@ -88,56 +89,22 @@ def typed_like(x: Any, explicit: bool) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def gradient_program(graphdef: Any, ptree: Any, btree: Any, loss_fn: LossFn, params: list, batch: list) -> Any:
-    """The step's ``value_and_grad`` as a closed jaxpr over the flat params and the flat batch
-    (abstract values): (loss, grads in the params' order). The program the partitioner runs per
-    device, in the step and in fast mode's cost (:func:`fast_cost`) alike."""
-
-    def loss_of(fp, fb):
-        model = nnx.merge(graphdef, jax.tree_util.tree_unflatten(ptree, fp))
-        return loss_fn(model, jax.tree_util.tree_unflatten(btree, fb))
-
-    return jax.make_jaxpr(jax.value_and_grad(loss_of))(params, batch)
-
-
-def fast_cost(
-    plan: Any,
-    factory: Callable[[], Any],
-    loss_fn: LossFn,
-    batch: dict[str, tuple[tuple[int, ...], str]],
-    optimizer: str,
-    mesh: dict[str, int],
-) -> StepCost:
+def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = True) -> StepCost:
     """This backend's step cost in fast mode: its collectives exactly (the partitioner run dry
     over the step's gradient program: what the per-device code issues, each named with what it
     moves), FLOPs and memory as the auto backend's propagation reads them (both backends compute
-    the same local shards)."""
+    the same local shards). ``tracer``: a ``tracing.Tracer`` of the model, loss, batch and optimizer."""
     import time
     from dataclasses import replace
 
-    import numpy as np
-
     from shardplan.runtime import fast
-    from shardplan.runtime import model as model_mod
-    from shardplan.runtime.activations import Activations
 
     t0 = time.perf_counter()
-    built = model_mod.abstract_model_and_optimizer(factory, model_mod.make_tx(optimizer))
-    base = fast.analyze(plan, factory, loss_fn, batch, optimizer, mesh, built)
-    abs_model = built[0]
-    params, _ = specs.resolve_model(plan, abs_model, None, mesh=mesh)
-    batch_abs = {k: jax.ShapeDtypeStruct(s, np.dtype(d)) for k, (s, d) in batch.items()}
-    inputs = specs.resolve_batch(plan, batch_abs, mesh=mesh)
-    piped = fast.pipelined(plan, loss_fn, abs_model, mesh)
-    wrapped = Activations(plan, fast.abstract_mesh(mesh, plan), "shard_map").wrap(piped, mesh_context=True)
-    gm, state = nnx.split(abs_model)
-    flat, ptree = jax.tree_util.tree_flatten(state)
-    bflat, btree = jax.tree_util.tree_flatten(batch_abs)
-    with nnx.use_eager_sharding(False), model_mod.quiet_tracer_origins():
-        abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat]
-        closed = gradient_program(gm, ptree, btree, wrapped, abstract, bflat)
+    res = tracer.resolve(plan, mesh)
+    base = fast.cost(tracer.step(plan, mesh, res), plan, mesh, delta=False, res=res)
+    params, inputs = res.params, res.inputs
     record = partition.predict(
-        closed,
+        tracer.gradients(plan, mesh, res),
         mesh,
         [_dims(d.spec.dims, len(d.shape)) for d in records(params.decisions)],
         [_dims(d.spec.dims, len(d.shape)) for d in records(inputs.decisions)],
