@@ -26,6 +26,7 @@ from shardplan.lang.loader import loads
 
 DEFAULT_CHIP = "h100"
 CONFIRM = 3  # candidates confirmed in exact mode
+MORE_CONFIRMS = 3  # more tried when confirmed ones compile over the budget
 
 
 @dataclass(frozen=True)
@@ -297,18 +298,29 @@ def suggest(
     notes: list[str] = []
     t1 = time.perf_counter()
     confirmed: dict[str, tuple[float, int, StepCost]] = {}
+    failed: list[str] = []
+    over: list[search.Scored] = []  # confirmed, over the budget: left out
     if confirm and (devices <= api.MAX_SIMULATED_DEVICES or aim.platform != "cpu"):
-        for r in fitting[:confirm]:
+        # Confirm down the ranking until ``confirm`` candidates compile within the budget (or
+        # MORE_CONFIRMS more than asked were tried): a plan whose own confirmation rejected it is
+        # never returned while a fitting one is found.
+        tried: list[search.Scored] = []
+        for r in fitting:
+            good = sum(1 for t in tried if t.text in confirmed and confirmed[t.text][1] <= budget)
+            if good >= confirm or len(tried) >= confirm + MORE_CONFIRMS:
+                break
+            tried.append(r)
             plan = loads(r.text, "<suggest>")
             try:
                 exact = api.analyze(
                     plan, model=model, step=step, batch=batch, optimizer=optimizer, mode="exact", target=aim.name
                 )
             except ShardPlanError as e:
+                failed.append(r.text)
                 notes.append(f"exact mode failed for {r.choice.describe(space)}: {str(e).splitlines()[0]}")
                 continue
             confirmed[r.text] = (timing.step_time(exact, plan, hw).serial_s, exact.memory.peak, exact)
-        over = [r for r in fitting[:confirm] if r.text in confirmed and confirmed[r.text][1] > budget]
+        over = [r for r in tried if r.text in confirmed and confirmed[r.text][1] > budget]
         for r in over:
             notes.append(
                 f"{r.choice.describe(space)}: fast mode's peak {fmt_bytes(r.peak)} fits, the compiled program's "
@@ -316,13 +328,11 @@ def suggest(
             )
         if over:
             fitting = [r for r in fitting if r not in over]
+            tried = [r for r in tried if r not in over]
             if not fitting:
                 raise _fits_nowhere(min(over, key=lambda r: confirmed[r.text][1]), budget)
-        if confirmed and fitting:
-            order = sorted(
-                fitting[:confirm],
-                key=lambda r: (r.text not in confirmed, confirmed.get(r.text, (math.inf,))[0]),
-            )
+        if confirmed and fitting and tried:
+            order = sorted(tried, key=lambda r: (r.text not in confirmed, confirmed.get(r.text, (math.inf,))[0]))
             if order[0] is not fitting[0]:
                 notes.append(
                     f"exact mode re-ranked the best {len(order)}: fast mode's first "
@@ -330,7 +340,7 @@ def suggest(
                     f"compiles to {_ms(confirmed.get(fitting[0].text, (math.inf,))[0])}, "
                     f"{order[0].choice.describe(space)} to {_ms(confirmed[order[0].text][0])}"
                 )
-            fitting = order + fitting[confirm:]
+            fitting = order + [r for r in fitting if r not in tried]
     elif confirm:
         notes.append(f"not confirmed in exact mode: {devices} devices are more than this machine simulates")
     confirm_s = time.perf_counter() - t1
@@ -354,7 +364,26 @@ def suggest(
     others = [candidate(r) for r in fitting[1:]][: max(top - 1, 0)]
     ruled_out = [candidate(r) for r in ranked if not r.fits][:2]
     cost = confirmed[winner.text][2] if winner.text in confirmed else winner.cost
-    text = render(best, others + ruled_out, winner, space, hw, devices, budget, len(s.seen), search_s, aim.compiler)
+    if winner.text in confirmed:
+        status = ""
+    elif not confirm:
+        status = "Not confirmed by a compiler (--confirm 0 / --no-compile): every figure here is fast mode's."
+    elif devices > api.MAX_SIMULATED_DEVICES and aim.platform == "cpu":
+        status = (
+            f"Not confirmed by a compiler: {devices} devices are more than this machine simulates (--target "
+            "names an offline TPU or GPU compiler that can); every figure here is fast mode's."
+        )
+    elif winner.text in failed:
+        status = "Not confirmed: exact mode failed to compile it (see the notes); every figure here is fast mode's."
+    else:
+        status = (
+            f"Not confirmed by a compiler: {len(over)} better-ranked plan(s) compiled over the budget and were left "
+            f"out, and the confirmations ran out ({confirm} + {MORE_CONFIRMS} tried); every figure here is fast "
+            "mode's: check it with `shardplan check --compile`."
+        )
+    text = render(
+        best, others + ruled_out, winner, space, hw, devices, budget, len(s.seen), search_s, aim.compiler, status
+    )
     return Suggestion(
         text,
         best,
@@ -386,14 +415,16 @@ def render(
     searched: int,
     seconds: float,
     compiler: str = "XLA:CPU",
+    status: str = "",
 ) -> str:
-    """The winner's plan in the house style, its prediction and the runners-up as comments."""
+    """The winner's plan in the house style, its prediction and the runners-up as comments;
+    ``status``: why the winner was not confirmed by a compiler ('' when it was)."""
     t = winner.time
     head = [
         f"Written by shardplan suggest: {searched} plans costed in {seconds:.1f} s for {devices} devices on "
         f"{hw.name}, at most {fmt_bytes(budget)} per device.",
         f"This plan: {best.description}.",
-        f"Predicted step {_ms(best.step_s)} with no overlap, {_ms(best.overlapped_s)} with communication "
+        f"Fast mode predicts a step of {_ms(best.step_s)} with no overlap, {_ms(best.overlapped_s)} with communication "
         f"hidden (MFU {t.mfu_serial:.0%}..{t.mfu_overlapped:.0%}); peak {fmt_bytes(best.peak)} per device."
         + (
             f" Compiled by {compiler} (exact mode): step {_ms(best.exact_step_s)}, peak "
@@ -402,6 +433,8 @@ def render(
             else ""
         ),
     ]
+    if status:
+        head.append(status)
     if others:
         head.append("Runners-up:")
     for c in others:

@@ -81,7 +81,7 @@ def test_a_tight_budget_gets_a_split_plan_that_fits(tight):
     assert plan.params, tight.text  # something is split
     assert format_text(tight.text) == tight.text
     header = " ".join(line.lstrip("# ") for line in tight.text.splitlines() if line.startswith("#"))
-    assert re.search(r"Predicted step [\d.]+ ms .* peak [\d.]+ [KM]iB per device", header), header
+    assert re.search(r"predicts a step of [\d.]+ ms .* peak [\d.]+ [KM]iB per device", header), header
     assert "# Runners-up:" in tight.text and tight.searched >= 10
 
 
@@ -334,3 +334,13 @@ def test_suggest_costs_pipelines_on_a_scanned_model_across_hosts(monkeypatch):
     assert {c.sizes["stage"] for c, _ in piped} == {2, 4}
     assert all(got is not None and got.cost.pipeline.bubble > 0 for _, got in piped)
     assert f"{s.searched} plans costed" in s.text
+
+
+def test_a_plan_no_compiler_confirmed_says_so_in_its_header(tight):
+    """(The README's example, tests/test_readme.py, checks a plan its own confirmation rejected is
+    never written.) Confirmed: the header names the compiler; not confirmed: it says every
+    figure is fast mode's."""
+    assert "Compiled by XLA:CPU (exact mode)" in tight.text and "Not confirmed" not in tight.text
+    fast = shardplan.suggest(model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, devices=8,
+                             device_memory=TIGHT, confirm=0)
+    assert "Not confirmed by a compiler" in fast.text and "Compiled by" not in fast.text
