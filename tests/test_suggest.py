@@ -344,3 +344,25 @@ def test_a_plan_no_compiler_confirmed_says_so_in_its_header(tight):
     fast = shardplan.suggest(model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, devices=8,
                              device_memory=TIGHT, confirm=0)
     assert "Not confirmed by a compiler" in fast.text and "Compiled by" not in fast.text
+
+
+def test_a_tensor_parallel_plan_is_described_by_the_matrices_it_splits_and_how():
+    """Megatron's words from the roles, not the old logical-dim counts: on gpt_tiny with the heads
+    and the MLP's hidden dim split, the attention's query/key/value and the MLP's up and gate
+    projections by columns (their outputs), the attention's output and the MLP's down projection
+    by rows (their inputs)."""
+    from shardplan import planner
+
+    roles = _roles(f"{EXAMPLES}:gpt_tiny", f"{TRAIN}:lm_loss")
+    space = search.Space(planner.families(roles), dict(roles.sizes), (8,))
+    space = search.Space(space.families, space.sizes, space.batch, planner._names(space))
+    tables = {u for f in space.families for u, t in zip(f.units, f.tags, strict=True) if "rows" in t}
+    tp = frozenset(u for u in space.tensor if u != space.width and u not in tables)  # Megatron: not the width
+    choice = search.Choice((("data", 4, "ici"), ("model", 2, "ici")), tp, "none")
+    words = choice.describe(space)
+    columns, rows = words.split("the columns of ")[1].split("; the rows of ")
+    for name in ("attn/query/kernel", "attn/key/kernel", "attn/value/kernel", "mlp/up/kernel", "mlp/gate/kernel"):
+        assert name in columns, words
+    for name in ("attn/out/kernel", "mlp/down/kernel"):
+        assert name in rows.split(";")[0], words
+    assert "matrices write" not in words and "wide dim" not in words

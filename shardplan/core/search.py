@@ -150,13 +150,8 @@ class Choice:
         if math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1:
             parts.append(_FSDP_WORDS[self.fsdp])
         if sizes.get("model", 1) > 1:
-            dims = [space.names.get(u, str(space.sizes[u])) for u in space.tensor if u in self.tp]
-            more = f" and {len(dims) - 3} more (see the rules)" if len(dims) > 3 else ""
-            parts.append(
-                "tensor parallel over " + ", ".join(dims[:3]) + more
-                if dims
-                else "model: replicas (nothing split over it)"
-            )
+            split = split_words(space, self, "model")
+            parts.append("tensor parallel over model: " + split if split else "model: replicas (nothing split over it)")
         if sizes.get("expert", 1) > 1:
             parts.append("experts over expert")
         if self.micro and sizes.get("stage", 1) > 1:
@@ -186,8 +181,53 @@ class Choice:
             out.append("the residual stream pinned" if self.pin else "the residual stream not pinned")
         for u in space.tensor:
             if (u in self.tp) != (u in other.tp):
-                out.append(("also split " if u in self.tp else "keep whole ") + space.names.get(u, str(space.sizes[u])))
+                mine = self if u in self.tp else other
+                what = split_words(space, mine, "model", only=u) or space.names.get(u, str(space.sizes[u]))
+                out.append(("also over model: " if u in self.tp else "not over model: ") + what)
         return "the same " + ("but " + "; ".join(out) if out else "plan")
+
+
+def short_name(template: str, space: Space) -> str:
+    """A family's params as a reader names them: its path less the layer index and what comes
+    before it, and less the last part every family's path shares (``kernel``), unescaped."""
+    path = template.replace("\\", "")
+    path = re.sub(r"^.*?d\+/", "", path)  # "blocks/d+/attn/q/kernel" (unescaped) -> "attn/q/kernel"
+    lasts = {f.template.rsplit("/", 1)[-1] for f in space.families if len(f.shape) >= 2}
+    if len(lasts) == 1 and "/" in path:
+        path = path.rsplit("/", 1)[0]
+    return path
+
+
+def split_words(space: Space, choice: Choice, axis: str, only: int | None = None) -> str:
+    """How ``axis`` splits the matrices under ``choice``, in Megatron's words: the columns of
+    those it splits on a dim they write (a matmul's output side), the rows of those it splits on
+    a dim they read, the rows of lookup tables; ``only``: where that logical dim is split alone."""
+    groups: dict[str, list[str]] = {"columns": [], "rows": [], "table rows": [], "dims": []}
+    for f in space.families:
+        if len(f.shape) < 2:
+            continue
+        for i, axes in enumerate(param_dims(f, space, choice)):
+            if axis not in axes or (only is not None and f.units[i] != only):
+                continue
+            tags = f.tags[i]
+            key = (
+                "table rows"
+                if "rows" in tags
+                else "columns"
+                if "free" in tags
+                else "rows"
+                if "contract" in tags
+                else "dims"
+            )
+            name = short_name(f.template, space)
+            if name not in groups[key]:
+                groups[key].append(name)
+    out = []
+    for key, names in groups.items():
+        if names:
+            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            out.append(f"the {key} of {shown}")
+    return "; ".join(out)
 
 
 def divisors(n: int) -> list[int]:
