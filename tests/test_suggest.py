@@ -366,3 +366,12 @@ def test_a_tensor_parallel_plan_is_described_by_the_matrices_it_splits_and_how()
     for name in ("attn/out/kernel", "mlp/down/kernel"):
         assert name in rows.split(";")[0], words
     assert "matrices write" not in words and "wide dim" not in words
+
+
+def test_a_device_count_nothing_divides_says_so_in_the_header():
+    """7 devices: no weight dim and not the batch's 16 rows divide by 7; the plan is the whole step
+    on every device, and the header says why instead of naming FSDP over a replicated plan."""
+    got = shardplan.suggest(model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, devices=7, confirm=0)
+    plan = shardplan.loads(got.text, "suggested.splan")
+    assert not plan.params and "FSDP" not in got.best.description, got.text
+    assert "nothing split" in got.best.description and "16 rows" in got.best.description, got.best.description

@@ -141,10 +141,19 @@ class Choice:
         sizes = self.sizes
         mesh = " x ".join(f"{a}={n}" + (" @dcn" if link == "dcn" else "") for a, n, link in self.mesh)
         batch = math.prod(sizes.get(a, 1) for a in (*DATA_AXES, "expert"))
+        n = math.prod(sizes.values())
         if batch == 1 and not (self.tp and sizes.get("model", 1) > 1) and not self.micro:
             return (
-                f"{math.prod(sizes.values())} devices, nothing split: every device runs the whole step (on this "
+                f"{n} devices, nothing split: every device runs the whole step (on this "
                 "chip splitting costs this model more than it saves)"
+            )
+        if _batch_spec(space, self) == "replicated" and not any(
+            any(param_dims(f, space, self)) for f in space.families
+        ):
+            rows = "/".join(map(str, sorted(set(space.batch)))) or "no"
+            return (
+                f"{n} devices, nothing split: no weight dim and not the batch's {rows} rows divide over {mesh}, so "
+                f"every device runs the whole step; a device count that divides them splits the work"
             )
         parts = [mesh]
         if math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1:
