@@ -26,7 +26,7 @@ from shardplan.lang.loader import loads
 
 DEFAULT_CHIP = "h100"
 CONFIRM = 3  # candidates confirmed in exact mode
-MORE_CONFIRMS = 3  # more tried when confirmed ones compile over the budget
+MORE_CONFIRMS = 3  # more tried while none of the confirmed ones compiles within the budget
 
 
 @dataclass(frozen=True)
@@ -301,13 +301,13 @@ def suggest(
     failed: list[str] = []
     over: list[search.Scored] = []  # confirmed, over the budget: left out
     if confirm and (devices <= api.MAX_SIMULATED_DEVICES or aim.platform != "cpu"):
-        # Confirm down the ranking until ``confirm`` candidates compile within the budget (or
-        # MORE_CONFIRMS more than asked were tried): a plan whose own confirmation rejected it is
+        # Confirm the best ``confirm``; while none of them compiles within the budget, go on down
+        # the ranking (at most MORE_CONFIRMS more): a plan whose own confirmation rejected it is
         # never returned while a fitting one is found.
         tried: list[search.Scored] = []
         for r in fitting:
             good = sum(1 for t in tried if t.text in confirmed and confirmed[t.text][1] <= budget)
-            if good >= confirm or len(tried) >= confirm + MORE_CONFIRMS:
+            if len(tried) >= confirm and (good or len(tried) >= confirm + MORE_CONFIRMS):
                 break
             tried.append(r)
             plan = loads(r.text, "<suggest>")

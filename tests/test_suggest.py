@@ -104,8 +104,21 @@ def test_the_suggested_plan_trains_equal_to_one_device(tight, backend):
 
 
 def _body(text: str) -> list[str]:
-    """The plan's statements and the comments saying what each candidate is (no timings)."""
-    return [" ".join(re.sub(r"[\d.]+ (ms|s|MiB|KiB|GiB)\b", "#", line).split()) for line in text.splitlines()
+    """The plan's statements and the comments saying what each candidate is (no timings), each
+    comment unwrapped (the header names params: names of other lengths wrap elsewhere)."""
+    lines: list[str] = []
+    for line in text.splitlines():
+        if line.startswith("#  ") and lines:  # a wrapped comment's continuation
+            lines[-1] += " " + line[1:]
+        else:
+            lines.append(line)
+    def names_sorted(m: re.Match) -> str:  # the params a phrase names, in path order: names decide it
+        names, end = (m.group(2)[:-1], ".") if m.group(2).endswith(".") else (m.group(2), "")
+        return m.group(1) + ", ".join(sorted(names.split(", "))) + end
+
+    lines = [re.sub(r"(the (?:columns|rows|table rows|dims) of )([^;:]+)", names_sorted, " ".join(line.split()))
+             for line in lines]
+    return [" ".join(re.sub(r"[\d.]+ (ms|s|MiB|KiB|GiB)\b", "#", line).split()) for line in lines
             if not line.startswith("# Written by")]
 
 
