@@ -154,11 +154,7 @@ class _Walk:
     def eqn(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
         """One equation by the roles' rule book (``_RULES``); a call of a primitive the catalogue
         does not name is walked; anything else is ``fallback``."""
-        rule = _RULES.get(eqn.primitive.name)
-        if rule is not None:
-            return rule(self, eqn, ins)
-        inner = _body(eqn)
-        return self.call(inner, eqn, ins) if inner is not None else self.fallback(eqn, ins)
+        return _RULES.get(eqn.primitive.name, _Walk.body_call)(self, eqn, ins)
 
     def fallback(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
         """Anything else (a fused attention kernel, a custom call, a collective): new dims, but a
@@ -174,6 +170,7 @@ class _Walk:
         return [self.fresh(v.aval) for v in eqn.outvars]
 
     def body_call(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        """A call: its body walked (``fallback`` when it has none)."""
         inner = _body(eqn)
         return self.call(inner, eqn, ins) if inner is not None else self.fallback(eqn, ins)
 

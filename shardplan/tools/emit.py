@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from importlib import resources
+from typing import Any
 
 from shardplan.core import backends
 from shardplan.core.leaves import Resolution
@@ -128,15 +129,10 @@ def _partitioner_source() -> str:
         r"^from shardplan\.(ledger|runtime\.sharding|runtime\.primitives) import (\([^)]*\)|[^\n]+)\n", re.M
     )
 
-    def copied(name: str) -> str:  # less what is copied above it
-        return carried.sub("", runtime.joinpath(name).read_text().replace("from __future__ import annotations\n", ""))
+    def copied(name: str, where: Any = runtime) -> str:  # less what is copied above it
+        return carried.sub("", where.joinpath(name).read_text().replace("from __future__ import annotations\n", ""))
 
-    ledger = (
-        resources.files("shardplan")
-        .joinpath("ledger.py")
-        .read_text()
-        .replace("from __future__ import annotations\n", "")
-    )
+    ledger = copied("ledger.py", resources.files("shardplan"))
     catalogue, floor, text = copied("primitives.py"), copied("sharding.py"), copied("partition.py")
     start = text.index("def _source(")
     end = text.index("\nclass ", start)
