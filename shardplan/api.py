@@ -613,12 +613,15 @@ class StepCoster:
         devices: int | None = None,
         delta: bool = True,
         backend: str | None = None,
+        compiler: str = "cpu",
     ) -> StepCost:
         """The plan's step cost, as ``analyze(..., mode="fast")`` gives it, on a shared trace.
 
         Args:
             delta: also what the plan's constraints change (one more propagation; off for a search).
             backend: the backend to cost (default: the plan's).
+            compiler: the platform whose compiler's program is predicted: ``cpu``, ``cuda``, ``tpu``
+                (``runtime.fast.COMPILERS``; a target's platform, ``core.targets``).
 
         Raises:
             ShardPlanError: the plan does not fit the model, batch or devices; the step fails to trace.
@@ -627,7 +630,11 @@ class StepCoster:
         run = _fast_cost(backend or p.backend)
         sizes = p.mesh_shape(devices)
         resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in self.shapes.items()])
-        return with_pipeline(run(self.tracer, p, sizes, delta=delta), p)
+        if compiler not in ("cpu", "cuda", "tpu"):
+            raise as_error(
+                [error("bad-argument", f"unknown compiler '{compiler}'", "use 'cpu', 'cuda' or 'tpu'", path="compiler")]
+            )
+        return with_pipeline(run(self.tracer, p, sizes, delta=delta, compiler=compiler), p)
 
     def roles(self, devices: int) -> Any:
         """What each param dim is, read from the step traced on ``devices`` (``runtime.roles``)."""
@@ -684,9 +691,10 @@ def analyze(
         mesh, devices: the mesh, as for :func:`check` (a ``*`` axis needs ``devices``).
         timeout_s: how long the child process may compile (a value other than the default
             always uses a child).
-        target: exact mode's compiler (``shardplan.core.targets``): ``cpu`` (XLA:CPU on simulated
-            devices), a TPU slice (``tpu-v5p:2x2x2``) or GPUs (``h100:8``), compiled offline for
-            that many devices; the mesh must have as many devices as the target.
+        target: the compiler whose program is costed (``shardplan.core.targets``): ``cpu`` (XLA:CPU
+            on simulated devices), a TPU slice (``tpu-v5p:2x2x2``) or GPUs (``h100:8``); exact mode
+            compiles for it offline, fast mode predicts that compiler's program
+            (``runtime.fast.COMPILERS``); the mesh must have as many devices as the target.
 
     Raises:
         ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace,
@@ -730,17 +738,6 @@ def _step_cost(
             ]
         )
     aim = targets.parse(target, "target")
-    if aim.platform != "cpu" and mode != "exact":
-        raise as_error(
-            [
-                error(
-                    "bad-target",
-                    f"--target {aim.name} names exact mode's compiler; fast mode compiles nothing",
-                    "add --compile to compile for it",
-                    path="--target",
-                )
-            ]
-        )
     sizes = p.mesh_shape(devices if devices is not None or aim.devices is None else aim.devices)
     n = math.prod(sizes.values())
     if aim.devices is not None and n != aim.devices:
@@ -759,7 +756,8 @@ def _step_cost(
     # Fail early, in this process, on what needs no devices: the batch must divide over its axes.
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":
-        return StepCoster(model, step, shapes, optimizer).cost(p, mesh=None, devices=devices, backend=name)
+        coster = StepCoster(model, step, shapes, optimizer)
+        return coster.cost(p, mesh=None, devices=devices, backend=name, compiler=aim.platform)
     if aim.platform == "cpu" and n > MAX_SIMULATED_DEVICES:
         raise as_error(
             [

@@ -728,3 +728,31 @@ def test_narrow_terminals_wrap_paths_and_rules_instead_of_cutting_them():
     assert "…" not in r.stdout
     flat = "".join(line.strip("│┃ ") for line in r.stdout.splitlines())
     assert "blocks/1/mlp/down/kernel" in flat.replace("│", "").replace(" ", "")
+
+
+def test_fast_mode_told_the_target_predicts_that_compilers_sums():
+    """Megatron TP, backward pass: the input gradients of q, k and v are partial sums over `model`.
+    XLA:CPU all-reduces each (a row at each projection's line); XLA:TPU and XLA:GPU add them and
+    all-reduce once (measured against their compiled programs: tests/test_target_compile.py,
+    docs/stepcost.md), a row at the last one only, of the same buffer. Fast mode needs neither
+    compiler installed to predict them."""
+    def rows(target):
+        cost = analyze("gpt_tp.splan", "gpt_tiny", mode="fast", target=target)
+        out = {}
+        for r in cost.communication:
+            if r.kind == "all-reduce" and r.axes == ("model",):
+                out[r.source.rsplit("/", 1)[-1]] = out.get(r.source.rsplit("/", 1)[-1], 0) + r.bytes
+        return cost, out
+
+    cpu, cpu_rows = rows("cpu")
+    tpu, tpu_rows = rows("tpu-v5e:2x4")
+    gpu, gpu_rows = rows("h100:8")
+    assert tpu_rows == gpu_rows and {"models.py:102", "models.py:103"} <= set(cpu_rows)  # q, k: cpu only
+    assert set(tpu_rows) == set(cpu_rows) - {"models.py:102", "models.py:103"}
+    assert tpu_rows["models.py:104"] == cpu_rows["models.py:104"]  # v's: the one all-reduce of the sum
+    assert (cpu.compiler, tpu.compiler, gpu.compiler) == ("", "XLA:TPU", "XLA:GPU")
+    assert tpu.bytes_by_kind()["all-reduce"] < 0.8 * cpu.bytes_by_kind()["all-reduce"]
+    r = cli(PLANS / "gpt_tp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8, "--step", STEP, "--batch",
+            BATCH[0], "--target", "tpu-v5e:2x4")
+    assert r.returncode == 0, r.stderr
+    assert "fast mode (the step's jaxpr (no compile), as XLA:TPU compiles it)" in r.stdout

@@ -16,7 +16,8 @@ from shardplan.errors import as_error, error
 class BackendInfo:
     name: str
     module: str  # the runtime module with ``build(placement, loss_fn, model, optimizer)``
-    fast_cost: str  # "module:function": its step cost in fast mode, fn(tracer, plan, mesh, delta=...) (runtime.tracing)
+    # "module:function": its step cost in fast mode, fn(tracer, plan, mesh, delta=..., compiler=...) (runtime.tracing)
+    fast_cost: str
     template: str  # the step template under shardplan/tools/templates/ for ``shardplan lower``
     doc: str
 

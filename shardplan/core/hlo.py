@@ -63,6 +63,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _BODY = re.compile(r"\bbody=%([\w.\-]+)")
 _CALLEES = re.compile(r"\b(?:calls|to_apply|condition|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 # Frames in these are library code; the source of a collective is the innermost frame outside.
 LIBRARY_PATHS = ("/site-packages/", "/dist-packages/", "<frozen ", str(Path(__file__).resolve().parents[1]) + "/")
 
@@ -417,7 +418,13 @@ def _element_users(users: dict[str, list[_Instr]], ins: _Instr, index: int | Non
 
 
 def parse(hlo_text: str, n_devices: int | None = None) -> list[CollectiveOp]:
-    """Every collective instruction in optimized HLO (async ``-start`` halves counted once)."""
+    """Every collective instruction in optimized HLO (async ``-start`` halves counted once).
+
+    One collective may be written several times: XLA:TPU's async collective fusions repeat the
+    collective in flight (its ``channel_id`` and result) in the start fusion and in each
+    continuation fusion that computes while it moves (a weight gathered during three matmuls
+    is written three times). Instructions of one kind in fusions that share a channel id are one
+    collective, counted once."""
     comps, entry = _computations(hlo_text)
     runs = _runs(comps, entry)
     frames = _tables(hlo_text)
@@ -429,11 +436,20 @@ def parse(hlo_text: str, n_devices: int | None = None) -> list[CollectiveOp]:
             for o in ins.operands:
                 users.setdefault(o, []).append(ins)
     ops = []
+    channels: set[tuple[str, str]] = set()
+    fused = {
+        m.group(1) for instrs in comps.values() for i in instrs if i.op == "fusion" and (m := _CALLS.search(i.line))
+    }
     for comp, instrs in comps.items():
         for ins in instrs:
             kind = ins.op[:-6] if ins.op.endswith("-start") else ins.op
             if kind not in KINDS:
                 continue
+            channel = _CHANNEL.search(ins.line) if comp in fused else None
+            if channel:  # within fusions only: XLA:CPU's shard_map collectives may share one
+                if (kind, channel.group(1)) in channels:
+                    continue
+                channels.add((kind, channel.group(1)))
             shape = ins.shape
             if ins.op.endswith("-start"):  # async start: count its result (the operands are in its tuple too)
                 shape = _async_result(ins.op, shape)

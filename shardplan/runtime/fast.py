@@ -60,6 +60,38 @@ _LAYOUT_PRESERVING = named(traits=("keeps-layout",))
 
 
 @dataclass(frozen=True)
+class Compiler:
+    """Where the compilers users run part from XLA:CPU's program of the same step (measured on
+    their offline compiles, shardplan/core/targets.py; docs/stepcost.md): fast mode's rule book for
+    one compiler. Everything not named here is common to them (GSPMD's propagation).
+
+    - ``sums``: elementwise ops through which operands holding the same pending sum keep one pending
+      sum (XLA:TPU and XLA:GPU reassociate ``all-reduce(a) + all-reduce(b)`` into one all-reduce:
+      a column-parallel layer's q, k and v input gradients are summed, then all-reduced once;
+      XLA:CPU all-reduces each).
+    - ``matmul_itemsize``: the bytes per element a float32 matmul operand moves at the default
+      precision (XLA:TPU computes it as one bfloat16 pass and casts before it gathers: an FSDP
+      weight is gathered in bfloat16); None: as the operand is.
+    - ``regather``: weights gathered for the forward pass are gathered again for the backward pass
+      and not held between (XLA:TPU: each gather lives around its matmuls; XLA:CPU and XLA:GPU
+      gather once and keep the weight until its last use).
+    """
+
+    name: str
+    sums: frozenset[str] = frozenset()
+    matmul_itemsize: int | None = None
+    regather: bool = False
+
+
+_REASSOCIATES = frozenset({"add", "add_any", "sub"})
+COMPILERS = {
+    "cpu": Compiler("XLA:CPU"),
+    "cuda": Compiler("XLA:GPU", sums=_REASSOCIATES),
+    "tpu": Compiler("XLA:TPU", sums=_REASSOCIATES, matmul_itemsize=2, regather=True),
+}
+
+
+@dataclass(frozen=True)
 class Val:
     """An abstract value and how it is split: per dim the mesh axes, and pending partial sums."""
 
@@ -77,6 +109,7 @@ class Val:
 class _Ctx:
     mesh: dict[str, int]
     batch_axes: tuple[str, ...] = ()  # the axes inputs are split over (activations carry them)
+    book: Compiler = COMPILERS["cpu"]  # the compiler whose program is predicted
     comm: list[Communication] = field(default_factory=list)
     flops: float = 0.0
     transcendentals: float = 0.0
@@ -197,6 +230,7 @@ class _Propagator:
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] | frozenset[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
+        self.backward = False  # in the backward pass (a transpose's equations): for ``Compiler.regather``
         # Layouts only (no memory traffic, no sum origins for the collectives' labels): a pass
         # whose collectives and traffic are thrown away, run only for what it finds (``slices``).
         self.layouts_only = False
@@ -261,12 +295,14 @@ class _Propagator:
         self.ctx.cache[key] = out
         return out
 
-    def reshard(self, var: Any, v: Val, target: Dims, mult: int, why: str) -> Val:
-        """``v`` (no pending sums) laid out as ``target``: gathers, slices, all-to-alls."""
+    def reshard(self, var: Any, v: Val, target: Dims, mult: int, why: str, tag: Any = None) -> Val:
+        """``v`` (no pending sums) laid out as ``target``: gathers, slices, all-to-alls. ``tag``:
+        what else tells this reshard from another of the same value to the same layout (a matmul
+        operand's cast and pass, where the compiler gathers again: :class:`Compiler`)."""
         target = _norm(target, len(v.shape))
         if v.dims == target:
             return v
-        key = ("reshard", self.key(var), target)
+        key = ("reshard", self.key(var), target, tag)
         hit = self.ctx.cache.get(key)
         if hit is not None:
             return hit
@@ -310,7 +346,7 @@ class _Propagator:
                 gathered = Val(v.shape, v.itemsize, _tuple(dims))
                 nbytes = self.ctx.local(gathered)
                 self.ctx.add("all-gather", tuple(drop), nbytes, mult, why, moves)
-                if moves:
+                if moves and not self.ctx.book.regather:  # held to its last use (regathered: around its use)
                     self.ctx.gathered_now += nbytes
                     self.ctx.gathered_peak = max(self.ctx.gathered_peak, self.ctx.gathered_now)
         # What a gather freed for the target: a free local slice.
@@ -596,9 +632,15 @@ class _Propagator:
         if name in ELEMENTWISE:  # most equations (no elementwise primitive has a body)
             return [self.elementwise(eqn, ins, mult)]
         rule = _RULES.get(name)
-        got = rule(self, eqn, ins, mult) if rule is not None else None
-        if got is None and rule is None and name not in ("scan", "while", "cond"):
-            got = self.inline(eqn, ins, mult)
+        outer = self.backward
+        if not outer and self.ctx.book.regather:
+            self.backward = "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
+        try:
+            got = rule(self, eqn, ins, mult) if rule is not None else None
+            if got is None and rule is None and name not in ("scan", "while", "cond"):
+                got = self.inline(eqn, ins, mult)
+        finally:
+            self.backward = outer
         if got is not None:
             return got
         self.ctx.unmodeled[name] = self.ctx.unmodeled.get(name, 0) + 1
@@ -747,7 +789,7 @@ class _Propagator:
                 out = Val(shape, itemsize(out_aval), _norm(first, rank))
                 self._flops(self.ctx.local(out) / out.itemsize, mult, name)
                 return out
-        linear = name in _LINEAR
+        linear = name in _LINEAR or name in self.ctx.book.sums
         partials = {v.partial for _, v in full}
         if linear and len(partials) == 1 and next(iter(partials)):
             # Every operand has the same pending sum: it stays pending (a sum of partial sums).
@@ -898,8 +940,18 @@ class _Propagator:
                     ldims[i], rdims[j] = [], []
                 partial |= set(ldims[i])
         lt, rt = _tuple(ldims), _tuple(rdims)
-        self.reshard(lx, lhs, lt, mult, "dot_general")
-        self.reshard(rx, rhs, rt, mult, "dot_general")
+        narrow = self.ctx.book.matmul_itemsize
+        if narrow and eqn.params.get("precision") in (None, (None, None)):
+            # Cast before it moves (the default precision computes in a narrower type); gathered
+            # again in the backward pass where the compiler does (``Compiler``).
+            tag = (narrow, self.backward and self.ctx.book.regather)
+            lmove = replace(lhs, itemsize=narrow) if lhs.itemsize == 4 and _is_float(lx) else lhs
+            rmove = replace(rhs, itemsize=narrow) if rhs.itemsize == 4 and _is_float(rx) else rhs
+            self.reshard(lx, lmove, lt, mult, "dot_general", tag if lmove is not lhs else None)
+            self.reshard(rx, rmove, rt, mult, "dot_general", tag if rmove is not rhs else None)
+        else:
+            self.reshard(lx, lhs, lt, mult, "dot_general")
+            self.reshard(rx, rhs, rt, mult, "dot_general")
         out_dims = [lt[i] for i in lb] + [lt[i] for i in lfree] + [rt[j] for j in rfree]
         shape = tuple(out_aval.shape)
         out = Val(shape, itemsize(out_aval), tuple(out_dims), frozenset(partial))
@@ -1135,7 +1187,7 @@ class _Propagator:
         target = _without(idx.dims, clash)
         held = self.ctx.split(tuple(a for a in idx.axes if a in clash))
         groups = self.ctx.split(tuple(a for a in rows if a not in idx.axes))
-        key = ("reshard", self.key(var), target)
+        key = ("reshard", self.key(var), target, None)
         if groups == 1 or held < groups or held % groups or key in self.ctx.cache:
             return self.reshard(var, idx, target, mult, "gather")
         axes = tuple(a for a in self.ctx.mesh if a in clash and a in idx.axes)
@@ -1750,6 +1802,12 @@ def _tuple(dims: list) -> Dims:
     return tuple(tuple(d) for d in dims)
 
 
+def _is_float(var: Any) -> bool:
+    import numpy as np
+
+    return bool(np.issubdtype(var.aval.dtype, np.floating))
+
+
 def _replicated(aval: Any) -> Val:
     shape = tuple(getattr(aval, "shape", ()))
     return Val(shape, itemsize(aval), ((),) * len(shape))
@@ -1759,23 +1817,31 @@ def _fits(shape: tuple[int, ...], dims: Dims, ctx: _Ctx) -> bool:
     return len(dims) <= len(shape) and all(shape[i] % ctx.split(d) == 0 for i, d in enumerate(dims) if d)
 
 
-def step_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = True) -> StepCost:
+def step_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = True, compiler: str = "cpu") -> StepCost:
     """The auto backend's step cost in fast mode (the backend registry's entry): ``plan``
     resolved once and propagated through the step ``tracer`` (a ``tracing.Tracer``) traced once
-    per trace key. ``delta``: also what the step's constraints change."""
+    per trace key. ``delta``: also what the step's constraints change. ``compiler``: the platform
+    whose compiler's program is predicted (``cpu``, ``cuda``, ``tpu``: :data:`COMPILERS`)."""
     t0 = time.perf_counter()
     res = tracer.resolve(plan, mesh)
     traced = tracer.step(plan, mesh, res)
-    return replace(cost(traced, plan, mesh, delta=delta, res=res), seconds=time.perf_counter() - t0)
+    got = cost(traced, plan, mesh, delta=delta, res=res, compiler=compiler)
+    return replace(got, seconds=time.perf_counter() - t0)
 
 
 def cost(
-    traced: Trace, plan: Any, mesh: dict[str, int], *, delta: bool = True, res: Resolution | None = None
+    traced: Trace,
+    plan: Any,
+    mesh: dict[str, int],
+    *,
+    delta: bool = True,
+    res: Resolution | None = None,
+    compiler: str = "cpu",
 ) -> StepCost:
     """``plan``'s step cost on ``mesh`` over a step traced once (:func:`trace`), without tracing
     again: the plan's shardings resolved (``res``: already, by ``Tracer.resolve``) and propagated
     through the traced jaxpr. ``delta``: also what the step's constraints change (a second
-    propagation without them).
+    propagation without them). ``compiler``: whose program (:data:`COMPILERS`).
 
     Raises:
         ValueError: ``traced`` was traced under other activation rules, mesh or axis types.
@@ -1788,6 +1854,7 @@ def cost(
     if res is None:
         params, opt = specs.model_resolver(traced.abs_model, traced.abs_opt)(plan, mesh)
         res = Resolution(params, opt, specs.resolve_batch(plan, traced.batch_abs, mesh=mesh))
+    book = COMPILERS[compiler]
     if trace_key(plan, mesh, res.params) != traced.key:
         raise ValueError("the plan's act/axis rules, mesh or axis types differ from the ones the step was traced under")
     t0 = time.perf_counter()
@@ -1804,7 +1871,7 @@ def cost(
     def propagate(
         ignore_constraints: bool, free: dict[Any, Dims] | None = None, layouts_only: bool = False
     ) -> tuple[_Ctx, _Propagator]:
-        ctx = _Ctx(dict(mesh), plan.batch_axes)
+        ctx = _Ctx(dict(mesh), plan.batch_axes, book=book)
         names: dict[Any, str] = {}
         env: dict[Any, Val] = {}
         for var, d, role in zip(jaxpr.invars, decisions, prefixes, strict=True):
@@ -1840,7 +1907,7 @@ def cost(
         # split; when the last plan costed on this trace had some, the first pass is run for its
         # layouts only (its collectives and traffic are thrown away). The figures are the same
         # either way: a guess that turns out wrong costs one more pass.
-        guess = ("slices", ignore_constraints)
+        guess = ("slices", ignore_constraints, compiler)
         lite = bool(traced.memo.get(guess))
         ctx, prop = propagate(ignore_constraints, layouts_only=lite)
         traced.memo[guess] = bool(prop.slices)
@@ -1857,8 +1924,9 @@ def cost(
         changed = _delta(ctx.comm, bare.comm)
     comm = merge_communication(ctx.comm, params, opt)
     notes = [
-        "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns; "
-        "XLA may choose other collectives (compare with --compile)"
+        "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns"
+        + (f", with {book.name}'s own choices (its casts, sums and gathers)" if compiler != "cpu" else "")
+        + "; XLA may choose other collectives (compare with --compile)"
     ]
     two_d = [
         d.path
@@ -1918,6 +1986,7 @@ def cost(
         changed,
         hbm_bytes=ctx.hbm,
         kernels=ctx.launches,
+        compiler="" if compiler == "cpu" else book.name,
     )
 
 

@@ -375,8 +375,6 @@ def _check_step_args(args) -> None:
     if (args.chip or args.link) and not args.step:
         raise _UsageError("--chip and --link estimate a step's time: name the step with --step and --batch")
     target = targets.parse(args.target)
-    if target.platform != "cpu" and not args.compile:
-        raise _UsageError(f"--target {target.name} names exact mode's compiler: add --compile (and --step, --batch)")
     targets.agree(target, args.chip)
     if args.devices is None and target.devices is not None and not args.mesh:
         args.devices = target.devices  # a '*' axis takes the target's devices, not this machine's
@@ -748,8 +746,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--target",
         default="cpu",
-        help="exact mode's compiler: cpu (XLA:CPU, default), a TPU slice (tpu-v5e:2x4, tpu-v5p:2x2x2, tpu-v6e:4x4) "
-        "or GPUs (h100:8, h200:2x8, a100-80gb:8, b200:8), compiled offline without the devices",
+        help="the compiler whose program is costed: cpu (XLA:CPU, default), a TPU slice (tpu-v5e:2x4, "
+        "tpu-v5p:2x2x2, tpu-v6e:4x4) or GPUs (h100:8, h200:2x8, a100-80gb:8, b200:8); with --compile, compiled "
+        "offline without the devices; without, fast mode predicts that compiler's program",
     )
     st.add_argument("--backend", choices=backends.NAMES, help="the backend to cost (default: the plan's)")
     st.add_argument("--chip", choices=sorted(chips.CHIPS), help="estimate the step time and MFU on this accelerator")

@@ -86,7 +86,11 @@ def print_step_cost(
 ) -> None:
     """One step's cost: FLOPs, memory, and every collective with where it comes from."""
     mesh = ",".join(f"{k}={v}" for k, v in cost.mesh.items())
-    what = f"{cost.compiler or 'XLA'}'s compiled program" if cost.mode == "exact" else "the step's jaxpr (no compile)"
+    what = (
+        f"{cost.compiler or 'XLA'}'s compiled program"
+        if cost.mode == "exact"
+        else "the step's jaxpr (no compile)" + (f", as {cost.compiler} compiles it" if cost.compiler else "")
+    )
     console.print(
         f"[bold]step cost[/] {escape(name)}: backend [bold]{cost.backend}[/], {cost.mode} mode ({what}), "
         f"mesh {mesh}, per device; analysed in {cost.seconds:.1f} s"

@@ -89,11 +89,12 @@ def typed_like(x: Any, explicit: bool) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
-def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = True) -> StepCost:
+def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = True, compiler: str = "cpu") -> StepCost:
     """This backend's step cost in fast mode: its collectives exactly (the partitioner run dry
     over the step's gradient program: what the per-device code issues, each named with what it
-    moves), FLOPs and memory as the auto backend's propagation reads them (both backends compute
-    the same local shards). ``tracer``: a ``tracing.Tracer`` of the model, loss, batch and optimizer."""
+    moves: written out, so the same for every compiler), FLOPs and memory as the auto backend's
+    propagation reads them for ``compiler`` (both backends compute the same local shards).
+    ``tracer``: a ``tracing.Tracer`` of the model, loss, batch and optimizer."""
     import time
     from dataclasses import replace
 
@@ -101,7 +102,7 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
 
     t0 = time.perf_counter()
     res = tracer.resolve(plan, mesh)
-    base = fast.cost(tracer.step(plan, mesh, res), plan, mesh, delta=False, res=res)
+    base = fast.cost(tracer.step(plan, mesh, res), plan, mesh, delta=False, res=res, compiler=compiler)
     params, inputs = res.params, res.inputs
     record = partition.predict(
         tracer.gradients(plan, mesh, res),
