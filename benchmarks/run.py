@@ -431,21 +431,49 @@ def bench_step_cost(quick: bool) -> dict:
     rows = []
     for plan in plans:
         for family in ("gpt", "llama"):
-            model = f"{ROOT / 'examples' / 'models.py'}:{_factory(family, plan, quick)}"
-            kw = dict(model=model, step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=batch, devices=8)
-            fast = shardplan.api.analyze(ROOT / "plans" / plan, mode="fast", **kw)
-            exact = shardplan.api.analyze(ROOT / "plans" / plan, mode="exact", **kw)
-            fk, ek = fast.bytes_by_kind(), exact.bytes_by_kind()
-            comm = {k: {"fast": fk[k], "exact": ek[k], "error": abs(fk[k] - ek[k]) / ek[k] if ek[k] else
-                        (0.0 if fk[k] == 0 else float("inf"))} for k in ek if ek[k] or fk[k]}
-            rows.append({"plan": plan, "model": _factory(family, plan, quick), "comm": comm,
-                         "peak_fast": fast.memory.peak, "peak_exact": exact.memory.peak,
-                         "peak_error": abs(fast.memory.peak - exact.memory.peak) / exact.memory.peak,
-                         "flops_fast": fast.flops, "flops_exact": exact.flops,
-                         "flops_error": abs(fast.flops - exact.flops) / exact.flops,
-                         "hbm_fast": fast.hbm_bytes, "hbm_exact": exact.hbm_bytes,
-                         "fast_s": fast.seconds, "exact_s": exact.seconds})
+            rows.append(_fast_vs_exact(plan, _factory(family, plan, quick), batch, "cpu"))
+    # Per target compiler installed here (the test extra brings XLA:TPU; XLA:GPU with
+    # 'shardplan[gpu]'): fast mode told the target against that compiler's program, on the small
+    # models (XLA:TPU pads dims under 128 to its tiles, which fast mode does not count).
+    tplans = ["gpt_tp.splan"] if quick else ["dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan", "llama_tp.splan"]
+    batch = ["tokens=int32[32,32],labels=int32[32,32]"]
+    for target in _installed_targets():
+        for plan in tplans:
+            for family in ("gpt",) if quick else ("gpt", "llama"):
+                rows.append(_fast_vs_exact(plan, f"{family}_small", batch, target))
     return {"rows": rows}
+
+
+def _installed_targets() -> list[str]:
+    from shardplan.core import targets
+
+    out = []
+    for name in ("tpu-v5e:2x4", "h100:8"):
+        try:
+            targets.require_compiler(targets.parse(name))
+        except Exception:
+            continue
+        out.append(name)
+    return out
+
+
+def _fast_vs_exact(plan: str, factory: str, batch: list[str], target: str) -> dict:
+    import shardplan
+
+    model = f"{ROOT / 'examples' / 'models.py'}:{factory}"
+    kw = dict(model=model, step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=batch, devices=8, target=target)
+    fast = shardplan.api.analyze(ROOT / "plans" / plan, mode="fast", **kw)
+    exact = shardplan.api.analyze(ROOT / "plans" / plan, mode="exact", **kw)
+    fk, ek = fast.bytes_by_kind(), exact.bytes_by_kind()
+    comm = {k: {"fast": fk[k], "exact": ek[k], "error": abs(fk[k] - ek[k]) / ek[k] if ek[k] else
+                (0.0 if fk[k] == 0 else float("inf"))} for k in ek if ek[k] or fk[k]}
+    return {"plan": plan, "model": factory, "target": target, "comm": comm,
+            "peak_fast": fast.memory.peak, "peak_exact": exact.memory.peak,
+            "peak_error": abs(fast.memory.peak - exact.memory.peak) / exact.memory.peak,
+            "flops_fast": fast.flops, "flops_exact": exact.flops,
+            "flops_error": abs(fast.flops - exact.flops) / exact.flops,
+            "hbm_fast": fast.hbm_bytes, "hbm_exact": exact.hbm_bytes,
+            "fast_s": fast.seconds, "exact_s": exact.seconds}
 
 
 def bench_step_cost_scale(quick: bool) -> dict:
@@ -696,7 +724,7 @@ def checks(res: dict) -> list[dict]:
             out.append(_check(f"generation, Llama, {path} path: tokens/s vs recompile-per-length",
                               g["llama"][f"{path}_vs_naive"], 1.0, ">=", timing=True))
     for row in res.get("step_cost", {}).get("rows", []):
-        name = f"{row['plan']} x {row['model']}"
+        name = f"{row['plan']} x {row['model']}" + (f" on {row['target']}" if row.get("target", "cpu") != "cpu" else "")
         for kind, c in row["comm"].items():
             out.append(_check(f"fast vs exact {name}: {kind} bytes error", c["error"], 0.10, "<=", "{:.1%}"))
         out.append(_check(f"fast vs exact {name}: peak memory error", row["peak_error"], 0.15, "<=", "{:.1%}"))

@@ -256,12 +256,23 @@ def _step_cost(res: dict) -> list[str]:
         "exact (per kind) |",
         "|---|---|---|---|---|---|",
     ]
-    for r in rows:
-        comm = "; ".join(f"{k} {c['fast']:,} / {c['exact']:,}" for k, c in r["comm"].items())
-        hbm = f"{r['hbm_fast'] / r['hbm_exact']:.2f}" if r.get("hbm_exact") else "-"
-        out.append(f"| {r['plan']} | {r['model']} | {r['flops_fast'] / r['flops_exact']:.3f} | "
-                   f"{r['peak_fast']:,} / {r['peak_exact']:,} ({r['peak_fast'] / r['peak_exact']:.2f}) | {hbm} | "
-                   f"{comm} |")
+    def table_rows(rs: list[dict]) -> list[str]:
+        lines = []
+        for r in rs:
+            comm = "; ".join(f"{k} {c['fast']:,} / {c['exact']:,}" for k, c in r["comm"].items())
+            hbm = f"{r['hbm_fast'] / r['hbm_exact']:.2f}" if r.get("hbm_exact") else "-"
+            lines.append(f"| {r['plan']} | {r['model']} | {r['flops_fast'] / r['flops_exact']:.3f} | "
+                         f"{r['peak_fast']:,} / {r['peak_exact']:,} ({r['peak_fast'] / r['peak_exact']:.2f}) | {hbm} | "
+                         f"{comm} |")
+        return lines
+
+    out += table_rows([r for r in rows if r.get("target", "cpu") == "cpu"])
+    for target in sorted({r["target"] for r in rows if r.get("target", "cpu") != "cpu"}):
+        out += ["", f"Told the target, fast mode against the program the target's compiler makes offline (`--target "
+                f"{target}`, fast mode with that compiler's rules: docs/stepcost.md), same columns:", "",
+                "| plan | model | FLOPs fast / exact | peak fast / exact | memory traffic fast / exact | communication "
+                "fast / exact (per kind) |", "|---|---|---|---|---|---|"]
+        out += table_rows([r for r in rows if r.get("target") == target])
     out += [
         "",
         f"Fast mode on `{sc['model']}` (mesh {sc['mesh']}, the full train step): {sc['fast_s']:.1f} s, against "

@@ -197,9 +197,10 @@ def suggest(
             compiles here (at most ``api.MAX_SIMULATED_DEVICES`` devices for XLA:CPU, any size
             for a target's compiler); 0 to skip.
         progress: called with a line per plan costed.
-        target: the compiler that confirms (``shardplan.core.targets``): ``cpu`` (XLA:CPU on
+        target: the compiler the plan is for (``shardplan.core.targets``): ``cpu`` (XLA:CPU on
             simulated devices) or the TPU slice or GPUs the plan is for (``tpu-v5p:2x2x2``,
-            ``h100:8``), compiled offline at the full mesh; it must have ``devices`` devices.
+            ``h100:8``): candidates are ranked by fast mode's rules for its program and the best
+            compiled by it offline at the full mesh; it must have ``devices`` devices.
 
     Raises:
         ShardPlanError: bad arguments, a model or step that fails, or no plan that fits.
@@ -272,7 +273,7 @@ def suggest(
     def score(text: str) -> tuple | None:
         try:  # a candidate the plan checker or the model refuses is dropped, not the search
             plan = loads(text, "<suggest>")
-            cost = coster.cost(plan, delta=False)
+            cost = coster.cost(plan, delta=False, compiler=aim.platform)
         except ShardPlanError:
             return None
         t = timing.step_time(cost, plan, hw)
@@ -424,7 +425,8 @@ def render(
         f"Written by shardplan suggest: {searched} plans costed in {seconds:.1f} s for {devices} devices on "
         f"{hw.name}, at most {fmt_bytes(budget)} per device.",
         f"This plan: {best.description}.",
-        f"Fast mode predicts a step of {_ms(best.step_s)} with no overlap, {_ms(best.overlapped_s)} with communication "
+        f"Fast mode{'' if compiler == 'XLA:CPU' else f' ({compiler} rules)'} predicts a step of "
+        f"{_ms(best.step_s)} with no overlap, {_ms(best.overlapped_s)} with communication "
         f"hidden (MFU {t.mfu_serial:.0%}..{t.mfu_overlapped:.0%}); peak {fmt_bytes(best.peak)} per device."
         + (
             f" Compiled by {compiler} (exact mode): step {_ms(best.exact_step_s)}, peak "

@@ -1,6 +1,7 @@
 """The benchmark runner's quick mode runs every measurement, and its figures hold what the
 full run relies on (the timings themselves come from full runs, never from tests)."""
 
+import importlib.util
 import json
 import math
 import os
@@ -10,6 +11,8 @@ import sys
 import pytest
 
 from tests.helpers import FAST_COMPILE, ROOT, compiler_defaults_env
+
+HAS_TPU = importlib.util.find_spec("libtpu") is not None  # the test extra's XLA:TPU
 
 
 def quick(tmp_path, *sections: str, compiler_defaults: bool = False) -> tuple[dict, list[dict]]:
@@ -107,7 +110,11 @@ def test_benchmarks_quick_step_cost_reshard_and_tools(tmp_path):
     res, checks = quick(tmp_path, *QUICK_GROUPS[4])
     # Step cost: fast vs exact for one plan x each model family, with the ratios the checks report.
     rows = res["step_cost"]["rows"]
-    assert {(r["plan"], r["model"].split("_")[0]) for r in rows} == {("gpt_tp.splan", f) for f in ("gpt", "llama")}
+    on_cpu = [r for r in rows if r["target"] == "cpu"]
+    assert {(r["plan"], r["model"].split("_")[0]) for r in on_cpu} == {("gpt_tp.splan", f) for f in ("gpt", "llama")}
+    # and per target compiler the test extra installs: XLA:TPU's program, fast mode told the target
+    assert {(r["plan"], r["model"], r["target"]) for r in rows if r["target"].startswith("tpu")} == (
+        {("gpt_tp.splan", "gpt_small", "tpu-v5e:2x4")} if HAS_TPU else set())
     for r in rows:
         assert r["flops_exact"] > 0 and r["peak_exact"] > 0
         assert r["flops_error"] == abs(r["flops_fast"] - r["flops_exact"]) / r["flops_exact"]
