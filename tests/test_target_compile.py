@@ -196,3 +196,19 @@ def test_a_scanned_models_flops_on_tpu_count_every_layer():
     tpu = shardplan.api.analyze(PLANS / "fsdp_any_rank.splan", target="tpu-v5e:2x4", **kw)
     cpu = shardplan.api.analyze(PLANS / "fsdp_any_rank.splan", **kw)
     assert tpu.flops == pytest.approx(cpu.flops, rel=0.10), (tpu.flops, cpu.flops)
+
+
+@pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")
+def test_a_mesh_whose_axes_are_no_product_of_the_slices_physical_axes_is_laid_across_them():
+    """A v5p:4x4x4 slice's torus has physical axes 4, 4 and 4: a mesh data = 32, model = 2 is no
+    product of a subset of them (jax.make_mesh refuses with a NotImplementedError, which reached
+    users as a failed compile: a Llama-2-70B 2-D plan on v5p:8x16x16, data = 1024, model = 2); the
+    mesh is laid across the physical axes instead, as jax allows when asked."""
+    code = ("import shardplan\nfrom shardplan.core import targets\nfrom shardplan.runtime.exact import target_mesh\n"
+            "plan = shardplan.loads('mesh data = 32, model = 2\\ndefault replicated')\n"
+            "mesh = target_mesh(plan, targets.parse('tpu-v5p:4x4x4'))\n"
+            "print(dict(mesh.shape), len(set(mesh.devices.flat)))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**compiler_defaults_env(), "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "{'data': 32, 'model': 2} 64"

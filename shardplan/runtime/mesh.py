@@ -54,7 +54,15 @@ def make_mesh(plan: Plan, devices: Sequence | None = None, axis_types: AxisTypes
     kinds = jax_axis_types(plan, names, axis_types)
     if jax.process_count() > 1 and devices is None:
         return _multi_process_mesh(names, sizes, kinds, devs)
-    return jax.make_mesh(sizes, names, axis_types=kinds, devices=devs)
+    try:
+        return jax.make_mesh(sizes, names, axis_types=kinds, devices=devs)
+    except NotImplementedError:
+        # A TPU slice's torus (8x16x16) has no subset of physical axes for a mesh axis of this
+        # size (1024 x 2): the axes are split across physical ones, as jax allows when asked.
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(sizes, devs, allow_split_physical_axes=True)
+        return Mesh(grid, names, axis_types=kinds)
 
 
 def jax_axis_types(plan: Plan, names: Sequence[str], override: AxisTypes | None = None) -> tuple[AxisType, ...]:
