@@ -1,6 +1,6 @@
 """Fast mode against exact mode on plans nobody wrote (shardplan issue 29).
 
-    python -m benchmarks.random_plans [--pairs N] [--seed S] [--json OUT]
+    python -m benchmarks.random_plans [--pairs N] [--seed S] [--json OUT] [--target T]
 
 Draws N (plan, model) pairs: a model from a pool (tests/fixtures/engine_models.py: a Llama-style
 decoder, a GShard-style top-2 MoE, a decoder that builds its KV cache in the step; the example
@@ -11,7 +11,9 @@ on one or two dims over one or two axes, the batch over one or two axes or batch
 sometimes `act` constraints on module outputs. Each pair is costed both ways (auto backend,
 tokens/labels int32[8,16]) and the errors are reported as a distribution over pairs: per
 collective kind |fast - exact| / (the step's total collective bytes in exact mode), peak memory
-and FLOPs relative to exact mode.
+and FLOPs relative to exact mode. ``--target tpu-v5e:2x4`` (or ``h100:8``) measures fast mode told
+that target against the program its compiler makes offline (the pool's models have dims under 128,
+which XLA:TPU pads to its tiles: read the peak column with that in mind).
 
 The generator is pure and seeded: pair i of seed S is ``draw_pair(S, i)`` whatever N is.
 """
@@ -256,15 +258,16 @@ def differences(fast, exact, top: int = 3) -> list[dict]:
     return rows[:top]
 
 
-def measure(model: str, text: str) -> dict:
-    """Fast and exact mode on one pair. Raises ShardPlanError from fast mode (an invalid draw);
-    an exact-mode failure is recorded in the row."""
+def measure(model: str, text: str, target: str = "cpu") -> dict:
+    """Fast and exact mode on one pair, for ``target``'s compiler (fast mode told the target).
+    Raises ShardPlanError from fast mode (an invalid draw); an exact-mode failure is recorded in
+    the row."""
     import shardplan
     from shardplan.errors import ShardPlanError
 
     plan = shardplan.loads(text, "random.splan")
     ref, step = POOL[model]
-    kw = dict(model=ref, step=step, batch=BATCH_ARG, devices=DEVICES)
+    kw = dict(model=ref, step=step, batch=BATCH_ARG, devices=DEVICES, target=target)
     fast = shardplan.api.analyze(plan, mode="fast", **kw)
     row: dict = {"model": model, "plan": text, "fast_s": fast.seconds}
     try:
@@ -368,7 +371,7 @@ def key_lines(text: str) -> list[str]:
     return [line.split("  #")[0] for line in text.splitlines() if line.startswith(keep)]
 
 
-def measure_pair(seed: int, index: int) -> tuple[dict | None, list[dict], dict | None]:
+def measure_pair(seed: int, index: int, target: str = "cpu") -> tuple[dict | None, list[dict], dict | None]:
     """(row, redraws, crash) of pair ``index``: a draw that fast mode rejects (ShardPlanError: a
     plan invalid for the model) is drawn again (up to 10 times) and listed in ``redraws``; a fast
     mode that raises anything else is the ``crash`` (no row)."""
@@ -378,7 +381,7 @@ def measure_pair(seed: int, index: int) -> tuple[dict | None, list[dict], dict |
     for attempt in range(10):
         model, text = draw_pair(seed, index, leaves_of, attempt)
         try:
-            row = measure(model, text)
+            row = measure(model, text, target)
         except ShardPlanError as err:
             codes = sorted({d.code for d in err.errors})
             redraws.append(
@@ -396,8 +399,9 @@ def measure_pair(seed: int, index: int) -> tuple[dict | None, list[dict], dict |
     return None, redraws, None
 
 
-def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None) -> dict:
-    """Draw and measure ``pairs`` pairs (:func:`measure_pair`); written to ``out`` after every pair."""
+def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None, target: str = "cpu") -> dict:
+    """Draw and measure ``pairs`` pairs (:func:`measure_pair`) for ``target``'s compiler; written to
+    ``out`` after every pair."""
     rows: list[dict] = []
     redraws: list[dict] = []
     crashes: list[dict] = []
@@ -405,7 +409,7 @@ def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None) -> di
     commit = _commit()  # at the start: fast mode is imported once, by the first pair
     res: dict = {}
     for i in range(pairs):
-        row, again, crash = measure_pair(seed, i)
+        row, again, crash = measure_pair(seed, i, target)
         redraws += again
         rows += [row] if row else []
         crashes += [crash] if crash else []
@@ -420,6 +424,7 @@ def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None) -> di
             else:
                 log(f"[{i + 1}/{pairs}] {r['model']:16s} exact mode failed: {r['exact_error'][-160:]}")
         res = summarize(rows, redraws, crashes, seed, time.perf_counter() - t0, i + 1, commit)
+        res["target"] = target
         if out:
             Path(out).write_text(json.dumps(res, indent=1))
     return res
@@ -523,7 +528,7 @@ def _worst_lines(rows: Sequence[dict]) -> list[str]:
 def report(res: dict) -> str:
     lines = [
         f"{res['measured']} pairs measured of {res['pairs']} drawn as {res['drawn']} indices "
-        f"(seed {res['seed']}, {res['seconds']:.0f} s); "
+        f"(seed {res['seed']}, {res['seconds']:.0f} s, compiler {res.get('target', 'cpu')}); "
         f"{len(res['exact_failed'])} exact-mode failures, {len(res['fast_crashed'])} fast-mode crashes, "
         f"{len(res['redraws'])} redraws (plans fast mode rejected)",
         "",
@@ -562,6 +567,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
     p.add_argument("--json", help="write every figure here (after every pair)")
     p.add_argument("--report", metavar="JSON", help="measure nothing: summarize and print a saved run")
+    p.add_argument("--target", default="cpu", help="the compiler: cpu (default), or a target such as tpu-v5e:2x4 "
+                   "or h100:8 (exact mode compiles for it offline; fast mode is told it)")
     args = p.parse_args(argv)
     if args.report:
         saved = json.loads(Path(args.report).read_text())
@@ -584,7 +591,7 @@ def main(argv=None) -> int:
     from shardplan.runtime.devices import simulate
 
     simulate(DEVICES)
-    res = run_pairs(args.pairs, args.seed, args.json, log=lambda s: print(s, flush=True))
+    res = run_pairs(args.pairs, args.seed, args.json, log=lambda s: print(s, flush=True), target=args.target)
     print(report(res))
     for c in checks(res):
         print(f"{c['measurement']}: {c['value']} (target {c['target']}) {c['met']}")
