@@ -1,6 +1,6 @@
 """The step-time estimate against published training runs (docs/stepcost.md).
 
-    python -m benchmarks.published
+    python -m benchmarks.published [--compile]
 
 MaxText on Cloud TPU v6e-256 (FSDP over the 256 chips, bf16, scanned layers):
 - Llama 2 70B, sequence 4096, 1024 sequences per step: 17.373 s per step, 943 tokens/s/device
@@ -98,8 +98,63 @@ def run() -> list[dict]:
     return rows
 
 
+# MaxText's logical-axis rules also pin the activations' batch dim to the FSDP axis; with the
+# weights' and the batch's placement alone XLA:TPU partitions the scanned backward pass otherwise
+# (it gathers whole-batch activations) and refuses the 70B step (250 GB of temporaries on 31 GiB).
+PINNED = PLAN.replace(
+    "default replicated",
+    "axis activation_batch  -> data\naxis activation_length -> _\naxis activation_embed  -> _\ndefault replicated",
+)
+
+
+def compiled(target: str = "tpu-v6e:16x16") -> list[dict]:
+    """Each run as configured (flash attention) compiled by the TPU compiler offline for the slice
+    it ran on: does the step fit the chip's memory, and its step time at datasheet rates from the
+    compiled program's FLOPs and collectives, beside fast mode told the target and the published
+    step; also the plan without the activation rules (the compiler's answer to it). Minutes per
+    run on 2 cores; needs XLA:TPU (the test extra)."""
+    import shardplan
+    from shardplan.core import chips, timing
+    from shardplan.errors import ShardPlanError
+
+    chip = chips.lookup("tpu-v6e")
+    rows = []
+    for name, seq, per_device, tokens_s, step_s in RUNS:
+        batch = [f"tokens=int32[{256 * per_device},{seq}],labels=int32[{256 * per_device},{seq}]"]
+        kw = dict(model=f"{Path(__file__).resolve()}:{name}", step=f"{ROOT / 'examples' / 'train.py'}:lm_loss",
+                  batch=batch, target=target)
+        row: dict = {"run": name, "published_step_s": step_s, "published_tokens_s": tokens_s}
+        for label, text in (("pinned", PINNED), ("unpinned", PLAN)):
+            plan = shardplan.loads(text, f"{label}.splan", mesh={"data": 256})
+            for mode in ("fast", "exact"):
+                try:
+                    cost = shardplan.api.analyze(plan, mode=mode, timeout_s=3600, **kw)
+                except ShardPlanError as err:
+                    row[f"{label}_{mode}"] = {"error": str(err).splitlines()[0][:300]}
+                    continue
+                t = timing.step_time(cost, plan, chip)
+                row[f"{label}_{mode}"] = {"peak": cost.memory.peak, "fits": cost.memory.peak <= chip.hbm_bytes,
+                                          "step_s": (t.overlapped_s, t.serial_s), "flops": cost.flops,
+                                          "by_kind": cost.bytes_by_kind(), "seconds": cost.seconds}
+        rows.append(row)
+    return rows
+
+
 def main() -> int:
     sys.path.insert(0, str(ROOT))
+    if "--compile" in sys.argv[1:]:
+        for r in compiled():
+            print(f"{r['run']} on tpu-v6e:16x16, published {r['published_step_s']} s/step:")
+            for key in ("pinned_fast", "pinned_exact", "unpinned_fast", "unpinned_exact"):
+                c = r[key]
+                if "error" in c:
+                    print(f"  {key}: {c['error']}")
+                    continue
+                gib = {k: round(v / 2**30, 1) for k, v in c["by_kind"].items() if v}
+                print(f"  {key}: peak {c['peak'] / 2**30:.2f} GiB ({'fits' if c['fits'] else 'does not fit'} "
+                      f"31.25 GiB), step {c['step_s'][0]:.2f}..{c['step_s'][1]:.2f} s at datasheet rates, "
+                      f"{c['flops'] / 1e12:,.1f} TFLOP, collectives GiB {gib} ({c['seconds']:.0f} s)")
+        return 0
     for r in run():
         lo, hi = r["ratio_tokens_s"]
         print(f"{r['run']} ({r['attention']} attention): predicted {r['predicted_tokens_s'][0]:,.0f}.."
