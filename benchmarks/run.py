@@ -464,10 +464,13 @@ def _fast_vs_exact(plan: str, factory: str, batch: list[str], target: str) -> di
     kw = dict(model=model, step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=batch, devices=8, target=target)
     fast = shardplan.api.analyze(ROOT / "plans" / plan, mode="fast", **kw)
     exact = shardplan.api.analyze(ROOT / "plans" / plan, mode="exact", **kw)
+    from benchmarks.random_plans import differences
+
     fk, ek = fast.bytes_by_kind(), exact.bytes_by_kind()
     comm = {k: {"fast": fk[k], "exact": ek[k], "error": abs(fk[k] - ek[k]) / ek[k] if ek[k] else
                 (0.0 if fk[k] == 0 else float("inf"))} for k in ek if ek[k] or fk[k]}
-    return {"plan": plan, "model": factory, "target": target, "comm": comm,
+    # where the two differ most: the collectives by kind and model line, with their ops
+    return {"plan": plan, "model": factory, "target": target, "comm": comm, "misses": differences(fast, exact),
             "peak_fast": fast.memory.peak, "peak_exact": exact.memory.peak,
             "peak_error": abs(fast.memory.peak - exact.memory.peak) / exact.memory.peak,
             "flops_fast": fast.flops, "flops_exact": exact.flops,

@@ -273,6 +273,11 @@ def _step_cost(res: dict) -> list[str]:
                 "| plan | model | FLOPs fast / exact | peak fast / exact | memory traffic fast / exact | communication "
                 "fast / exact (per kind) |", "|---|---|---|---|---|---|"]
         out += table_rows([r for r in rows if r.get("target") == target])
+        misses = [(r, m) for r in rows if r.get("target") == target for m in r.get("misses", [])]
+        if misses:
+            out += ["", "Where they differ most (per row, by kind and model line; bytes fast / exact, with the ops):", ""]
+            out += [f"- {r['plan']} x {r['model']}: {m['kind']} at {Path(m['source']).name}: {m['fast']:,} / "
+                    f"{m['exact']:,} ({m['fast_op'] or '-'} / {m['exact_op'] or '-'})" for r, m in misses]
     out += [
         "",
         f"Fast mode on `{sc['model']}` (mesh {sc['mesh']}, the full train step): {sc['fast_s']:.1f} s, against "

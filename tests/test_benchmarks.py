@@ -115,6 +115,8 @@ def test_benchmarks_quick_step_cost_reshard_and_tools(tmp_path):
     # and per target compiler the test extra installs: XLA:TPU's program, fast mode told the target
     assert {(r["plan"], r["model"], r["target"]) for r in rows if r["target"].startswith("tpu")} == (
         {("gpt_tp.splan", "gpt_small", "tpu-v5e:2x4")} if HAS_TPU else set())
+    for r in rows:  # each row lists where the modes differ most, by kind and model line
+        assert all(m["fast"] != m["exact"] and m["kind"] in r["comm"] for m in r["misses"]), r["misses"]
     for r in rows:
         assert r["flops_exact"] > 0 and r["peak_exact"] > 0
         assert r["flops_error"] == abs(r["flops_fast"] - r["flops_exact"]) / r["flops_exact"]
