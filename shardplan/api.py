@@ -757,7 +757,9 @@ def _step_cost(
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":
         coster = StepCoster(model, step, shapes, optimizer)
-        return coster.cost(p, mesh=None, devices=devices, backend=name, compiler=aim.platform)
+        cost = coster.cost(p, mesh=None, devices=devices, backend=name, compiler=aim.platform)
+        # named for the target ("XLA:TPU tpu-v5e:2x4"): the report sets its peak against the chip's memory
+        return dataclasses.replace(cost, compiler=f"{cost.compiler} {aim.name}") if aim.platform != "cpu" else cost
     if aim.platform == "cpu" and n > MAX_SIMULATED_DEVICES:
         raise as_error(
             [

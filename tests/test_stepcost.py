@@ -750,9 +750,10 @@ def test_fast_mode_told_the_target_predicts_that_compilers_sums():
     assert tpu_rows == gpu_rows and {"models.py:102", "models.py:103"} <= set(cpu_rows)  # q, k: cpu only
     assert set(tpu_rows) == set(cpu_rows) - {"models.py:102", "models.py:103"}
     assert tpu_rows["models.py:104"] == cpu_rows["models.py:104"]  # v's: the one all-reduce of the sum
-    assert (cpu.compiler, tpu.compiler, gpu.compiler) == ("", "XLA:TPU", "XLA:GPU")
+    assert (cpu.compiler, tpu.compiler, gpu.compiler) == ("", "XLA:TPU tpu-v5e:2x4", "XLA:GPU h100:1x8")
     assert tpu.bytes_by_kind()["all-reduce"] < 0.8 * cpu.bytes_by_kind()["all-reduce"]
     r = cli(PLANS / "gpt_tp.splan", "--model", f"{MODELS}:gpt_tiny", "--devices", 8, "--step", STEP, "--batch",
             BATCH[0], "--target", "tpu-v5e:2x4")
     assert r.returncode == 0, r.stderr
-    assert "fast mode (the step's jaxpr (no compile), as XLA:TPU compiles it)" in r.stdout
+    assert "fast mode (the step's jaxpr (no compile), as XLA:TPU tpu-v5e:2x4 compiles it)" in r.stdout
+    assert "per device against tpu-v5e's 14.90 GiB: fits" in r.stdout  # an OOM said before any compile

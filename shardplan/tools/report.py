@@ -105,7 +105,10 @@ def print_step_cost(
     if chip in chips.CHIPS:  # a target's program ("XLA:TPU tpu-v5p:2x2x2"): its peak against the chip's memory
         room = chips.lookup(chip).hbm_bytes
         verdict = "fits" if m.peak <= room else f"does not fit (over by {fmt_bytes(int(m.peak - room))})"
-        console.print(f"peak {fmt_bytes(m.peak)} per device against {chip}'s {fmt_bytes(int(room))}: {verdict}")
+        console.print(
+            f"peak {fmt_bytes(m.peak)} per device against {chip}'s {fmt_bytes(int(room))}: {verdict}"
+            + (" (fast mode's estimate: add --compile for the compiler's own)" if cost.mode == "fast" else "")
+        )
     console.print(
         f"compute: {cost.flops / 1e9:,.3f} GFLOP per device per step; memory traffic: "
         f"{fmt_bytes(int(cost.hbm_bytes))} read and written per device per step"
