@@ -630,9 +630,18 @@ class StepCoster:
         run = _fast_cost(backend or p.backend)
         sizes = p.mesh_shape(devices)
         resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in self.shapes.items()])
-        if compiler not in ("cpu", "cuda", "tpu"):
+        from shardplan.core.targets import COMPILER_NAMES
+
+        if compiler not in COMPILER_NAMES:
             raise as_error(
-                [error("bad-argument", f"unknown compiler '{compiler}'", "use 'cpu', 'cuda' or 'tpu'", path="compiler")]
+                [
+                    error(
+                        "bad-argument",
+                        f"unknown compiler '{compiler}'",
+                        f"use one of {', '.join(COMPILER_NAMES)} (a target's platform)",
+                        path="compiler",
+                    )
+                ]
             )
         return with_pipeline(run(self.tracer, p, sizes, delta=delta, compiler=compiler), p)
 

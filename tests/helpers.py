@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,15 @@ def plan_line(plan: str, starts: str) -> int:
     """The line number in plans/``plan`` of the first line starting with ``starts`` (headers grow)."""
     lines = (PLANS / plan).read_text().splitlines()
     return next(i for i, line in enumerate(lines, 1) if line.startswith(starts))
+
+
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported (a target compiler's package: the test extra brings libtpu)."""
+    try:  # a submodule's spec imports its parent, which may be missing
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
+HAS_TPU = installed("libtpu")  # XLA:TPU, offline
+HAS_GPU = installed("jax_plugins.xla_cuda12")  # XLA:GPU, offline ('shardplan[gpu]')

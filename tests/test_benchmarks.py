@@ -1,7 +1,6 @@
 """The benchmark runner's quick mode runs every measurement, and its figures hold what the
 full run relies on (the timings themselves come from full runs, never from tests)."""
 
-import importlib.util
 import json
 import math
 import os
@@ -10,9 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import FAST_COMPILE, ROOT, compiler_defaults_env
-
-HAS_TPU = importlib.util.find_spec("libtpu") is not None  # the test extra's XLA:TPU
+from tests.helpers import FAST_COMPILE, HAS_TPU, ROOT, compiler_defaults_env
 
 
 def quick(tmp_path, *sections: str, compiler_defaults: bool = False) -> tuple[dict, list[dict]]:

@@ -11,7 +11,7 @@ import pytest
 
 import shardplan
 from shardplan.core import hlo
-from tests.helpers import FIXTURES, PLANS, ROOT, compiler_defaults_env
+from tests.helpers import FIXTURES, HAS_GPU, HAS_TPU, PLANS, ROOT, compiler_defaults_env
 
 MODEL = f"{ROOT / 'examples' / 'models.py'}:gpt_tiny"
 STEP = f"{ROOT / 'examples' / 'train.py'}:lm_loss"
@@ -19,15 +19,6 @@ BATCH = "tokens=int32[32,32],labels=int32[32,32]"
 HLO = FIXTURES / "hlo"
 
 
-def _installed(module: str) -> bool:
-    try:  # a submodule's spec imports its parent, which may be missing
-        return importlib.util.find_spec(module) is not None
-    except ImportError:
-        return False
-
-
-HAS_TPU = _installed("libtpu")
-HAS_GPU = _installed("jax_plugins.xla_cuda12")
 MiB = 2**20
 
 

@@ -27,6 +27,11 @@ from shardplan.errors import as_error, error
 JAX_VERSION = "0.10.2"  # the extras are pinned to the jax release shardplan is built on
 
 
+# The compiler of each platform a target names (fast mode keeps a rule book per platform:
+# shardplan/runtime/fast.py, COMPILERS).
+COMPILER_NAMES = {"cpu": "XLA:CPU", "tpu": "XLA:TPU", "cuda": "XLA:GPU"}
+
+
 @dataclass(frozen=True)
 class Target:
     name: str  # as written by shardplan: "cpu", "tpu-v5p:2x2x2", "h100:2x8"
@@ -37,7 +42,7 @@ class Target:
 
     @property
     def compiler(self) -> str:
-        return {"cpu": "XLA:CPU", "tpu": "XLA:TPU", "cuda": "XLA:GPU"}[self.platform]
+        return COMPILER_NAMES[self.platform]
 
 
 @dataclass(frozen=True)

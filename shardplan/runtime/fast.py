@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
+from shardplan.core.targets import COMPILER_NAMES
 from shardplan.ledger import merged
 from shardplan.runtime.kernels import FUSED_ATTENTION, fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize, named
@@ -85,9 +86,9 @@ class Compiler:
 
 _REASSOCIATES = frozenset({"add", "add_any", "sub"})
 COMPILERS = {
-    "cpu": Compiler("XLA:CPU"),
-    "cuda": Compiler("XLA:GPU", sums=_REASSOCIATES),
-    "tpu": Compiler("XLA:TPU", sums=_REASSOCIATES, matmul_itemsize=2, regather=True),
+    "cpu": Compiler(COMPILER_NAMES["cpu"]),
+    "cuda": Compiler(COMPILER_NAMES["cuda"], sums=_REASSOCIATES),
+    "tpu": Compiler(COMPILER_NAMES["tpu"], sums=_REASSOCIATES, matmul_itemsize=2, regather=True),
 }
 
 
@@ -944,7 +945,7 @@ class _Propagator:
         if narrow and eqn.params.get("precision") in (None, (None, None)):
             # Cast before it moves (the default precision computes in a narrower type); gathered
             # again in the backward pass where the compiler does (``Compiler``).
-            tag = (narrow, self.backward and self.ctx.book.regather)
+            tag = (narrow, self.backward)  # ``backward`` is only ever set for a compiler that regathers
             lmove = replace(lhs, itemsize=narrow) if lhs.itemsize == 4 and _is_float(lx) else lhs
             rmove = replace(rhs, itemsize=narrow) if rhs.itemsize == 4 and _is_float(rx) else rhs
             self.reshard(lx, lmove, lt, mult, "dot_general", tag if lmove is not lhs else None)
