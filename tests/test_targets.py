@@ -82,8 +82,17 @@ def test_target_mistakes_on_the_command_line_exit_2_before_compiling(extra, says
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
-def test_a_mesh_that_is_not_the_targets_size_is_refused():
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_a_mesh_that_is_not_the_targets_size_is_refused(mode):
     with pytest.raises(shardplan.ShardPlanError) as info:
-        shardplan.api.analyze(PLANS / "dp.splan", model=MODEL, step=STEP, batch=[BATCH], mode="exact", devices=4,
+        shardplan.api.analyze(PLANS / "dp.splan", model=MODEL, step=STEP, batch=[BATCH], mode=mode, devices=4,
                               target="h100:8")
     assert info.value.diagnostics[0].code == "bad-target" and "has 4 devices" in str(info.value)
+
+
+def test_a_compiler_fast_mode_has_no_rules_for_is_a_located_error():
+    coster = shardplan.api.step_coster(MODEL, STEP, [BATCH])
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        coster.cost(PLANS / "dp.splan", devices=8, compiler="rocm")
+    (d,) = info.value.diagnostics
+    assert d.code == "bad-argument" and d.path == "compiler" and "cpu, tpu, cuda" in d.hint
