@@ -12,7 +12,16 @@ under plans/dp.splan on every local device (shardplan's auto backend, the same s
 - the chip's measured ceilings: a bf16 8192^3 matmul and an on-device copy.
 Each configuration runs in its own process (fresh allocator peak). `--quick` (CI, CPU) runs one
 tiny configuration only to prove the script runs; its times say nothing about a chip.
-Results on one H200 are in docs/stepcost.md ("Measured on a GPU").
+
+    python -m benchmarks.device --offline device.json [--hlo DIR]
+
+(here, no accelerator) sets those measurements beside the offline compile: each configuration's
+step compiled for the chip's target by this machine's XLA:GPU (``shardplan[gpu]``, exact mode:
+its peak, memory traffic, kernels, and the step time the chip preset gives for its program), and
+beside fast mode run here (the pinned jax, which may differ from the accelerator's). With
+``--hlo`` (the programs the device run wrote) it counts the device program's kernels too.
+Results on one H200 are in docs/stepcost.md ("Measured on a GPU"); the last run's rows are in
+benchmarks/measured/ (``--offline`` reads them).
 """
 
 from __future__ import annotations
@@ -234,6 +243,63 @@ def _print(row: dict, ceil: dict | None, on_chip: bool) -> None:
           f"{row['fast_s']:.1f} s")
 
 
+def offline(doc: dict, hlo_dir: str | None) -> list[dict]:
+    """Each measured row of a device run beside its step compiled offline here for the chip's target
+    (XLA:GPU or XLA:TPU without the accelerator) and beside fast mode run here."""
+    import gzip
+
+    import shardplan
+    from shardplan.core import chips, hlo, targets, timing
+
+    chip = chips.lookup(doc["chip"])
+    out = []
+    for row in doc["rows"]:
+        name, n = row["config"], row["devices"]
+        _, cfg, batch = _config(name)
+        plan = shardplan.with_mesh(shardplan.load(ROOT / "plans" / "dp.splan"), {"data": n})
+        target = targets.parse(f"{doc['chip']}:{n}").name
+        kw = dict(model=f"{Path(__file__).resolve()}:{name}", step=f"{ROOT / 'examples' / 'train.py'}:lm_loss",
+                  batch=[f"{k}=int32[{batch},{cfg.max_len}]" for k in ("tokens", "labels")])
+        _progress(f"{name}: compiling for {target} offline")
+        t = time.perf_counter()
+        exact = shardplan.api.analyze(plan, mode="exact", target=target, **kw)
+        compile_s = time.perf_counter() - t
+        fast = shardplan.api.analyze(plan, mode="fast", target=target, **kw)
+        got = {"config": name, "target": target, "measured_s": row["measured_s"], "compile_s": compile_s,
+               "offline": {"step": timing.step_time(exact, plan, chip).to_json(), "flops": exact.flops,
+                           "peak": exact.memory.peak, "memory_bytes": exact.hbm_bytes, "kernels": exact.kernels},
+               "fast_here": {"step": timing.step_time(fast, plan, chip).to_json(), "flops": fast.flops,
+                             "peak": fast.memory.peak, "hbm_bytes": fast.hbm_bytes, "kernels": fast.kernels},
+               "device": {"xla_peak": row["xla"].get("peak", 0), "allocator_peak": row["device_peak"],
+                          "memory_bytes": row["xla"]["memory_bytes"]}}
+        if hlo_dir and (Path(hlo_dir) / f"{name}.hlo.txt.gz").exists():
+            with gzip.open(Path(hlo_dir) / f"{name}.hlo.txt.gz", "rt") as f:
+                text = f.read()
+            got["device"]["kernels"] = hlo.kernel_count(text)
+            got["device"]["flops"] = hlo.program_flops(text)
+        out.append(got)
+        _print_offline(got, row)
+    return out
+
+
+def _print_offline(got: dict, row: dict) -> None:
+    meas, off, here, dev = got["measured_s"], got["offline"], got["fast_here"], got["device"]
+    pred = row.get("predicted", {}).get("serial_s")
+    print(f"{got['config']} on {got['target']}: measured {meas * 1e3:.1f} ms/step; fast mode there "
+          + (f"{pred * 1e3:.1f} ms ({meas / pred:.2f}); " if pred else "failed; ")
+          + f"fast mode here {here['step']['serial_s'] * 1e3:.1f} ms ({meas / here['step']['serial_s']:.2f}); "
+          f"the offline compile's program at the preset {off['step']['serial_s'] * 1e3:.1f} ms "
+          f"({meas / off['step']['serial_s']:.2f})")
+    kern = (f"; kernels offline {off['kernels']:.0f}, device {dev['kernels']:.0f}, fast {here['kernels']:.0f}"
+            if "kernels" in dev else "")
+    print(f"  peak per device: offline compile {off['peak'] / 2**30:.2f} GiB, device's compile "
+          f"{dev['xla_peak'] / 2**30:.2f} GiB, allocator {dev['allocator_peak'] / 2**30:.2f} GiB, fast "
+          f"{here['peak'] / 2**30:.2f} GiB; memory traffic offline {off['memory_bytes']:.4g} B, device's program "
+          f"{dev['memory_bytes']:.4g} B (offline / device {off['memory_bytes'] / dev['memory_bytes']:.2f}), fast "
+          f"{here['hbm_bytes']:.4g} B{kern}; FLOPs offline / fast {off['flops'] / here['flops']:.3f}; offline "
+          f"compile {got['compile_s']:.1f} s", flush=True)
+
+
 def _peak(chip: str) -> float:
     from shardplan.core import chips
 
@@ -247,10 +313,20 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--hlo", default=None, help="write each compiled program here (gzip)")
     ap.add_argument("--only", default=None, help="comma-separated configurations")
+    ap.add_argument("--offline", default=None, metavar="JSON",
+                    help="a device run's --json: compare it with the step compiled offline here for its chip")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per configuration")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    if args.offline:
+        doc = json.loads(Path(args.offline).read_text())
+        if args.only:
+            doc["rows"] = [r for r in doc["rows"] if r["config"] in args.only.split(",")]
+        rows = offline(doc, args.hlo)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     if args.one:
         print("ROW " + json.dumps(one(args.one, args.chip, args.hlo)), flush=True)
         return 0

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.helpers import FAST_COMPILE, HAS_TPU, ROOT, compiler_defaults_env
+from tests.helpers import FAST_COMPILE, HAS_GPU, HAS_TPU, ROOT, compiler_defaults_env
 
 
 def quick(tmp_path, *sections: str, compiler_defaults: bool = False) -> tuple[dict, list[dict]]:
@@ -178,6 +178,22 @@ def test_device_benchmark_quick_mode_measures_and_predicts_side_by_side(tmp_path
     assert 0.25 < row["fast"]["hbm_bytes"] / row["xla"]["memory_bytes"] < 1.5
     p = row["predicted"]
     assert p["serial_s"] == pytest.approx(p["compute_s"] + p["memory_s"] + p["launch_s"]) and p["launch_s"] > 0
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="XLA:GPU offline needs 'shardplan[gpu]'")
+def test_device_benchmark_offline_sets_the_measured_step_beside_the_offline_gpu_compile():
+    """`python -m benchmarks.device --offline` compiles a measured configuration for the chip's target
+    here (XLA:GPU without a GPU): the offline program's peak is the one the H200's own compile
+    reported (17.58 GiB, jax 0.11.2 there; 17.61 GiB here), its FLOPs fast mode's."""
+    from benchmarks import device
+
+    doc = json.loads((ROOT / "benchmarks" / "measured" / "h200_2026-12-04.json").read_text())
+    doc["rows"] = [r for r in doc["rows"] if r["config"] == "gpt_124m"]
+    (got,) = device.offline(doc, None)
+    assert got["target"] == "h200:1x1"
+    assert got["offline"]["peak"] == pytest.approx(doc["rows"][0]["xla"]["peak"], rel=0.02)
+    assert got["offline"]["flops"] == pytest.approx(got["fast_here"]["flops"], rel=0.02)
+    assert 0.8 < got["offline"]["memory_bytes"] / doc["rows"][0]["xla"]["memory_bytes"] < 1.1
 
 
 def test_published_runs_benchmark_costs_each_run_with_both_attentions():

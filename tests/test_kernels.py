@@ -228,6 +228,36 @@ def test_cudnn_attention_forward_flops_are_the_attention_xla_compiles():
     assert cost.read == 3 * 2 * 256 * 4 * 128 * 2 and cost.written == 2 * 256 * 4 * 128 * 2
 
 
+def test_cudnn_attention_traces_without_starting_a_backend(monkeypatch):
+    """Tracing cuDNN attention on a machine without a GPU asks no backend: jax's compute-capability
+    checks start every installed one (XLA:TPU's start-up warnings, the CUDA plugin's traceback when
+    shardplan[gpu] is installed without a GPU), printed on the user's terminal by a fast `check`.
+    Answered as for an H100 inside the trace (head dims up to 256 allowed), jax's own after it."""
+    from jax._src import xla_bridge
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    from shardplan.runtime.kernels import cudnn_traceable
+
+    if fa.check_cudnn_version.__module__ == fa.__name__:
+        try:
+            present = fa.check_cudnn_version() > 0
+        except Exception:
+            present = False
+        if present:
+            pytest.skip("cuDNN is installed here: jax's own checks stand")
+
+    def no_backend(*a, **k):
+        raise AssertionError("a backend was asked for while tracing")
+
+    monkeypatch.setattr(xla_bridge, "get_backend", no_backend)
+    q = jax.ShapeDtypeStruct((2, 256, 4, 256), jnp.bfloat16)  # head dim 256: Hopper only
+    with cudnn_traceable():
+        (eqn,) = eqns_named("dot_product_attention_fwd_wrapper",
+                            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"), q, q, q)
+    assert eqn.outvars[0].aval.shape == (2, 256, 4, 256)
+    assert fa.check_compute_capability.__module__ == fa.__name__  # undone after the trace
+
+
 def test_cudnn_attention_keeps_the_heads_split_and_moves_less_than_naive_attention(tmp_path):
     models = tmp_path / "cudnn_models.py"
     models.write_text(CUDNN)

@@ -368,8 +368,14 @@ def fused_attention_cost(eqn: Any) -> KernelCost:
     return KernelCost(f"cudnn attention {pass_}", flops + 5 * exps, exps, read, written)
 
 
-# The cuDNN version a step is traced for where no GPU is present (cuDNN 9.10: flash attention).
+# The cuDNN version and GPU a step is traced for where no GPU is present (cuDNN 9.10: flash
+# attention; compute capability 9.0: an H100 or H200).
 TRACED_CUDNN = 91000
+TRACED_CAPABILITY = (9, 0)
+
+
+def _capability(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split("."))
 
 
 @contextlib.contextmanager
@@ -395,8 +401,16 @@ def cudnn_traceable() -> Iterator[None]:
     if present or original is None:
         yield
         return
-    fa.check_cudnn_version = lambda: TRACED_CUDNN
+    patched = {
+        "check_cudnn_version": lambda: TRACED_CUDNN,
+        "check_compute_capability": lambda c: _capability(c) <= TRACED_CAPABILITY,
+        "is_cuda_compute_capability_equal": lambda c: _capability(c) == TRACED_CAPABILITY,
+    }
+    saved = {k: getattr(fa, k) for k in patched if hasattr(fa, k)}
+    for k in saved:
+        setattr(fa, k, patched[k])
     try:
         yield
     finally:
-        fa.check_cudnn_version = original
+        for k, v in saved.items():
+            setattr(fa, k, v)
