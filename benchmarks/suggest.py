@@ -175,7 +175,7 @@ def run(quick: bool) -> dict:
     if quick:  # the unconstrained search only (a memory budget's search is tests/test_suggest.py's)
         batch = ["tokens=int32[8,16],labels=int32[8,16]"]
         return {
-            "models": [_model("gpt_tiny", batch, ("dp.splan", "gpt_tp.splan"), confirm=1, labels=("free",))],
+            "models": [_model("gpt_tiny", batch, ("dp.splan", "gpt_tp.splan"), confirm=3, labels=("free",))],
             "big": [],
         }
     batch = ["tokens=int32[16,64],labels=int32[16,64]"]

@@ -20,7 +20,7 @@ class Communication:
     kind: str
     axes: tuple[str, ...]  # the mesh axes it runs over
     bytes: int  # per device per step, all executions
-    count: int  # executions per step
+    count: int  # executions (launches) per step; 0 for an array carried by another row's combined launch
     op: str = ""  # the jax op it comes from, e.g. transpose(jvp())/dot_general
     source: str = ""  # model source 'file:line'
     moves: str = ""  # the param / optimizer-state / input path it moves, when it moves one

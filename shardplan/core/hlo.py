@@ -82,6 +82,7 @@ class CollectiveOp:
     op_name: str = ""  # jax's op name from the metadata, e.g. jit(step)/transpose(jvp())/dot_general
     source: str = ""  # innermost user source 'file:line' from the stack frames, if any
     as_reduce_scatter: bool = False  # an all-reduce whose every use is a per-device slice
+    launch: bool = True  # False: a further array of one combined (tuple) all-reduce, launched with the first
     moves: str = ""  # the jitted function's argument it moves, when it reads one: "sm/blocks/0/attn/query/kernel"
     axes: tuple[str, ...] = field(default=())  # mesh axes, once :func:`with_axes` has named them
 
@@ -483,7 +484,12 @@ def parse(hlo_text: str, n_devices: int | None = None) -> list[CollectiveOp]:
                     rs = bool(us) and all(_sliced(u, name, n, group, comps, users) for u, name in us)
                     ops.append(
                         replace(
-                            base, shapes=(text,), bytes=b, as_reduce_scatter=rs, moves="" if tuple_result else moves
+                            base,
+                            shapes=(text,),
+                            bytes=b,
+                            as_reduce_scatter=rs,
+                            moves="" if tuple_result else moves,
+                            launch=i == 0,
                         )
                     )
                 continue

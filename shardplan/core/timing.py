@@ -12,11 +12,13 @@ with steps measured on a GPU and with published runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shardplan.core.chips import Chip
 from shardplan.core.plan import Plan
 from shardplan.core.stepcost import StepCost
+from shardplan.ledger import Communication
 
 
 @dataclass(frozen=True)
@@ -55,24 +57,40 @@ def collective_latency(count: int, group: int, latency: float) -> float:
 # XLA combines the collectives that move params or their gradients (all independent of each
 # other until the optimizer update) into buffers of up to this many bytes: its GPU default
 # combine thresholds (xla_gpu_all_reduce_combine_threshold_bytes and the all-gather and
-# reduce-scatter ones) are 30 MiB.
+# reduce-scatter ones) are 30 MiB. Seen: gpt_small's 41 gradient all-reduces under data
+# parallelism are one tuple all-reduce in XLA:GPU's (h100:8) and XLA:TPU's (tpu-v5e:2x4) programs.
 COMBINE_BYTES = 30 * 2**20
+
+
+def combined(rows: Iterable[Communication]) -> dict[tuple[str, tuple[str, ...], int], int]:
+    """Fast mode's rows that XLA combines, as (kind, axes, runs) -> bytes per run: those that move
+    a param, optimizer state or input (gathers) or sum a param's gradient (their rows name what they
+    move), combined within one run (a scanned layer's gathers run once per layer, not across runs)."""
+    out: dict[tuple[str, tuple[str, ...], int], int] = {}
+    for c in rows:
+        if c.moves:
+            key = (c.kind, c.axes, max(c.count, 1))
+            out[key] = out.get(key, 0) + c.bytes // key[2]
+    return out
+
+
+def combined_launches(groups: dict[tuple[str, tuple[str, ...], int], int]) -> int:
+    """Collectives launched for :func:`combined`'s groups: one per run per COMBINE_BYTES."""
+    return sum(runs * max(1, math.ceil(nbytes / COMBINE_BYTES)) for (_, _, runs), nbytes in groups.items())
 
 
 def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
     links = {a.name: a.link for a in plan.mesh}
     by_link: dict[str, float] = {}
     latency = 0.0
-    combined: dict[tuple[str, tuple[str, ...], int], int] = {}  # (kind, axes, runs) -> bytes per run
+    # A moved param, state or input (gathered), or a gradient's sum (its row names the param):
+    # combined with the others of its kind (see COMBINE_BYTES). Exact mode's rows are the
+    # program's own launches (a combined all-reduce counts once).
+    groups = combined(cost.communication) if cost.mode == "fast" else {}
     for c in cost.communication:
         group = math.prod(cost.mesh.get(a, 1) for a in c.axes)
         link = "dcn" if any(links.get(a) == "dcn" for a in c.axes) else "ici"
-        # A moved param, state or input (gathered): combined with the others of its kind (see
-        # COMBINE_BYTES). A gradient's sum names its param too, but is timed on its own.
-        if c.moves and cost.mode == "fast" and c.kind not in ("all-reduce", "reduce-scatter"):
-            # combined within one run (a scanned layer's gathers run once per layer: not across runs)
-            key = (c.kind, c.axes, max(c.count, 1))
-            combined[key] = combined.get(key, 0) + c.bytes // key[2]
+        if c.moves and cost.mode == "fast":  # its latency is its combined group's, below
             lat = 0.0
         else:
             lat = collective_latency(c.count, group, chip.dcn_latency if link == "dcn" else chip.ici_latency)
@@ -90,13 +108,12 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
             continue
         bw = chip.dcn_bandwidth if link == "dcn" else chip.ici_bandwidth
         by_link[link] = by_link.get(link, 0.0) + collective_seconds(c.kind, c.bytes, group, bw) + lat
-    for (_, axes, runs), nbytes in combined.items():
+    for key, nbytes in groups.items():
+        _, axes, _ = key
         group = math.prod(cost.mesh.get(a, 1) for a in axes)
         link = "dcn" if any(links.get(a) == "dcn" for a in axes) else "ici"
         lat = collective_latency(
-            runs * max(1, math.ceil(nbytes / COMBINE_BYTES)),
-            group,
-            chip.dcn_latency if link == "dcn" else chip.ici_latency,
+            combined_launches({key: nbytes}), group, chip.dcn_latency if link == "dcn" else chip.ici_latency
         )
         latency += lat
         by_link[link] = by_link.get(link, 0.0) + lat

@@ -297,7 +297,9 @@ def communications(
     for op in ops:
         kind = "reduce-scatter" if op.as_reduce_scatter else op.kind
         op_name = op.op_name.split("/", 1)[-1] if op.op_name.startswith("jit(") else op.op_name
-        rows.append(Communication(kind, op.axes, op.bytes_per_step, op.runs, op_name, op.source, op.moves))
+        # count: launches (a combined all-reduce's further arrays ride on its first one's)
+        count = op.runs if op.launch else 0
+        rows.append(Communication(kind, op.axes, op.bytes_per_step, count, op_name, op.source, op.moves))
 
     def named(moves: str) -> tuple[str, str]:
         d = origin.get(moves)

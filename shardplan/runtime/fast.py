@@ -29,6 +29,7 @@ from typing import Any
 
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 from shardplan.core.targets import COMPILER_NAMES
+from shardplan.core.timing import combined, combined_launches
 from shardplan.ledger import merged
 from shardplan.runtime.kernels import FUSED_ATTENTION, fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize, named
@@ -1986,7 +1987,8 @@ def cost(
         tuple(sorted(acts.used)),
         changed,
         hbm_bytes=ctx.hbm,
-        kernels=ctx.launches,
+        # each collective counted once above; XLA launches a combined group's together
+        kernels=ctx.launches - sum(c.count for c in ctx.comm if c.moves) + combined_launches(combined(ctx.comm)),
         compiler="" if compiler == "cpu" else book.name,
     )
 
