@@ -25,25 +25,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardplan.runtime.primitives import CALLS, ELEMENTWISE, REDUCTIONS, named
+from shardplan.runtime import factors
+from shardplan.runtime.primitives import CALLS, named
 
-TAGS = ("contract", "free", "batch", "rows", "stack")
-
-# The roles' sets, as policy over the primitive catalogue (shardplan/runtime/primitives.py).
-# Results whose dims are their operands' dims, one for one (``_INTO_OPERAND``: operand 0's).
-_SAME_SHAPE = (
-    ELEMENTWISE
-    | named(kinds=("identity", "reshard"))
-    | named(kinds=("along",)) - {"top_k"}
-    | named(traits=("into-operand",))
-    | {"dynamic_update_slice", "random_wrap", "random_unwrap"}
-)
-# ... and laid out like their operand, with no copy made.
-_VIEW_1TO1 = named(kinds=("identity",)) | {"convert_element_type", "copy", "copy_p", "sharding_constraint"}
-_INTO_OPERAND = named(traits=("into-operand",))
-_REDUCE = REDUCTIONS
-# Results whose dims line up with their operands' where the sizes agree.
-_ALIGNED = named(kinds=("slicing",)) - {"stack", "unstack", "dynamic_update_slice"} | {"top_k", "reduce_precision"}
+# The primitives whose results are their operand's dims laid out again with no copy made (a
+# param seen through them is still that param: its dims keep their tags).
+_VIEWS = named(kinds=("identity",)) | {
+    "convert_element_type",
+    "copy",
+    "copy_p",
+    "sharding_constraint",
+    "transpose",
+    "squeeze",
+    "broadcast_in_dim",
+    "reshape",
+    "expand_dims",
+}
 
 
 @dataclass(frozen=True)
@@ -194,146 +191,56 @@ class _Walk:
                     self._align(x, y)
         return first or []
 
-    def transpose(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
-        perm = eqn.params["permutation"]
-        self.view(eqn.outvars[0], eqn.invars[0], list(perm))
-        return [[ins[0][i] for i in perm]]
-
-    def squeeze(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
-        dropped = set(d % max(len(ins[0]), 1) for d in eqn.params["dimensions"])
-        keep = [i for i in range(len(ins[0])) if i not in dropped]
-        self.view(eqn.outvars[0], eqn.invars[0], keep)
-        return [[ins[0][i] for i in keep]]
-
-    def broadcast(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
-        out = self.fresh(eqn.outvars[0].aval)
-        dims: list[int | None] = [None] * len(out)
-        for k, d in enumerate(eqn.params["broadcast_dimensions"]):
-            if self.union(out[d], ins[0][k]) or self.find(out[d]) == self.find(ins[0][k]):
-                out[d] = ins[0][k]
-                dims[d] = k
-        self.view(eqn.outvars[0], eqn.invars[0], dims)
-        return [out]
-
-    def reduce(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
-        axes = set(eqn.params["axes"])
-        keep = [i for i in range(len(ins[0])) if i not in axes]
-        return [[ins[0][i] for i in keep] for _ in eqn.outvars]
-
-    def stack(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
-        """``jnp.stack``: each operand's dims are the result's, less the new one at ``axis``."""
-        out = self.fresh(eqn.outvars[0].aval)
-        others = [d for d in range(len(out)) if d != eqn.params["axis"]]
-        for nodes in ins:
-            if len(nodes) == len(others):
-                for d, n in zip(others, nodes, strict=True):
-                    self.union(out[d], n)
-        return [out]
-
-    def unstack(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
-        """``unstack``: each result's dims are the operand's, less the one at ``axis``."""
-        axis = eqn.params["axis"] % max(len(ins[0]), 1)
-        return [ins[0][:axis] + ins[0][axis + 1 :] for _ in eqn.outvars]
-
-    def same_shape(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
-        name = eqn.primitive.name
-        results = []
-        for k, v in enumerate(eqn.outvars):
-            out = self.fresh(v.aval)
-            if len(eqn.outvars) > 1 and len(eqn.outvars) == len(ins):
-                sources = [k]  # a tuple through (optimization_barrier): result k is operand k
-            elif name in _INTO_OPERAND:
-                sources = [0]  # the result is the operand updated: the updates' dims are others
-            else:
-                sources = list(range(len(ins)))
-            for j in sources:
-                if len(ins[j]) == len(out):
-                    for a, b in zip(out, ins[j], strict=True):
-                        self.union(a, b)
-            src = sources[0] if len(sources) == 1 else 0
-            if name in _VIEW_1TO1 and eqn.invars and len(ins[src]) == len(out):
-                self.view(v, eqn.invars[src], list(range(len(out))))
-            results.append(out)
-        return results
-
     def _align(self, a: list[int], b: list[int]) -> None:
         if len(a) == len(b):
             for x, y in zip(a, b, strict=True):
                 self.union(x, y)
 
-    def dot(self, eqn: Any, ins: list[list[int]]) -> list[int]:
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-        lhs, rhs = ins[0], ins[1]
-        for a, b in zip(lc, rc, strict=True):
-            self.union(lhs[a], rhs[b])
-        out = [lhs[a] for a in lb]
-        for a, b in zip(lb, rb, strict=True):
-            self.union(lhs[a], rhs[b])
-        lf = [i for i in range(len(lhs)) if i not in lc and i not in lb]
-        rf = [i for i in range(len(rhs)) if i not in rc and i not in rb]
-        out += [lhs[i] for i in lf] + [rhs[i] for i in rf]
-        for x, c, b, f in ((eqn.invars[0], lc, lb, lf), (eqn.invars[1], rc, rb, rf)):
-            for d in c:
-                self.tag(x, d, "contract", "dot", eqn)
-            for d in b:
-                self.tag(x, d, "batch", "dot", eqn)
-            for d in f:
-                self.tag(x, d, "free", "dot", eqn)
-        return out
-
-    def gather(self, eqn: Any, ins: list[list[int]]) -> list[int]:
-        dn = eqn.params["dimension_numbers"]
-        sizes = eqn.params["slice_sizes"]
-        operand, idx = ins[0], ins[1]
-        out = self.fresh(eqn.outvars[0].aval)
-        offset = tuple(dn.offset_dims)
-        skipped = set(dn.collapsed_slice_dims) | set(getattr(dn, "operand_batching_dims", ()) or ())
-        kept = [d for d in range(len(operand)) if d not in skipped]
-        for o, d in zip(offset, kept, strict=False):
-            if sizes[d] == self.size[operand[d]]:
-                self.union(out[o], operand[d])
-        batch_out = [i for i in range(len(out)) if i not in offset]
-        for o, d in zip(batch_out, range(len(idx) - 1), strict=False):
-            self.union(out[o], idx[d])
-        for d in dn.collapsed_slice_dims:
-            self.tag(eqn.invars[0], d, "rows", "gather", eqn)
-        return out
-
-    def reshape(self, eqn: Any, ins: list[int]) -> list[int]:
-        out = self.fresh(eqn.outvars[0].aval)
-        a = [self.size[n] for n in ins]
-        b = [self.size[n] for n in out]
-        dims: list[int | None] = [None] * len(out)
-        ia = [i for i, s in enumerate(a) if s != 1]
-        ib = [j for j, s in enumerate(b) if s != 1]
-        i = j = 0
-        while i < len(ia) and j < len(ib):
-            ga, gb = [ia[i]], [ib[j]]
-            pa, pb = a[ia[i]], b[ib[j]]
-            while pa != pb:
-                if pa < pb and i + 1 < len(ia):
-                    i += 1
-                    ga.append(ia[i])
-                    pa *= a[ia[i]]
-                elif pb < pa and j + 1 < len(ib):
-                    j += 1
-                    gb.append(ib[j])
-                    pb *= b[ib[j]]
+    def factored(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
+        """One equation by its factor rule (``shardplan.runtime.factors``): dims made of one
+        factor are one dimension; a dim made of several is a whole made of those parts; a
+        matmul's operand dims are tagged by their factor (contracted, batched, or free), a
+        gather's looked-up dims as rows; a view of a param stays that param."""
+        f = factors.of(eqn)
+        assert f is not None, eqn.primitive.name
+        nodes = [self.new(s) for s in f.sizes]
+        for dims, got in zip(f.operands, ins, strict=False):
+            for d, fs in enumerate(dims):
+                if len(fs) == 1:
+                    self.union(got[d], nodes[fs[0]])
+                elif fs:
+                    self.merges.append((got[d], tuple(nodes[x] for x in fs)))
+        outs = []
+        for v, dims in zip(eqn.outvars, f.results, strict=True):
+            out = []
+            for d, fs in enumerate(dims):
+                if len(fs) == 1:
+                    out.append(self.find(nodes[fs[0]]))
                 else:
-                    break
-            if pa != pb:
-                break
-            if len(ga) == 1 and len(gb) == 1:
-                out[gb[0]] = ins[ga[0]]
-                dims[gb[0]] = ga[0]
-            elif len(ga) == 1:
-                self.merges.append((ins[ga[0]], tuple(out[k] for k in gb)))
-            elif len(gb) == 1:
-                self.merges.append((out[gb[0]], tuple(ins[k] for k in ga)))
-            i += 1
-            j += 1
-        self.view(eqn.outvars[0], eqn.invars[0], dims)
-        return out
+                    out.append(self.new(int(v.aval.shape[d])))
+                    if fs:
+                        self.merges.append((out[-1], tuple(nodes[x] for x in fs)))
+            outs.append(out)
+        name = eqn.primitive.name
+        if name in _VIEWS:
+            tuple_through = len(eqn.outvars) > 1 and len(eqn.outvars) == len(eqn.invars)
+            for k, v in enumerate(eqn.outvars):
+                src = k if tuple_through else 0
+                at = {fs[0]: d for d, fs in enumerate(f.operands[src]) if len(fs) == 1}
+                self.view(v, eqn.invars[src], [at.get(fs[0]) if len(fs) == 1 else None for fs in f.results[k]])
+        if name == "dot_general":
+            for i, x in enumerate(eqn.invars):
+                for d, fs in enumerate(f.operands[i]):
+                    if len(fs) != 1:
+                        continue
+                    where, into = f.occurs(fs[0])
+                    what = "contract" if fs[0] in f.reduced else "batch" if len(where) > 1 else "free"
+                    if what == "contract" or into:
+                        self.tag(x, d, what, "dot", eqn)
+        for d, fs in enumerate(f.operands[0] if f.indexed else ()):
+            if set(fs) & f.indexed:
+                self.tag(eqn.invars[0], d, "rows", "gather", eqn)
+        return outs
 
     def scan(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
         p = eqn.params
@@ -400,23 +307,13 @@ def _body(eqn: Any) -> Any:
 _W = _Walk
 # The roles' rule book: primitive -> rule(walk, eqn, operands' dim classes) -> results' dim classes.
 _RULES: dict[str, Callable[[_Walk, Any, list[list[int]]], list[list[int]]]] = {
-    **dict.fromkeys(_SAME_SHAPE | _ALIGNED, _W.same_shape),
+    **dict.fromkeys(factors.rule_book(), _W.factored),
     **dict.fromkeys(CALLS, _W.body_call),
-    **dict.fromkeys(_REDUCE, _W.reduce),
     "shard_map": _W.fresh_results,  # a region the step runs as written
     "pallas_call": _W.fresh_results,
-    "dot_general": lambda w, eqn, ins: [w.dot(eqn, ins)],
     "scan": _W.scan,
     "while": _W.while_loop,
     "cond": _W.cond,
-    "transpose": _W.transpose,
-    "reshape": lambda w, eqn, ins: [w.reshape(eqn, ins[0])],
-    "expand_dims": lambda w, eqn, ins: [w.reshape(eqn, ins[0])],
-    "squeeze": _W.squeeze,
-    "broadcast_in_dim": _W.broadcast,
-    "gather": lambda w, eqn, ins: [w.gather(eqn, ins)],
-    "stack": _W.stack,
-    "unstack": _W.unstack,
 }
 # Declared fallbacks (``_Walk.fallback``): values made from no operand dims (iota, random bits),
 # cuDNN's fused attention, collectives (met only inside a user's shard_map region), and a
