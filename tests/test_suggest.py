@@ -388,3 +388,46 @@ def test_a_device_count_nothing_divides_says_so_in_the_header():
     plan = shardplan.loads(got.text, "suggested.splan")
     assert not plan.params and "FSDP" not in got.best.description, got.text
     assert "nothing split" in got.best.description and "16 rows" in got.best.description, got.best.description
+
+
+class _Reordered(search.Space):
+    """The same space with its tensor-parallel dims listed in the opposite order."""
+
+    @property
+    def tensor(self) -> tuple[int, ...]:
+        return tuple(reversed(super().tensor))
+
+
+def _toy_space(cls=search.Space) -> search.Space:
+    c, f = frozenset({"contract"}), frozenset({"free"})
+    fams = (
+        search.Family(r"l/\d+/a", (64, 256), (0, 1), (c, f), 2),
+        search.Family(r"l/\d+/b", (256, 64), (1, 0), (c, f), 2),
+        search.Family(r"l/\d+/q", (64, 128), (0, 2), (c, f), 2),
+        search.Family(r"l/\d+/o", (128, 64), (2, 0), (c, f), 2),
+        search.Family(r"emb", (96, 64), (3, 0), (frozenset({"rows"}), f), 1),
+        search.Family(r"head", (64, 96), (0, 3), (c, f), 1),
+    )
+    return cls(fams, {0: 64, 1: 256, 2: 128, 3: 96}, (16,), seq=(32,))
+
+
+def test_the_search_finds_the_same_plan_whatever_the_order():
+    """The local search takes, at each step, the best of all its neighbours by a total order:
+    listing the meshes or the tensor-parallel dims in another order changes nothing, on costs with
+    many local optima and many ties (hashes of the plan's text into 4 step times, 12 of them)."""
+    import hashlib
+
+    for salt in range(12):
+        def score(text, salt=salt):
+            h = int(hashlib.sha256(f"{salt}/{text}".encode()).hexdigest()[:8], 16)
+            return None, None, 1.0 + (h % 4) / 4, 1000
+
+        results = []
+        for cls, flip in ((search.Space, False), (search.Space, True), (_Reordered, False), (_Reordered, True)):
+            space = _toy_space(cls)
+            meshes = search.meshes(space, 8)
+            s = search.Search(space, score)
+            ranked = s.run(list(reversed(meshes)) if flip else meshes)
+            results.append((ranked[0].text, sorted(s.seen)))
+        assert len(meshes) >= 3 and len(results[0][1]) > 10
+        assert all(r == results[0] for r in results), salt

@@ -498,6 +498,12 @@ class Scored:
     def key(self) -> tuple:
         return (not self.fits, self.seconds if self.fits else self.peak)
 
+    @property
+    def rank(self) -> tuple:
+        """``key``, ties broken by the plan's text: a total order, so that no choice depends on the
+        order the search meets plans in."""
+        return (*self.key, self.text)
+
 
 @dataclass
 class Search:
@@ -550,21 +556,20 @@ class Search:
         return [replace(c, fsdp=m, tp=c.tp ^ {u}) for m in FSDP_MODES if m != c.fsdp for u in self.space.tensor]
 
     def descend(self, start: Choice) -> Scored | None:
-        """First-improvement local search from ``start``: one change at a time, then pairs of
-        changes where no single one pays, until neither does."""
+        """Steepest descent from ``start``: every single change costed, the best taken while it
+        improves; then pairs of changes where no single one pays. Each step takes the best of all
+        its neighbours by a total order (``Scored.rank``), so the path, and the plans costed on
+        it, do not depend on the order the neighbours are listed in."""
         best = self.evaluate(start)
-        improved = True
-        while improved:
-            improved = False
-            for n in self.neighbours(best.choice if best else start):
-                got = self.evaluate(n)
-                if got is not None and (best is None or got.key < best.key):
-                    best, improved = got, True
-            if not improved and best is not None:
-                for n in self.pairs(best.choice):
-                    got = self.evaluate(n)
-                    if got is not None and got.key < best.key:
-                        best, improved = got, True
+        while best is not None:
+            moves = [got for n in self.neighbours(best.choice) if (got := self.evaluate(n)) is not None]
+            step = min(moves, key=lambda s: s.rank, default=None)
+            if step is None or not step.key < best.key:
+                moves = [got for n in self.pairs(best.choice) if (got := self.evaluate(n)) is not None]
+                step = min(moves, key=lambda s: s.rank, default=None)
+                if step is None or not step.key < best.key:
+                    return best
+            best = step
         return best
 
     def run(self, mesh_list: list[tuple[tuple[str, int, str], ...]], descents: int = 3) -> list[Scored]:
@@ -585,6 +590,6 @@ class Search:
             if fsdp != "none":
                 choices.append(replace(base, fsdp="none"))
             starts += [got for c in choices if (got := self.evaluate(c)) is not None]
-        for s in sorted(starts, key=lambda s: s.key)[:descents]:
+        for s in sorted(starts, key=lambda s: s.rank)[:descents]:
             self.descend(s.choice)
-        return sorted((s for s in self.seen.values() if s is not None), key=lambda s: s.key)
+        return sorted((s for s in self.seen.values() if s is not None), key=lambda s: s.rank)
