@@ -86,6 +86,18 @@ CASES = [
     ("dot/column-parallel", mm, (S(B, D), S(D, F)), (P("data"), P(None, "model")), P("data", "model")),
     ("dot/row-parallel", mm, (S(B, F), S(F, D)), (P("data", "model"), P("model")), P("data")),
     ("dot/fsdp-weight", mm, (S(B, D), S(D, F)), (P("data"), P("data")), P("data")),
+    # contraction split over different axes on the two sides (hidden states over `model`, a weight's
+    # rows over `data`): XLA gathers the weight whole and keeps the matmul split, the result summed
+    # over `model`, where that sum is smaller than gathering the states (a 256-deep contraction into
+    # 128 columns) ...
+    ("dot/contraction split apart: the weight moves", mm, (S(B, F), S(F, D)), (P("data", "model"), P("data")),
+     P("data")),
+    # ... and gathers both on the contraction where the states are the cheaper move (128 deep into 256)
+    ("dot/contraction split apart: both gathered", mm, (S(B, D), S(D, F)), (P("data", "model"), P("data")),
+     P("data")),
+    # batch dims split over one axis at different dims of the two sides: the first dim keeps it
+    ("dot/batch dims split apart", lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k),
+     (S(8, 16, 4, 32), S(8, 16, 4, 32)), (P("data"), P(None, None, "data")), None),
     ("dot/contracting-split (dp gradient)", lambda x, g: x.T @ g, (S(B, D), S(B, F)), (P("data"), P("data")), P()),
     ("dot/contracting-split onto a split", lambda x, g: x.T @ g, (S(B, D), S(B, F)), (P("data"), P("data")), P("data")),
     (
@@ -454,3 +466,19 @@ def test_data_parallel_peak_holds_the_combined_gradient_reduction():
     # One gradient differs: XLA reduces the position table's 16 looked-up rows of 32 (its indices
     # are an iota: a slice), fast mode the whole table (1.1% of the step's bytes).
     assert f.bytes_by_kind() == pytest.approx(e.bytes_by_kind(), rel=0.015, abs=64)
+
+
+def test_batch_dims_split_apart_are_counted_at_each_devices_share_of_the_flops():
+    """Heads split over `data` on one side of an attention einsum, the batch over `data` on the
+    other: the matmul runs split 4 ways over `data` (one batch dim keeps the axis), as XLA's own
+    cost analysis counts it; an axis counted on both batch dims would halve the FLOPs again."""
+    fn = lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k)  # noqa: E731
+    avals, specs = (S(8, 16, 4, 32), S(8, 16, 4, 32)), (P("data"), P(None, None, "data"))
+    m = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+    with jax.set_mesh(m):
+        compiled = jax.jit(fn, in_shardings=tuple(NamedSharding(m, s) for s in specs)).lower(*avals).compile()
+        ledger = fast.propagate_function(fn, avals, tuple(_dims(s, 4) for s in specs), MESH, None)
+    costs = compiled.cost_analysis()
+    xla = (costs[0] if isinstance(costs, list) else costs)["flops"]
+    assert xla == 2 * 8 * 4 * 16 * 16 * 32 / 4
+    assert ledger.flops == xla

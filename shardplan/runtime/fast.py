@@ -867,12 +867,17 @@ class _Propagator:
         # partitions the matmul over the batch dims alone: both operands' contracting dims are
         # gathered (measured: an expert weight's gradient, experts split on one side and tokens
         # on the other, gathers both rather than summing a split over `data`).
+        # An axis splits one batch dim only: where each side splits a different batch dim over it
+        # (heads over an axis on one side, the same axis on the other's sequence), the first keeps it.
         conflict = False
+        batch_axes: set[str] = set()
         for i, j in zip(lb, rb, strict=True):
             if ldims[i] != rdims[j]:
-                keep = ldims[i] if self.ctx.split(tuple(ldims[i])) >= self.ctx.split(tuple(rdims[j])) else rdims[j]
+                options = sorted((ldims[i], rdims[j]), key=lambda d: -self.ctx.split(tuple(d)))
+                keep = next((d for d in options if not batch_axes & set(d)), [])
                 ldims[i], rdims[j] = list(keep), list(keep)
                 conflict = True
+            batch_axes |= set(ldims[i])
         if conflict:
             for i, j in zip(lc, rc, strict=True):
                 ldims[i], rdims[j] = [], []
@@ -905,6 +910,20 @@ class _Propagator:
             elif extra_a and len(extra_a) == len([x for x in b if x not in a]) and not extra_b and not a:
                 ldims[i] = list(b)
                 partial |= set(b)
+            elif (moved := self._contraction_moves(lhs, rhs, i, j, ldims, rdims, lb, lfree, rfree)) is not None:
+                # Split over different axes, one side's axes free on the other operand, and the
+                # result's pending sum cheaper than gathering the other side: the moving operand is
+                # gathered whole on the dim (XLA's dot partitioner replicates it there) and sliced
+                # as the other is; the matmul stays split (measured: a row-parallel weight split
+                # over `data` meets hidden states split over `model` on the contraction; XLA
+                # gathers the weight and all-reduces the result, it does not gather the states).
+                if moved == "rhs":
+                    rhs = self._gathered_on(rx, rhs, j, eqn, mult)
+                    rdims[j] = list(a)
+                else:
+                    lhs = self._gathered_on(lx, lhs, i, eqn, mult)
+                    ldims[i] = list(b)
+                partial |= set(ldims[i])
             else:
                 # Conflict (the axis also splits the other operand elsewhere): gather the cheaper side.
                 if ltotal * self.ctx.split(tuple(a)) <= rtotal * self.ctx.split(tuple(b)):
@@ -979,6 +998,37 @@ class _Propagator:
             # Its readers keep a split over a pending axis: reduce-scattered onto it here.
             return self.resolve(eqn.outvars[0], out, want, mult, "dot_general")
         return out
+
+    def _contraction_moves(
+        self, lhs: Val, rhs: Val, i: int, j: int, ldims: list, rdims: list, lb: Any, lfree: list, rfree: list
+    ) -> str | None:
+        """Which operand (``"lhs"``/``"rhs"``) takes the other's split on contracting dims ``i``/``j``
+        split over different axes, or None (both gathered there). An operand may take the other's
+        axes where they split none of its other dims; it does where the result's pending sum costs
+        less than gathering the other operand on the contraction (GSPMD weighs the two)."""
+        a, b = ldims[i], rdims[j]
+        used_l = {x for k, d in enumerate(ldims) if k != i for x in d}
+        used_r = {x for k, d in enumerate(rdims) if k != j for x in d}
+        ltotal = self.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims))) * self.ctx.split(tuple(a))
+        rtotal = self.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims))) * self.ctx.split(tuple(b))
+        shape = tuple(lhs.shape[k] for k in (*lb, *lfree)) + tuple(rhs.shape[k] for k in rfree)
+        dims = tuple(tuple(ldims[k]) for k in (*lb, *lfree)) + tuple(tuple(rdims[k]) for k in rfree)
+        out = self.ctx.local(Val(shape, max(lhs.itemsize, rhs.itemsize), dims))
+        options = []
+        if a and not set(a) & used_r and out < ltotal:
+            options.append((rtotal, "rhs"))
+        if b and not set(b) & used_l and out < rtotal:
+            options.append((ltotal, "lhs"))
+        return min(options)[1] if options else None
+
+    def _gathered_on(self, x: Any, v: Val, dim: int, eqn: Any, mult: int) -> Val:
+        """``v`` gathered whole on ``dim`` for a matmul (cast first where the compiler narrows)."""
+        target = tuple(() if k == dim else d for k, d in enumerate(v.dims))
+        narrow = self.ctx.book.matmul_itemsize
+        if narrow and eqn.params.get("precision") in (None, (None, None)) and v.itemsize == 4 and _is_float(x):
+            moved = self.reshard(x, replace(v, itemsize=narrow), target, mult, "dot_general", (narrow, self.backward))
+            return replace(moved, itemsize=v.itemsize)
+        return self.reshard(x, v, target, mult, "dot_general")
 
     def reduce(self, eqn: Any, v: Val, mult: int) -> Val:
         axes = tuple(eqn.params.get("axes", ()))
