@@ -230,6 +230,9 @@ class _Propagator:
         self.slices: dict[Any, Dims] = {}
         self.free: dict[Any, Dims] = dict(free or {})
         self.constant: set[Any] = set()  # values computed from literals alone (XLA keeps them whole)
+        # A broadcast's result -> (its operand, the operand's layout, broadcast_dimensions): where an
+        # elementwise op moves it, XLA moves the operand at its own size.
+        self.expanded: dict[Any, tuple[Any, Val, tuple[int, ...]]] = {}
         self.memo: dict[Any, tuple] = {}  # what depends on the trace alone, kept between plans (see cost)
         # A value holding a pending sum -> (op, source) of the equation that made it: the collective
         # that completes the sum is that op's (a gradient's all-reduce belongs to the model line whose
@@ -731,6 +734,8 @@ class _Propagator:
         for i, j in enumerate(bdims):
             if v.shape[i] == shape[j]:
                 dims[j] = v.dims[i]
+        if not v.partial and not hasattr(eqn.invars[0], "val") and math.prod(v.shape) < math.prod(shape):
+            self.expanded[eqn.outvars[0]] = (eqn.invars[0], v, tuple(bdims))
         return [Val(shape, itemsize(out_aval), tuple(dims), v.partial)]
 
     def unstack(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
@@ -825,11 +830,9 @@ class _Propagator:
         done = [(x, self.resolve(x, v, hint, mult, name)) for x, v in full]
         if not done:
             return _replicated(out_aval)
-        target = (
-            hint
-            if hint is not None and _fits(shape, hint, self.ctx)
-            else max((v for _, v in done), key=lambda v: math.prod(self.ctx.split(d) for d in v.dims)).dims
-        )
+        as_is = {id(x): v for x, v in zip(eqn.invars, ins, strict=True)}  # each at its own shape (size-1 dims)
+        hinted = hint is not None and _fits(shape, hint, self.ctx)
+        target = hint if hint is not None and hinted else self._merged(done, as_is, shape)
         free = self.free.get(eqn.outvars[0])
         if free is not None and hint is None:
             used = {a for d in target for a in d}
@@ -844,10 +847,63 @@ class _Propagator:
                 whole = tuple(t if not d and t else () for d, t in zip(v.dims, _norm(target, len(shape)), strict=True))
                 if any(whole):
                     self.slices.setdefault(x, whole)
-            self.reshard(x, v, target, mult, name)
+            if hinted:  # XLA computes in the operands' layout and moves the result (about this size)
+                self.reshard(x, v, target, mult, name)
+            else:
+                self._moved(x, v, as_is[id(x)], target, mult, name)
         out = Val(shape, itemsize(out_aval), _norm(target, len(shape)))
         self._flops(self.ctx.local(out) / out.itemsize, mult, name)
         return out
+
+    def _merged(self, done: list[tuple[Any, Val]], own: dict[int, Val], shape: tuple[int, ...]) -> Dims:
+        """An elementwise op's layout from its operands' (no hint): the largest operand's splits
+        kept, each other's added where their axes are free (a broadcast counted at its operand's
+        size; ties: the most split first). Measured: a norm's scale split over `data` on the width
+        meets activations split over `data` on the batch; XLA gathers the scale (its own bytes),
+        it does not move the activations' split."""
+
+        def real(x: Any, v: Val) -> int:
+            src = None if hasattr(x, "val") else self.expanded.get(x)
+            return math.prod(src[1].shape) if src is not None else math.prod(own[id(x)].shape)
+
+        order = sorted(done, key=lambda xv: (-real(*xv), -self.ctx.split_dims(xv[1].dims)))
+        target: list[list[str]] = [[] for _ in shape]
+        used: set[str] = set()
+        for _, v in order:
+            for i, d in enumerate(_norm(v.dims, len(shape))):
+                free = [a for a in d if a not in used]
+                if (
+                    free
+                    and not target[i]
+                    and _fits(shape, _tuple([free if k == i else t for k, t in enumerate(target)]), self.ctx)
+                ):
+                    target[i] = free
+                    used |= set(free)
+        return _tuple(target)
+
+    def _moved(self, x: Any, v: Val, mine: Val, target: Dims, mult: int, why: str) -> None:
+        """``v`` (value ``x``, ``mine`` at its own shape) moved to ``target`` for an elementwise op:
+        at its own size (size-1 dims carry no split), a broadcast's operand at that operand's size
+        where it fits the projected layout."""
+        full = _norm(target, len(v.shape))
+        if full == v.dims:
+            return
+        src = None if hasattr(x, "val") else self.expanded.get(x)
+        if src is not None:
+            var, sv, bdims = src
+            shape = mine.shape
+            proj = tuple(
+                full[j] if sv.shape[i] == shape[j] and shape[j] == v.shape[j] else () for i, j in enumerate(bdims)
+            )
+            if _fits(sv.shape, proj, self.ctx):
+                self.reshard(var, sv, proj, mult, why)
+                return
+        if mine.shape != v.shape and len(mine.shape) == len(v.shape):
+            self.reshard(
+                x, mine, tuple(t if mine.shape[i] == v.shape[i] else () for i, t in enumerate(full)), mult, why
+            )
+            return
+        self.reshard(x, v, target, mult, why)
 
     def dot(self, eqn: Any, ins: list[Val], mult: int) -> Val:
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -899,29 +955,22 @@ class _Propagator:
             # the partial results (GSPMD weighs the bytes; so do we).
             ltotal = self.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims)))
             rtotal = self.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims)))
-            used_l = {x for k, d in enumerate(ldims) if k != i for x in d}
-            used_r = {x for k, d in enumerate(rdims) if k != j for x in d}
-            extra_b = [x for x in a if x not in b and x not in used_r]
-            extra_a = [x for x in b if x not in a and x not in used_l]
-            if extra_b and len(extra_b) == len([x for x in a if x not in b]) and not extra_a and not b:
-                # rhs whole on this dim: slice it like lhs (free), sum later.
-                rdims[j] = list(a)
-                partial |= set(a)
-            elif extra_a and len(extra_a) == len([x for x in b if x not in a]) and not extra_b and not a:
-                ldims[i] = list(b)
-                partial |= set(b)
-            elif (moved := self._contraction_moves(lhs, rhs, i, j, ldims, rdims, lb, lfree, rfree)) is not None:
-                # Split over different axes, one side's axes free on the other operand, and the
-                # result's pending sum cheaper than gathering the other side: the moving operand is
-                # gathered whole on the dim (XLA's dot partitioner replicates it there) and sliced
-                # as the other is; the matmul stays split (measured: a row-parallel weight split
-                # over `data` meets hidden states split over `model` on the contraction; XLA
-                # gathers the weight and all-reduces the result, it does not gather the states).
+            if (moved := self._contraction_moves(lhs, rhs, i, j, ldims, rdims, lb, lfree, rfree)) is not None:
+                # One side whole on the dim, or split over different axes free on it, and the
+                # result's pending sum cheaper than gathering the other side: that side is gathered
+                # whole on the dim (XLA's dot partitioner replicates it there; a whole side or a
+                # split the other extends is only sliced) and sliced as the other is; the matmul
+                # stays split (measured: a row-parallel weight split over `data` meets hidden states
+                # split over `model` on the contraction: XLA gathers the weight and all-reduces the
+                # result; a replicated weight meets them: XLA gathers the states, whose bytes are
+                # fewer than the result's).
                 if moved == "rhs":
-                    rhs = self._gathered_on(rx, rhs, j, eqn, mult)
+                    if b != a[: len(b)]:
+                        rhs = self._gathered_on(rx, rhs, j, eqn, mult)
                     rdims[j] = list(a)
                 else:
-                    lhs = self._gathered_on(lx, lhs, i, eqn, mult)
+                    if a != b[: len(a)]:
+                        lhs = self._gathered_on(lx, lhs, i, eqn, mult)
                     ldims[i] = list(b)
                 partial |= set(ldims[i])
             else:
@@ -1012,13 +1061,26 @@ class _Propagator:
         ltotal = self.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims))) * self.ctx.split(tuple(a))
         rtotal = self.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims))) * self.ctx.split(tuple(b))
         shape = tuple(lhs.shape[k] for k in (*lb, *lfree)) + tuple(rhs.shape[k] for k in rfree)
-        dims = tuple(tuple(ldims[k]) for k in (*lb, *lfree)) + tuple(tuple(rdims[k]) for k in rfree)
+        mine = [tuple(ldims[k]) for k in (*lb, *lfree)]
+        theirs = [tuple(rdims[k]) for k in rfree]
+        taken = {x for d in mine for x in d}
+        if any(x in taken for d in theirs for x in d):  # a free dim of each side over one axis: see ``dot``
+            if math.prod(rhs.shape) * rhs.itemsize <= math.prod(lhs.shape) * lhs.itemsize:
+                theirs = [tuple(x for x in d if x not in taken) for d in theirs]
+            else:
+                clash = {x for d in theirs for x in d}
+                mine = [tuple(x for x in d if x not in clash) for d in mine]
+        dims = tuple(mine) + tuple(theirs)
+        if not any(dims):
+            # a result split nowhere: XLA gathers the contraction whatever the sizes (measured:
+            # 64x1024 @ 1024x16 split over `model` on the 1024 gathers 256 KiB, not a 4 KiB sum)
+            return None
         out = self.ctx.local(Val(shape, max(lhs.itemsize, rhs.itemsize), dims))
         options = []
-        if a and not set(a) & used_r and out < ltotal:
-            options.append((rtotal, "rhs"))
-        if b and not set(b) & used_l and out < rtotal:
-            options.append((ltotal, "lhs"))
+        if a and not set(a) & used_r and (not b or out <= ltotal):
+            options.append((rtotal if b else 0, "rhs"))  # a whole side is sliced for free
+        if b and not set(b) & used_l and (not a or out <= rtotal):
+            options.append((ltotal if a else 0, "lhs"))
         return min(options)[1] if options else None
 
     def _gathered_on(self, x: Any, v: Val, dim: int, eqn: Any, mult: int) -> Val:
