@@ -1723,10 +1723,13 @@ def _batch_scatter(v: Val, ctx: _Ctx) -> Dims:
 
 def _adapts(eqn: Any) -> bool:
     """A reader that takes its operand in any layout (an elementwise op, a matmul or a call of one,
-    ``jnp.einsum``'s body), where a reduction or a gather keeps the layout it finds."""
+    ``jnp.einsum``'s body, a reduction of one operand: a norm's mean), where a gather keeps the
+    layout it finds."""
     if eqn is None:
         return False
     if eqn.primitive.name == "dot_general" or eqn.primitive.name in ELEMENTWISE:
+        return True
+    if eqn.primitive.name in REDUCTIONS and len(eqn.invars) == 1:
         return True
     sub = _subjaxpr(eqn) if eqn.primitive.name in ("jit", "pjit", "closed_call") else None
     return sub is not None and any(e.primitive.name == "dot_general" for e in sub.eqns)
@@ -1735,7 +1738,8 @@ def _adapts(eqn: Any) -> bool:
 def _claims_back(jaxpr: Any, claimed: dict[Any, Dims], split: Callable[[Dims], int]) -> dict[Any, Dims]:
     """The layouts Shardy's propagation gives the ops that build a claimed value, walking back
     from it: through transposes and elementwise ops (to operands of the same shape: an operand
-    broadcast over a size-1 dim, or by ``broadcast_in_dim``, keeps its own layout), into calls
+    broadcast over a size-1 dim, or by ``broadcast_in_dim``, keeps its own layout), through
+    reductions (the kept dims as the result's, the reduced whole: a norm), into calls
     (an einsum's body) and through a batched matmul to its operands (batch and free dims as the
     result's, contracting dims whole). Only values made in ``jaxpr`` (or a call's inputs, mapped
     out to the caller's values) are claimed; params and inputs keep their own layouts. Where a
@@ -1786,6 +1790,12 @@ def _claims_back(jaxpr: Any, claimed: dict[Any, Dims], split: Callable[[Dims], i
             for x in eqn.invars:
                 if tuple(getattr(x.aval, "shape", ())) == shape and shape:  # not through a size-1 broadcast
                     claim(x, target)
+        elif name in REDUCTIONS and len(eqn.invars) == 1:
+            # through a reduction (a norm's mean): the kept dims as the result's, the reduced whole
+            axes = set(eqn.params.get("axes", ()))
+            kept = iter(target)
+            x = eqn.invars[0]
+            claim(x, tuple(() if i in axes else next(kept, ()) for i in range(len(x.aval.shape))))
         elif name == "dot_general":
             (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
             if not lb:
