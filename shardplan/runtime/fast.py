@@ -831,8 +831,8 @@ class _Propagator:
         if not done:
             return _replicated(out_aval)
         as_is = {id(x): v for x, v in zip(eqn.invars, ins, strict=True)}  # each at its own shape (size-1 dims)
-        hinted = hint is not None and _fits(shape, hint, self.ctx)
-        target = hint if hint is not None and hinted else self._merged(done, as_is, shape)
+        target = hint if hint is not None and _fits(shape, hint, self.ctx) else self._merged(done, as_is, shape)
+        hinted = target is hint
         free = self.free.get(eqn.outvars[0])
         if free is not None and hint is None:
             used = {a for d in target for a in d}
@@ -953,8 +953,6 @@ class _Propagator:
                 continue
             # One side split on the contraction: gather it there, or slice the other side and sum
             # the partial results (GSPMD weighs the bytes; so do we).
-            ltotal = self.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims)))
-            rtotal = self.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims)))
             if (moved := self._contraction_moves(lhs, rhs, i, j, ldims, rdims, lb, lfree, rfree)) is not None:
                 # One side whole on the dim, or split over different axes free on it, and the
                 # result's pending sum cheaper than gathering the other side: that side is gathered
@@ -975,6 +973,8 @@ class _Propagator:
                 partial |= set(ldims[i])
             else:
                 # Conflict (the axis also splits the other operand elsewhere): gather the cheaper side.
+                ltotal = self.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims)))
+                rtotal = self.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims)))
                 if ltotal * self.ctx.split(tuple(a)) <= rtotal * self.ctx.split(tuple(b)):
                     ldims[i] = [x for x in a if x in b]
                 else:
@@ -993,7 +993,7 @@ class _Propagator:
                 # The same axis splits a free dim of each side: XLA's propagation keeps the split of
                 # the larger operand (its whole size) and gathers the other (measured: under sequence
                 # parallelism a layer's weights are gathered, the sequence stays split).
-                if math.prod(rhs.shape) * rhs.itemsize <= math.prod(lhs.shape) * lhs.itemsize:
+                if _rhs_yields(lhs, rhs):
                     rdims[j] = [x for x in rdims[j] if x not in used]
                 else:
                     for i in lfree:
@@ -1065,7 +1065,7 @@ class _Propagator:
         theirs = [tuple(rdims[k]) for k in rfree]
         taken = {x for d in mine for x in d}
         if any(x in taken for d in theirs for x in d):  # a free dim of each side over one axis: see ``dot``
-            if math.prod(rhs.shape) * rhs.itemsize <= math.prod(lhs.shape) * lhs.itemsize:
+            if _rhs_yields(lhs, rhs):
                 theirs = [tuple(x for x in d if x not in taken) for d in theirs]
             else:
                 clash = {x for d in theirs for x in d}
@@ -1826,6 +1826,12 @@ def _claims_back(jaxpr: Any, claimed: dict[Any, Dims], split: Callable[[Dims], i
     for x in jaxpr.invars:
         settle(x)
     return out
+
+
+def _rhs_yields(lhs: Val, rhs: Val) -> bool:
+    """Where one axis splits a free dim of each matmul operand: whether the right-hand one gives
+    it up (XLA's propagation keeps the larger operand's split; ties: the left's)."""
+    return math.prod(rhs.shape) * rhs.itemsize <= math.prod(lhs.shape) * lhs.itemsize
 
 
 def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:
