@@ -441,6 +441,13 @@ def bench_step_cost(quick: bool) -> dict:
         for plan in tplans:
             for family in ("gpt",) if quick else ("gpt", "llama"):
                 rows.append(_fast_vs_exact(plan, f"{family}_small", batch, target))
+    # Models wide enough that what a compiler holds for the backward pass shows in its peak (the
+    # small models' peaks are set by XLA:GPU's split-matmul workspaces and XLA:TPU's tiles).
+    wide = ROOT / "tests" / "fixtures" / "wide_models.py"
+    for target in [] if quick else ["cpu", *_installed_targets()]:
+        for plan, model in (("fsdp.splan", "swiglu_wide"), ("dp.splan", "gelu_wide")):
+            rows.append(_fast_vs_exact(plan, model, ["tokens=int32[32,256],labels=int32[32,256]"], target,
+                                       model_ref=f"{wide}:{model}", step=f"{wide}:loss"))
     return {"rows": rows}
 
 
@@ -458,11 +465,13 @@ def _installed_targets() -> list[str]:
     return out
 
 
-def _fast_vs_exact(plan: str, factory: str, batch: list[str], target: str) -> dict:
+def _fast_vs_exact(plan: str, factory: str, batch: list[str], target: str, model_ref: str | None = None,
+                   step: str | None = None) -> dict:
     import shardplan
 
-    model = f"{ROOT / 'examples' / 'models.py'}:{factory}"
-    kw = dict(model=model, step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", batch=batch, devices=8, target=target)
+    model = model_ref or f"{ROOT / 'examples' / 'models.py'}:{factory}"
+    step = step or f"{ROOT / 'examples' / 'train.py'}:lm_loss"
+    kw = dict(model=model, step=step, batch=batch, devices=8, target=target)
     fast = shardplan.api.analyze(ROOT / "plans" / plan, mode="fast", **kw)
     exact = shardplan.api.analyze(ROOT / "plans" / plan, mode="exact", **kw)
     from benchmarks.random_plans import differences

@@ -203,3 +203,21 @@ def test_a_mesh_whose_axes_are_no_product_of_the_slices_physical_axes_is_laid_ac
                        env={**compiler_defaults_env(), "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == "{'data': 32, 'model': 2} 64"
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs the CUDA plugin: pip install 'shardplan[gpu]'")
+@pytest.mark.parametrize("plan, model", [("fsdp.splan", "swiglu_wide"), ("dp.splan", "gelu_wide")])
+def test_fast_mode_for_a_gpu_target_holds_what_xla_gpu_keeps_for_the_backward_pass(plan, model):
+    """XLA:GPU does not hold an MLP's elementwise pieces (silu(gate), gelu's tanh) for the backward
+    pass: it computes them again from the matmul results it holds. Fast mode told the target
+    predicts its compiled peak; XLA:CPU's rules hold every piece (measured 2026-12-04: 206.0 vs
+    191.9 MiB and 252.4 vs 230.3 MiB; XLA:CPU's rules 240.0 and 278.4)."""
+    wide = FIXTURES / "wide_models.py"
+    kw = dict(model=f"{wide}:{model}", step=f"{wide}:loss", batch=["tokens=int32[32,256],labels=int32[32,256]"],
+              devices=8)
+    gpu = shardplan.api.analyze(PLANS / plan, mode="exact", target="h100:8", timeout_s=299, **kw)
+    fast = shardplan.api.analyze(PLANS / plan, mode="fast", target="h100:8", **kw)
+    cpu_rules = shardplan.api.analyze(PLANS / plan, mode="fast", **kw)
+    compiled = gpu.memory.peak
+    assert fast.memory.peak == pytest.approx(compiled, rel=0.12), (fast.memory, compiled)
+    assert cpu_rules.memory.peak > 1.15 * compiled

@@ -77,18 +77,27 @@ class Compiler:
     - ``regather``: weights gathered for the forward pass are gathered again for the backward pass
       and not held between (XLA:TPU: each gather lives around its matmuls; XLA:CPU and XLA:GPU
       gather once and keep the weight until its last use).
+    - ``recomputes``: an elementwise result that every reader fuses (``_kernels``) is not held where
+      what it is computed from is held to its last reader anyway: the readers compute it again
+      (XLA:GPU duplicates such producers into their consumers; measured on its buffer assignment, a
+      SwiGLU's ``silu(gate)`` pieces are recomputed in the backward pass from the gate and up matmul
+      results it holds there; XLA:CPU holds each piece that has several readers). XLA:TPU recomputes
+      too, but holds activations in ways fast mode does not model (bf16 copies, loops over the batch,
+      on-chip memory): with this rule its peaks on the example models fell 5-17% under, so its book
+      leaves it off.
     """
 
     name: str
     sums: frozenset[str] = frozenset()
     matmul_itemsize: int | None = None
     regather: bool = False
+    recomputes: bool = False
 
 
 _REASSOCIATES = frozenset({"add", "add_any", "sub"})
 COMPILERS = {
     "cpu": Compiler(COMPILER_NAMES["cpu"]),
-    "cuda": Compiler(COMPILER_NAMES["cuda"], sums=_REASSOCIATES),
+    "cuda": Compiler(COMPILER_NAMES["cuda"], sums=_REASSOCIATES, recomputes=True),
     "tpu": Compiler(COMPILER_NAMES["tpu"], sums=_REASSOCIATES, matmul_itemsize=2, regather=True),
 }
 
@@ -574,7 +583,9 @@ class _Propagator:
         """What a jaxpr's run needs that no plan changes: each value's last reader and reader count,
         its outputs, the values fused into their readers, and its kernels (fresh copies of a memo
         kept per trace: the run updates them)."""
-        key = ("structure", id(jaxpr), None if boundary is None else frozenset(boundary.fusable_outs.items()))
+        recomputes = self.ctx.book.recomputes
+        outs = None if boundary is None else frozenset(boundary.fusable_outs.items())
+        key = ("structure", id(jaxpr), outs, recomputes)
         hit = self.memo.get(key)
         if hit is None or hit[0] is not jaxpr:
             last: dict[Any, int] = {}
@@ -586,7 +597,10 @@ class _Propagator:
                         uses[x] = uses.get(x, 0) + 1
             keep = {x for x in jaxpr.outvars if not hasattr(x, "val")}
             kernels = _kernels(jaxpr, {} if boundary is None else boundary.fusable_outs)
-            hit = (jaxpr, last, uses, keep, _fused_outputs(jaxpr, uses), kernels)
+            fused = _fused_outputs(jaxpr, uses)
+            if recomputes:
+                fused = fused | _recomputed(jaxpr, kernels[0], last)
+            hit = (jaxpr, last, uses, keep, fused, kernels)
             self.memo[key] = hit
         _, last, uses, keep, fused, (fused_v, soft, shared) = hit
         return last, uses, keep, fused, (dict(fused_v), dict(soft), set(shared))
@@ -594,7 +608,7 @@ class _Propagator:
     def _steps(self, jaxpr: Any, last: dict[Any, int], keep: set) -> list[tuple]:
         """Per equation of ``jaxpr``, what no plan changes: its literal operands' values (None for a
         variable), its variable operands, and the values whose last reader it is (memoised)."""
-        key = ("steps", id(jaxpr))
+        key = ("steps", id(jaxpr), self.ctx.book.recomputes)
         hit = self.memo.get(key)
         if hit is None or hit[0] is not jaxpr:
             steps = []
@@ -1642,6 +1656,31 @@ def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
                 if uses.get(v, 0) == 1 and consumer.get(v) in _FUSES_PRODUCER:
                     out.add(v)
     return out
+
+
+def _recomputed(jaxpr: Any, fused: dict[Any, int], last: dict[Any, int]) -> set[Any]:
+    """``Compiler.recomputes``: the results ``_kernels`` fuses into every reader that need not be
+    held, because what they are computed from is held at least as long anyway (a SwiGLU's
+    ``silu(gate)`` pieces, recomputed in the backward pass from the two matmul results it reads
+    there too). In program order: a dropped result's readers recompute it from its own sources."""
+    dropped: set[Any] = set()
+    eqns = jaxpr.eqns
+    for x, k in sorted(fused.items(), key=lambda t: t[1]):
+        end = last.get(x, -1)
+        stack, ok, seen = [k], True, set()
+        while stack and ok:
+            for z in eqns[stack.pop()].invars:
+                if hasattr(z, "val") or z in seen:
+                    continue
+                seen.add(z)
+                if z in dropped:
+                    stack.append(fused[z])
+                elif last.get(z, -1) < end:
+                    ok = False
+                    break
+        if ok:
+            dropped.add(x)
+    return dropped
 
 
 def _kernels(jaxpr: Any, fusable_outs: dict[Any, int]) -> tuple[dict[Any, int], dict[Any, int], set]:
