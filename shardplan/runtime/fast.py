@@ -79,12 +79,18 @@ class Compiler:
       gather once and keep the weight until its last use).
     - ``recomputes``: an elementwise result that every reader fuses (``_kernels``) is not held where
       what it is computed from is held to its last reader anyway: the readers compute it again
-      (XLA:GPU duplicates such producers into their consumers; measured on its buffer assignment, a
-      SwiGLU's ``silu(gate)`` pieces are recomputed in the backward pass from the gate and up matmul
-      results it holds there; XLA:CPU holds each piece that has several readers). XLA:TPU recomputes
-      too, but holds activations in ways fast mode does not model (bf16 copies, loops over the batch,
-      on-chip memory): with this rule its peaks on the example models fell 5-17% under, so its book
-      leaves it off.
+      (XLA:GPU and XLA:TPU duplicate such producers into their consumers; measured on XLA:GPU's
+      buffer assignment, a SwiGLU's ``silu(gate)`` pieces are recomputed in the backward pass from
+      the gate and up matmul results it holds there; XLA:CPU holds each piece with several readers).
+    - ``tile``: the (second-minor, minor) tile buffers in memory are padded to (XLA:TPU lays an
+      array's last two dims out in (8, 128) tiles: a (4, 8, 32, 32) float32 array of attention
+      scores takes 4x its bytes; measured on its compiled programs' buffer sizes); None: unpadded.
+    - ``narrows``: a float32 value whose remaining readers are all matmuls at the default precision
+      is held from then on as the ``matmul_itemsize`` copy they read (XLA:TPU keeps the bfloat16
+      cast of an activation for the backward pass's weight gradient, not the float32 value); a
+      float32 input (a weight) that such matmuls read has that copy held beside it from its first
+      matmul to its last where it is read in place (XLA:TPU casts a replicated weight once for the
+      forward and backward pass; a gathered one is cast and gathered around each use).
     """
 
     name: str
@@ -92,13 +98,23 @@ class Compiler:
     matmul_itemsize: int | None = None
     regather: bool = False
     recomputes: bool = False
+    narrows: bool = False
+    tile: tuple[int, int] | None = None
 
 
 _REASSOCIATES = frozenset({"add", "add_any", "sub"})
 COMPILERS = {
     "cpu": Compiler(COMPILER_NAMES["cpu"]),
     "cuda": Compiler(COMPILER_NAMES["cuda"], sums=_REASSOCIATES, recomputes=True),
-    "tpu": Compiler(COMPILER_NAMES["tpu"], sums=_REASSOCIATES, matmul_itemsize=2, regather=True),
+    "tpu": Compiler(
+        COMPILER_NAMES["tpu"],
+        sums=_REASSOCIATES,
+        matmul_itemsize=2,
+        regather=True,
+        narrows=True,
+        recomputes=True,
+        tile=(8, 128),
+    ),
 }
 
 
@@ -162,6 +178,31 @@ class _Ctx:
             for size, axes in zip(v.shape, v.dims, strict=True):
                 n *= size // self.split(axes) if axes else size
             self.memo[key] = n
+        return n
+
+    def held(self, v: Val) -> int:
+        """Bytes ``v``'s local part takes in memory: :meth:`local`, padded to the compiler's tiles."""
+        tile = self.book.tile
+        if tile is None or not v.shape:
+            return self.local(v)
+        key = ("held", v.shape, v.dims, v.itemsize)
+        n = self.memo.get(key)
+        if n is None:
+            # Dims of 1 take no place; the compiler lays out the two tiled dims where they pad least
+            # (measured: a (64, 16) parameter is laid out (16, 64) in 8 KiB, not 32).
+            local = [size // self.split(axes) if axes else size for size, axes in zip(v.shape, v.dims, strict=True)]
+            local = [d for d in local if d != 1] or [1]
+            whole = math.prod(local)
+            if len(local) == 1:
+                n = _round_up(whole, tile[1])
+            else:
+                n = min(
+                    whole // (a * b) * _round_up(a, tile[0]) * _round_up(b, tile[1])
+                    for i, a in enumerate(local)
+                    for j, b in enumerate(local)
+                    if i != j
+                )
+            n = self.memo[key] = v.itemsize * n
         return n
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: int, mult: int, why: str, moves: str = "") -> None:
@@ -398,13 +439,15 @@ class _Propagator:
         last, uses, keep, fused, (fused_v, soft, shared) = self._structure(jaxpr, boundary)
         live = peak = 0
         held: dict[Any, int] = {}
+        narrow = self.ctx.book.matmul_itemsize or 4
         # Values in memory (not fused away): a jaxpr's inputs, unless a call's caller fused them.
         stored = (set(jaxpr.invars) if boundary is None else set(boundary.stored)) | set(jaxpr.constvars)
         frame = _Frame(jaxpr, env, stored, fused_v, shared, soft, {} if boundary is None else dict(boundary.reads))
         outer_frame, self._frame = self._frame, frame
         self.runs += 1
         this_run = self.runs
-        for eqn, literals, variables, dying in self._steps(jaxpr, last, keep):
+        copies: dict[Any, int] = {}  # the narrow copies of the jaxpr's inputs its matmuls read
+        for eqn, literals, variables, dying, narrowing, copying in self._steps(jaxpr, last, keep):
             ins = [env[x] if lit is None else lit for x, lit in zip(eqn.invars, literals, strict=True)]
             for var in eqn.outvars:
                 self.defined[var] = this_run
@@ -426,8 +469,14 @@ class _Propagator:
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
                 if var not in fused and var not in self.aliased and var not in virtual:
-                    held[var] = self.ctx.local(val)
+                    held[var] = self.ctx.held(val)
                     live += held[var]
+            for x in copying:
+                # made for its first matmul, where the weight is read in place (not gathered: then
+                # the cast is gathered around each use, ``Compiler.regather``)
+                if x not in copies and not any(a in self.ctx.batch_axes for a in env[x].axes):
+                    copies[x] = self.ctx.held(env[x]) * narrow // 4
+                    live += copies[x]
             # Gathered weights stay alive for their reuse in the backward pass (XLA's CSE).
             peak = max(peak, live + inner + (self.ctx.gathered_now if top else 0))
             if top and self.ctx.reducing:  # the first gradient reduced: the combined one's moment
@@ -437,6 +486,14 @@ class _Propagator:
             for x in dying:
                 if x in held:
                     live -= held.pop(x)
+            for x in dying:
+                if x in copies:  # its last matmul
+                    live -= copies.pop(x)
+            for x in narrowing:  # read by default-precision matmuls alone from here: their narrow copy
+                if x in held:
+                    cut = held[x] - held[x] * narrow // 4
+                    held[x] -= cut
+                    live -= cut
         self._last_frame, self._frame = frame, outer_frame
         self.peak = max(self.peak, peak)
         # Outputs that are broadcasts (a call's jvp residuals, masks): recomputed where used.
@@ -608,15 +665,23 @@ class _Propagator:
     def _steps(self, jaxpr: Any, last: dict[Any, int], keep: set) -> list[tuple]:
         """Per equation of ``jaxpr``, what no plan changes: its literal operands' values (None for a
         variable), its variable operands, and the values whose last reader it is (memoised)."""
-        key = ("steps", id(jaxpr), self.ctx.book.recomputes)
+        book = self.ctx.book
+        key = ("steps", id(jaxpr), book.recomputes, book.narrows)
         hit = self.memo.get(key)
         if hit is None or hit[0] is not jaxpr:
             steps = []
+            narrows = book.narrows and book.matmul_itemsize
+            wide = _last_wide_readers(jaxpr, last, keep) if narrows else {}
+            narrowing: dict[int, list] = {}
+            for x, k in wide.items():
+                narrowing.setdefault(k, []).append(x)
+            inputs = {x for x in jaxpr.invars if _is_float(x) and x.aval.dtype == "float32"} if narrows else set()
             for k, eqn in enumerate(jaxpr.eqns):
                 literals = tuple(self._read({}, x) if hasattr(x, "val") else None for x in eqn.invars)
                 variables = tuple(x for x in eqn.invars if not hasattr(x, "val"))
                 dying = tuple(dict.fromkeys(x for x in variables if last.get(x) == k and x not in keep))
-                steps.append((eqn, literals, variables, dying))
+                copying = tuple(x for x in variables if x in inputs) if _reads_narrow(eqn) else ()
+                steps.append((eqn, literals, variables, dying, tuple(narrowing.get(k, ())), copying))
             hit = self.memo[key] = (jaxpr, steps)
         return hit[1]
 
@@ -1655,6 +1720,45 @@ def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
             for v in eqn.outvars:
                 if uses.get(v, 0) == 1 and consumer.get(v) in _FUSES_PRODUCER:
                     out.add(v)
+    return out
+
+
+def _reads_narrow(eqn: Any) -> bool:
+    """A matmul at the default precision (its float32 operands read in ``Compiler.matmul_itemsize``)."""
+    return eqn.primitive.name == "dot_general" and eqn.params.get("precision") in (None, (None, None))
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _last_wide_readers(jaxpr: Any, last: dict[Any, int], keep: set) -> dict[Any, int]:
+    """``Compiler.narrows``: float32 values read after some equation by default-precision matmuls
+    alone, each with that equation's index (its last reader that reads it whole, or the equation
+    that makes it where matmuls alone read it)."""
+    wide: dict[Any, int] = {}
+    matmuls: dict[Any, bool] = {}
+    defined: dict[Any, int] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for x in eqn.outvars:
+            defined[x] = k
+        narrow = _reads_narrow(eqn)
+        for x in eqn.invars:
+            if hasattr(x, "val"):
+                continue
+            if narrow:
+                matmuls[x] = True
+            else:
+                wide[x] = k
+                matmuls[x] = False
+    out = {}
+    for x, reads_narrow in matmuls.items():
+        # the value's last reader is a matmul and it was read whole before: narrowed after that read
+        if not reads_narrow or x in keep or not _is_float(x) or x.aval.dtype != "float32":
+            continue
+        at = wide.get(x, defined.get(x))  # read by matmuls alone: held narrow from its making
+        if at is not None and at < last.get(x, -1):
+            out[x] = at
     return out
 
 
