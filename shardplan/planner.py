@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,10 @@ from shardplan.lang.loader import loads
 DEFAULT_CHIP = "h100"
 CONFIRM = 3  # candidates confirmed in exact mode
 MORE_CONFIRMS = 3  # more tried while none of the confirmed ones compiles within the budget
+# Step times within this share of the fastest are a tie: the time model does not resolve them (on
+# a toy model every plan is bound by its kernels' launches), so the plan whose devices do the least
+# of the same work (FLOPs per device), then the lowest peak, is taken among them.
+TIE = 0.02
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class Candidate:
     fits: bool
     exact_step_s: float | None = None  # the same, from the compiled program (exact mode)
     exact_peak: int | None = None
+    flops: float = 0.0  # per device per step (the compiled program's where confirmed)
 
 
 @dataclass(frozen=True)
@@ -295,7 +301,7 @@ def suggest(
         )
     if not ranked[0].fits:
         raise _fits_nowhere(min(ranked, key=lambda r: r.peak), budget)
-    fitting = [r for r in ranked if r.fits]
+    fitting = _ties_broken([r for r in ranked if r.fits], lambda r: (r.seconds, r.cost.flops, r.peak, r.text))
     notes: list[str] = []
     t1 = time.perf_counter()
     confirmed: dict[str, tuple[float, int, StepCost]] = {}
@@ -333,7 +339,11 @@ def suggest(
             if not fitting:
                 raise _fits_nowhere(min(over, key=lambda r: confirmed[r.text][1]), budget)
         if confirmed and fitting and tried:
-            order = sorted(tried, key=lambda r: (r.text not in confirmed, confirmed.get(r.text, (math.inf,))[0]))
+            done = _ties_broken(
+                [r for r in tried if r.text in confirmed],
+                lambda r: (confirmed[r.text][0], confirmed[r.text][2].flops, confirmed[r.text][1], r.text),
+            )
+            order = done + [r for r in tried if r.text not in confirmed]
             if order[0] is not fitting[0]:
                 notes.append(
                     f"exact mode re-ranked the best {len(order)}: fast mode's first "
@@ -359,6 +369,7 @@ def suggest(
             r.fits,
             ex[0] if ex else None,
             ex[1] if ex else None,
+            ex[2].flops if ex else r.cost.flops,
         )
 
     best = candidate(fitting[0])
@@ -450,6 +461,17 @@ def render(
             if not c.fits
             else f"{ratio - 1:+.0%} step time" + (" compiled" if both else "")
         )
+        if c.fits and ratio < 1:  # faster by less than the time model resolves (TIE)
+            more = (
+                f"{c.flops / best.flops:.1f}x the FLOPs per device"
+                if best.flops and c.flops > best.flops * 1.001
+                else f"a higher peak than {fmt_bytes(best.exact_peak or best.peak)}"
+            )
+            why = (
+                f"{(ratio - 1) * 100:+.1f}% step time"
+                + (" compiled" if both else "")
+                + (f": a tie within {TIE:.0%}, and {more}")
+            )
         head.append(f"- {c.description}: step {_ms(c.step_s)}, peak {fmt_bytes(c.peak)} ({why})")
     wrapped = [
         line
@@ -501,6 +523,18 @@ class Improvement:
             "search_seconds": self.search_s,
             "chip": self.chip,
         }
+
+
+def _ties_broken(results: list, figures: Callable[[Any], tuple]) -> list:
+    """``results`` ordered by their step time, where those within :data:`TIE` of the fastest come
+    first by FLOPs per device, then peak (``figures(r) -> (seconds, flops, peak, text)``)."""
+    if not results:
+        return results
+    ordered = sorted(results, key=figures)
+    fastest = figures(ordered[0])[0]
+    tied = [r for r in ordered if figures(r)[0] <= fastest * (1 + TIE)]
+    tied.sort(key=lambda r: figures(r)[1:])
+    return tied + [r for r in ordered if r not in tied]
 
 
 MIN_GAIN = 0.002  # a change must save at least this share of the step to be proposed
