@@ -630,15 +630,16 @@ class StepCoster:
         run = _fast_cost(backend or p.backend)
         sizes = p.mesh_shape(devices)
         resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in self.shapes.items()])
-        from shardplan.core.targets import COMPILER_NAMES
+        from shardplan.core.targets import BOOKS, COMPILER_NAMES
 
-        if compiler not in COMPILER_NAMES:
+        if compiler not in COMPILER_NAMES and compiler not in BOOKS:
             raise as_error(
                 [
                     error(
                         "bad-argument",
                         f"unknown compiler '{compiler}'",
-                        f"use one of {', '.join(COMPILER_NAMES)} (a target's platform)",
+                        f"use one of {', '.join([*COMPILER_NAMES, *sorted(BOOKS)])} (a target's platform, or a TPU "
+                        "generation whose compiler fast mode has rules of its own for)",
                         path="compiler",
                     )
                 ]
@@ -766,7 +767,7 @@ def _step_cost(
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":
         coster = StepCoster(model, step, shapes, optimizer)
-        cost = coster.cost(p, mesh=None, devices=devices, backend=name, compiler=aim.platform)
+        cost = coster.cost(p, mesh=None, devices=devices, backend=name, compiler=aim.book)
         # named for the target ("XLA:TPU tpu-v5e:2x4"): the report sets its peak against the chip's memory
         return dataclasses.replace(cost, compiler=f"{cost.compiler} {aim.name}") if aim.platform != "cpu" else cost
     if aim.platform == "cpu" and n > MAX_SIMULATED_DEVICES:

@@ -279,7 +279,7 @@ def suggest(
     def score(text: str) -> tuple | None:
         try:  # a candidate the plan checker or the model refuses is dropped, not the search
             plan = loads(text, "<suggest>")
-            cost = coster.cost(plan, delta=False, compiler=aim.platform)
+            cost = coster.cost(plan, delta=False, compiler=aim.book)
         except ShardPlanError:
             return None
         t = timing.step_time(cost, plan, hw)

@@ -44,6 +44,12 @@ class Target:
     def compiler(self) -> str:
         return COMPILER_NAMES[self.platform]
 
+    @property
+    def book(self) -> str:
+        """Fast mode's rule book for this target (shardplan/runtime/fast.py, ``COMPILERS``): the
+        platform's, or a TPU generation's where its compiler chooses otherwise (``tpu-v6e``)."""
+        return self.chip if self.chip in BOOKS else self.platform
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -103,6 +109,7 @@ GPUS: dict[str, GpuSpec] = {
 
 # TPU generations the topology API names ("v5p:2x2x2"), by their chip in shardplan.core.chips.
 TPUS: dict[str, str] = {"tpu-v5e": "v5e", "tpu-v5p": "v5p", "tpu-v6e": "v6e"}
+BOOKS = frozenset({"tpu-v6e"})  # chips whose compiler has a rule book of its own in fast mode
 GPUS_PER_HOST = 8
 
 INSTALL = {
