@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from shardplan.core.leaves import records
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 from shardplan.core.targets import COMPILER_NAMES
 from shardplan.core.timing import combined, combined_launches
@@ -82,9 +83,10 @@ class Compiler:
       (XLA:GPU and XLA:TPU duplicate such producers into their consumers; measured on XLA:GPU's
       buffer assignment, a SwiGLU's ``silu(gate)`` pieces are recomputed in the backward pass from
       the gate and up matmul results it holds there; XLA:CPU holds each piece with several readers).
-    - ``tile``: the (second-minor, minor) tile buffers in memory are padded to (XLA:TPU lays an
-      array's last two dims out in (8, 128) tiles: a (4, 8, 32, 32) float32 array of attention
-      scores takes 4x its bytes; measured on its compiled programs' buffer sizes); None: unpadded.
+    - ``tile``: the (second-minor, minor) tile every array in memory is padded to, in whole 512 B
+      granules, the step's arguments included (XLA:TPU lays two dims of an array out in (8, 128)
+      tiles: a (4, 8, 32, 32) float32 array of attention scores takes 4x its bytes; measured per
+      array on its compiled programs); None: unpadded.
     - ``windowed``: a matmul whose result is reduce-scattered over an axis of at most 32 devices,
       contracting more elements than this (the tokens of a weight gradient), runs as a windowed
       einsum: its partial results passed around a ring of collective-permutes, (2n + 1) / n times
@@ -198,21 +200,8 @@ class _Ctx:
         key = ("held", v.shape, v.dims, v.itemsize)
         n = self.memo.get(key)
         if n is None:
-            # Dims of 1 take no place; the compiler lays out the two tiled dims where they pad least
-            # (measured: a (64, 16) parameter is laid out (16, 64) in 8 KiB, not 32).
             local = [size // self.split(axes) if axes else size for size, axes in zip(v.shape, v.dims, strict=True)]
-            local = [d for d in local if d != 1] or [1]
-            whole = math.prod(local)
-            if len(local) == 1:
-                n = _round_up(whole, tile[1])
-            else:
-                n = min(
-                    whole // (a * b) * _round_up(a, tile[0]) * _round_up(b, tile[1])
-                    for i, a in enumerate(local)
-                    for j, b in enumerate(local)
-                    if i != j
-                )
-            n = self.memo[key] = v.itemsize * n
+            n = self.memo[key] = tiled_bytes(local, v.itemsize, tile)
         return n
 
     def add(self, kind: str, axes: tuple[str, ...], nbytes: int, mult: int, why: str, moves: str = "") -> None:
@@ -1750,6 +1739,27 @@ def _reads_narrow(eqn: Any) -> bool:
     return eqn.primitive.name == "dot_general" and eqn.params.get("precision") in (None, (None, None))
 
 
+GRANULE = 512  # bytes: XLA:TPU's smallest buffer (a float32[3] takes 512 B; measured per array)
+
+
+def tiled_bytes(shape: Sequence[int], itemsize: int, tile: tuple[int, int]) -> int:
+    """Bytes an array takes laid out in (second-minor, minor) ``tile``s: dims of 1 take no place;
+    the compiler lays the two tiled dims out where they pad least (measured: a (64, 16) float32
+    parameter takes 8 KiB, laid out as (16, 64)); whole granules of 512 B."""
+    dims = [d for d in shape if d != 1] or [1]
+    whole = math.prod(dims)
+    if len(dims) == 1:
+        n = _round_up(whole, tile[1])
+    else:
+        n = min(
+            whole // (a * b) * _round_up(a, tile[0]) * _round_up(b, tile[1])
+            for i, a in enumerate(dims)
+            for j, b in enumerate(dims)
+            if i != j
+        )
+    return _round_up(n * itemsize, GRANULE)
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -2268,6 +2278,11 @@ def cost(
             + ", ".join(f"{k} x{n}" for k, n in sorted(ctx.unmodeled.items()))
         )
     p_bytes, o_bytes, b_bytes = params.bytes_per_device(), opt.bytes_per_device(), inputs.bytes_per_device()
+    if book.tile:  # the step's arguments laid out in the compiler's tiles too
+        p_bytes, o_bytes, b_bytes = (
+            sum(tiled_bytes(d.shard_shape, d.itemsize, book.tile) for d in records(r.decisions))
+            for r in (params, opt, inputs)
+        )
     # The step's arguments stay alive (updated params and moments alias them); on top, the
     # most its intermediates (activations saved for the backward pass, gradients, gathered
     # weights, temporaries) hold at once in program order, or, where XLA reduces the gradients
