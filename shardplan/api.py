@@ -620,8 +620,9 @@ class StepCoster:
         Args:
             delta: also what the plan's constraints change (one more propagation; off for a search).
             backend: the backend to cost (default: the plan's).
-            compiler: the platform whose compiler's program is predicted: ``cpu``, ``cuda``, ``tpu``
-                (``runtime.fast.COMPILERS``; a target's platform, ``core.targets``).
+            compiler: whose compiler's program is predicted: ``cpu``, ``cuda``, ``tpu`` or a TPU
+                generation with rules of its own, ``tpu-v6e`` (``runtime.fast.COMPILERS``; a
+                target's ``book``, ``core.targets``).
 
         Raises:
             ShardPlanError: the plan does not fit the model, batch or devices; the step fails to trace.
