@@ -96,9 +96,9 @@ class Compiler:
     - ``narrows``: a float32 value whose remaining readers are all matmuls at the default precision
       is held from then on as the ``matmul_itemsize`` copy they read (XLA:TPU keeps the bfloat16
       cast of an activation for the backward pass's weight gradient, not the float32 value); a
-      float32 input (a weight) that such matmuls read has that copy held beside it from its first
-      matmul to its last where it is read in place (XLA:TPU casts a replicated weight once for the
-      forward and backward pass; a gathered one is cast and gathered around each use).
+      float32 input (a weight) that such matmuls read in place has that copy held beside it from
+      its first matmul to its last reader (XLA:TPU casts a replicated weight once for the forward
+      and backward pass; a gathered one is cast and gathered around each use).
     """
 
     name: str
@@ -495,7 +495,7 @@ class _Propagator:
                 if x in held:
                     live -= held.pop(x)
             for x in dying:
-                if x in copies:  # its last matmul
+                if x in copies:  # the weight's last reader (the optimizer's update)
                     live -= copies.pop(x)
             for x in narrowing:  # read by default-precision matmuls alone from here: their narrow copy
                 if x in held:
