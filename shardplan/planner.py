@@ -532,9 +532,8 @@ def _ties_broken(results: list, figures: Callable[[Any], tuple]) -> list:
         return results
     ordered = sorted(results, key=figures)
     fastest = figures(ordered[0])[0]
-    tied = [r for r in ordered if figures(r)[0] <= fastest * (1 + TIE)]
-    tied.sort(key=lambda r: figures(r)[1:])
-    return tied + [r for r in ordered if r not in tied]
+    cut = next((i for i, r in enumerate(ordered) if figures(r)[0] > fastest * (1 + TIE)), len(ordered))
+    return sorted(ordered[:cut], key=lambda r: figures(r)[1:]) + ordered[cut:]
 
 
 MIN_GAIN = 0.002  # a change must save at least this share of the step to be proposed

@@ -1107,7 +1107,7 @@ class _Propagator:
                 partial |= set(ldims[i])
         lt, rt = _tuple(ldims), _tuple(rdims)
         narrow = self.ctx.book.matmul_itemsize
-        if narrow and eqn.params.get("precision") in (None, (None, None)):
+        if narrow and _reads_narrow(eqn):
             # Cast before it moves (the default precision computes in a narrower type); gathered
             # again in the backward pass where the compiler does (``Compiler``).
             tag = (narrow, self.backward)  # ``backward`` is only ever set for a compiler that regathers
