@@ -32,6 +32,8 @@ from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 from shardplan.core.targets import COMPILER_NAMES
 from shardplan.core.timing import combined, combined_launches
 from shardplan.ledger import merged
+from shardplan.runtime import gather_reuse
+from shardplan.runtime.gather_reuse import Share
 from shardplan.runtime.kernels import FUSED_ATTENTION, fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize, named
 from shardplan.runtime.sharding import constraint_target, permuted, scan_counts, update_paths
@@ -75,9 +77,12 @@ class Compiler:
     - ``matmul_itemsize``: the bytes per element a float32 matmul operand moves at the default
       precision (XLA:TPU computes it as one bfloat16 pass and casts before it gathers: an FSDP
       weight is gathered in bfloat16); None: as the operand is.
-    - ``regather``: weights gathered for the forward pass are gathered again for the backward pass
-      and not held between (XLA:TPU: each gather lives around its matmuls; XLA:CPU and XLA:GPU
-      gather once and keep the weight until its last use).
+    - ``gather_cse``: a weight gathered for a matmul is gathered again for each later matmul that
+      reads it, unless that one sits within this many instructions of the first's reader in the
+      program's height (XLA:TPU's ScheduleAwareCollectiveOpsCSE, ``runtime/gather_reuse.py``:
+      the head's and the last block's MLP weights are gathered once and held across the turn to
+      the backward pass, every other FSDP weight again for its backward matmul and not held
+      between); None: gathered once and held to its last use (XLA:CPU, XLA:GPU).
     - ``recomputes``: an elementwise result that every reader fuses (``_kernels``) is not held where
       what it is computed from is held to its last reader anyway: the readers compute it again
       (XLA:GPU and XLA:TPU duplicate such producers into their consumers; measured on XLA:GPU's
@@ -104,7 +109,7 @@ class Compiler:
     name: str
     sums: frozenset[str] = frozenset()
     matmul_itemsize: int | None = None
-    regather: bool = False
+    gather_cse: int | None = None
     recomputes: bool = False
     narrows: bool = False
     tile: tuple[int, int] | None = None
@@ -119,7 +124,7 @@ COMPILERS = {
         COMPILER_NAMES["tpu"],
         sums=_REASSOCIATES,
         matmul_itemsize=2,
-        regather=True,
+        gather_cse=100,
         narrows=True,
         recomputes=True,
         tile=(8, 128),
@@ -158,6 +163,7 @@ class _Ctx:
     cache: dict[tuple, Val] = field(default_factory=dict)
     gathered_now: int = 0
     gathered_peak: int = 0
+    held_gathers: dict[Any, int] = field(default_factory=dict)  # gathers merged across matmuls, held
     # XLA combines the step's gradient reductions into one (tuple) collective before the
     # optimizer (see core.timing.combined): its results are new buffers, alive with the unreduced
     # gradients. ``reduced``: their bytes per device (results); ``reduced_from``: what the step
@@ -292,7 +298,9 @@ class _Propagator:
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] | frozenset[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
-        self.backward = False  # in the backward pass (a transpose's equations): for ``Compiler.regather``
+        self.backward = False  # in the backward pass (a transpose's equations): for ``Compiler.gather_cse``
+        # (id of a matmul, the step input it reads) -> the gather that read uses (``gather_reuse``)
+        self.shares: dict[tuple[int, Any], Share] = {}
         # Layouts only (no memory traffic, no sum origins for the collectives' labels): a pass
         # whose collectives and traffic are thrown away, run only for what it finds (``slices``).
         self.layouts_only = False
@@ -419,7 +427,7 @@ class _Propagator:
                 gathered = Val(v.shape, v.itemsize, _tuple(dims))
                 nbytes = self.ctx.local(gathered)
                 self.ctx.add("all-gather", tuple(drop), nbytes, mult, why, moves)
-                if moves and not self.ctx.book.regather:  # held to its last use (regathered: around its use)
+                if moves and self.ctx.book.gather_cse is None:  # held to its last use (else: ``_cast_gather``)
                     self.ctx.gathered_now += nbytes
                     self.ctx.gathered_peak = max(self.ctx.gathered_peak, self.ctx.gathered_now)
         # What a gather freed for the target: a free local slice.
@@ -481,7 +489,7 @@ class _Propagator:
                     live += held[var]
             for x in copying:
                 # made for its first matmul, where the weight is read in place (not gathered: then
-                # the cast is gathered around each use, ``Compiler.regather``)
+                # the cast is gathered around its uses, ``Compiler.gather_cse``)
                 if x not in copies and not any(a in self.ctx.batch_axes for a in env[x].axes):
                     copies[x] = self.ctx.held(env[x]) * narrow // 4
                     live += copies[x]
@@ -734,7 +742,7 @@ class _Propagator:
             return [self.elementwise(eqn, ins, mult)]
         rule = _RULES.get(name)
         outer = self.backward
-        if not outer and self.ctx.book.regather:
+        if not outer and self.ctx.book.gather_cse is not None:
             self.backward = "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
         try:
             got = rule(self, eqn, ins, mult) if rule is not None else None
@@ -1109,12 +1117,12 @@ class _Propagator:
         narrow = self.ctx.book.matmul_itemsize
         if narrow and _reads_narrow(eqn):
             # Cast before it moves (the default precision computes in a narrower type); gathered
-            # again in the backward pass where the compiler does (``Compiler``).
-            tag = (narrow, self.backward)  # ``backward`` is only ever set for a compiler that regathers
-            lmove = replace(lhs, itemsize=narrow) if lhs.itemsize == 4 and _is_float(lx) else lhs
-            rmove = replace(rhs, itemsize=narrow) if rhs.itemsize == 4 and _is_float(rx) else rhs
-            self.reshard(lx, lmove, lt, mult, "dot_general", tag if lmove is not lhs else None)
-            self.reshard(rx, rmove, rt, mult, "dot_general", tag if rmove is not rhs else None)
+            # again for a later matmul where the compiler does (``Compiler.gather_cse``).
+            for x, v, t in ((lx, lhs, lt), (rx, rhs, rt)):
+                if v.itemsize == 4 and _is_float(x):
+                    self._cast_gather(eqn, x, v, t, mult, narrow)
+                else:
+                    self.reshard(x, v, t, mult, "dot_general")
         else:
             self.reshard(lx, lhs, lt, mult, "dot_general")
             self.reshard(rx, rhs, rt, mult, "dot_general")
@@ -1170,9 +1178,25 @@ class _Propagator:
         target = tuple(() if k == dim else d for k, d in enumerate(v.dims))
         narrow = self.ctx.book.matmul_itemsize
         if narrow and eqn.params.get("precision") in (None, (None, None)) and v.itemsize == 4 and _is_float(x):
-            moved = self.reshard(x, replace(v, itemsize=narrow), target, mult, "dot_general", (narrow, self.backward))
-            return replace(moved, itemsize=v.itemsize)
+            return replace(self._cast_gather(eqn, x, v, target, mult, narrow), itemsize=v.itemsize)
         return self.reshard(x, v, target, mult, "dot_general")
+
+    def _cast_gather(self, eqn: Any, x: Any, v: Val, target: Dims, mult: int, narrow: int) -> Val:
+        """``v`` cast to ``narrow`` bytes per element and moved to ``target`` for the matmul ``eqn``:
+        one gather per matmul, or the gather an earlier matmul made where the compiler merges them
+        (``Compiler.gather_cse``, ``self.shares``), held from its first reader to its last."""
+        share = self.shares.get((id(eqn), self.root(x)))
+        tag = (narrow, self.backward) if share is None else (narrow, "shared", share.group)
+        moved = self.reshard(x, replace(v, itemsize=narrow), target, mult, "dot_general", tag)
+        if share is not None and share.first != share.last:
+            key = ("held gather", self.root(x), share.group)
+            if share.first and moved.dims != v.dims:
+                n = self.ctx.held_gathers[key] = self.ctx.held(moved)
+                self.ctx.gathered_now += n
+                self.ctx.gathered_peak = max(self.ctx.gathered_peak, self.ctx.gathered_now)
+            elif share.last:
+                self.ctx.gathered_now -= self.ctx.held_gathers.pop(key, 0)
+        return moved
 
     def reduce(self, eqn: Any, v: Val, mult: int) -> Val:
         axes = tuple(eqn.params.get("axes", ()))
@@ -2211,6 +2235,11 @@ def cost(
         if updates is None:  # what depends on the trace alone: once per trace
             updates = traced.memo["updates"] = update_paths(jaxpr, [d.path for d in params.decisions])
         prop.updates = updates
+        if book.gather_cse is not None:
+            shared = traced.memo.get(("gathers", book.gather_cse))
+            if shared is None:
+                shared = traced.memo[("gathers", book.gather_cse)] = gather_reuse.shares(jaxpr, book.gather_cse)
+            prop.shares = shared
         outs = prop.run(jaxpr, env, 1)
         for var, v, d in zip(jaxpr.outvars, outs, out_specs, strict=False):
             target = _norm(d.spec.dims, len(v.shape))
