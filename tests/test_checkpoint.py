@@ -34,7 +34,9 @@ def values(tree) -> dict:
 
 def restore(directory, plan, factory=models.gpt_tiny, devices=None, with_opt=True):
     mesh = shardplan.make_mesh(plan, devices=devices)
-    model, optimizer, placement = shardplan.init_sharded(plan, lambda: factory(7), optax.adamw(3e-3), mesh=mesh)
+    # the saved optimizer's state where it is restored; a stateless one where only the model is
+    tx = optax.adamw(3e-3) if with_opt else optax.sgd(3e-3)
+    model, optimizer, placement = shardplan.init_sharded(plan, lambda: factory(7), tx, mesh=mesh)
     ckpt = checkpoint.Checkpointer(directory, placement)
     step = ckpt.restore(model, optimizer if with_opt else None)
     return step, model, optimizer, placement
