@@ -21,6 +21,7 @@ from shardplan.core.leaves import Resolution
 from shardplan.core.stepcost import Communication, Memory, StepCost
 from shardplan.errors import as_error, error
 from shardplan.ledger import merged
+from shardplan.runtime import compile_cache
 from shardplan.runtime.kernels import FUSED_ATTENTION, cudnn_traceable
 from shardplan.runtime.step import check_loss, pipelined
 
@@ -106,7 +107,10 @@ def compile_step(
         piped = pipelined(placement, loss_fn, backend)
         step = backends.get(backend).build(placement, acts.wrap(piped, mesh_context=True), abs_model, abs_opt)
         try:
-            compiled = step.lower(sm, so, batch_in).compile()
+            gpu = targets.gpu_target_config(target.chip or "") if target.platform == "cuda" else ""
+            program = compile_cache.compiled(
+                step.lower(sm, so, batch_in), target.name, [int(d.id) for d in mesh.devices.flat], gpu
+            )
         except Exception as e:
             oom = _out_of_memory(e)
             if oom:
@@ -136,31 +140,28 @@ def compile_step(
                     ]
                 ) from None
             raise
-    text = compiled.as_text()
-    mem = compiled.memory_analysis()
-    costs = compiled.cost_analysis()
-    costs = (costs[0] if isinstance(costs, list) else costs) or {}  # XLA:GPU gives none
+    text, costs = program.text, program.costs
     ops = hlo.with_axes(hlo.parse(text, mesh.devices.size), sizes)
     batch_bytes = inputs.bytes_per_device()
-    held = int(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes)
+    held = program.argument_bytes + program.output_bytes - program.alias_bytes
     if target.platform == "cpu":
         # XLA:CPU's peak_memory_in_bytes leaves temporaries out: arguments + outputs - aliased + temps.
-        temporaries = int(mem.temp_size_in_bytes)
+        temporaries = program.temp_bytes
         peak = held + temporaries
     else:
         # XLA:TPU and XLA:GPU report the peak of their own buffer assignment, which is the figure
         # here; their temp_size is not comparable (XLA:TPU v5e/v6e report 0 with a peak above the
         # arguments and outputs; v5p at times more than the peak): the temporaries are what the
         # peak holds beyond arguments and outputs.
-        peak = int(mem.peak_memory_in_bytes)
+        peak = program.peak_bytes
         temporaries = max(0, peak - held)
     memory = Memory(
         params=params.bytes_per_device(),
         opt_state=opt.bytes_per_device(),
         batch=batch_bytes,
         temporaries=temporaries,
-        outputs=int(mem.output_size_in_bytes),
-        aliased=int(mem.alias_size_in_bytes),
+        outputs=program.output_bytes,
+        aliased=program.alias_bytes,
         peak=peak,
     )
     # XLA's cost analysis counts a while body (a scan over layers) once; add the other iterations.
@@ -179,6 +180,11 @@ def compile_step(
         if target.platform == "cpu"
         else [f"compiled offline by {target.compiler} for {target.name} ({mesh.devices.size} devices, none present)"]
     )
+    if program.cached:
+        notes.append(
+            f"the compiled program read from shardplan's compile cache ({compile_cache.cache_dir()}): the same "
+            f"program, target and compiler versions were compiled before (--no-cache compiles again)"
+        )
     if "flops" not in costs:  # XLA:GPU gives no cost analysis: the FLOPs are counted from its HLO
         notes.append(
             f"{target.compiler} gives no cost analysis: FLOPs counted from its program's HLO (matmuls 2*M*N*K, "

@@ -714,7 +714,11 @@ def build_parser() -> argparse.ArgumentParser:
     src = c.add_argument_group("model (one of)")
     src.add_argument("--model", help="FILE.py:FACTORY or package.module:FACTORY; built with nnx.eval_shape")
     src.add_argument("--shapes", help="a shapes JSON written by shardplan.dump_shapes")
-    src.add_argument("--no-cache", action="store_true", help="rebuild the model's shapes (skip the shapes cache)")
+    src.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="rebuild the model's shapes and compile again (skip the shapes and compile caches)",
+    )
     c.add_argument(
         "--optimizer",
         choices=(*optimizers.NAMES, "recorded"),
@@ -1008,6 +1012,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _precheck(args)
         _quiet_absl()
         _simulate_devices(getattr(args, "simulate_devices", None))
+        if getattr(args, "no_cache", False):  # exact mode's child inherits it (runtime/compile_cache.py)
+            os.environ["SHARDPLAN_COMPILE_CACHE"] = "0"
         return args.func(args, out, err)
     except _UsageError as e:
         err.print(f"shardplan {args.command}: error: {e}", highlight=False)
