@@ -516,3 +516,21 @@ def test_a_constraint_far_from_the_batch_layout_is_carried_back_through_the_norm
     total = sum(e.bytes_by_kind().values())
     assert abs(f.bytes_by_kind()["all-to-all"] - e.bytes_by_kind()["all-to-all"]) <= 0.10 * total
     assert f.memory.peak == pytest.approx(e.memory.peak, rel=0.05)
+
+
+@pytest.mark.parametrize("rows", [2048, 512])
+def test_an_fsdp_table_smaller_than_its_lookup_is_gathered_and_a_larger_one_looked_up_where_it_lies(rows):
+    """A table split over its rows by the axis that splits the batch (an FSDP embedding), forward and
+    backward: where the whole lookup's output is smaller than the table (2,048 rows of 128 for 32 x 32
+    indices: 512 KiB against 1 MiB) XLA gathers the indices, looks them up in the rows each device
+    holds and reduce-scatters the output, and its gradient gathers the updates; where it is not (512
+    rows: 256 KiB), it gathers the table and reduce-scatters the table's gradient."""
+
+    def step(table, idx):
+        return jax.grad(lambda t: jnp.sum(jnp.sin(jnp.take(t, idx, axis=0))))(table)
+
+    xla, predicted = by_kind(step, (S(rows, 128), S(32, 32, dtype=jnp.int32)), (P("data", None), P("data", None)),
+                             P("data", None), mesh={"data": 8})
+    assert predicted == xla, (predicted, xla)
+    table = rows * 128 * 4
+    assert (xla["all-gather"] < table) == (rows == 2048)  # the indices and updates, not the table

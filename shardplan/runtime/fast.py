@@ -1329,8 +1329,26 @@ class _Propagator:
             regrouped = self.regroup_table(eqn, table, out, rows, batch_out, mult)
             if regrouped is not None:
                 return self.filled(eqn, regrouped, valid, mult)
+            if not clash and not any(table.dims[i] for i in kept) and _size(out) < _size(table):
+                return self.masked_all_indices(eqn, idx, out, rows, mult)
             self.reshard(eqn.invars[0], table, _without(table.dims, set(rows)), mult, "gather")
         return self.filled(eqn, out, valid, mult)
+
+    def masked_all_indices(self, eqn: Any, idx: Val, out: Val, rows: tuple[str, ...], mult: int) -> Val:
+        """A table split over its rows alone, looked up by indices split over those axes too (an
+        FSDP embedding under a batch split over the same axis), where the whole lookup's output is
+        smaller than the table: XLA's gather partitioner gathers the indices instead of the table,
+        looks every index up in the rows each device holds (masked), and reduce-scatters the output
+        over the rows' axes onto the indices' split; its
+        transpose gathers the updates instead of reducing the table's gradient (``scatter``).
+        Measured on XLA:CPU, one lookup on data=8 (a 128-wide table of 256-8192 rows, 32 x 32
+        indices: the table gathered up to 1,024 rows, whose 512 KiB equal the output's, the indices
+        above) and on a model's FSDP step (4,096 x 512 table, 16 x 128 tokens; XLA:TPU alike)."""
+        self.reshard(eqn.invars[1], idx, _without(idx.dims, set(rows)), mult, "gather")
+        whole = Val(out.shape, out.itemsize, _without(out.dims, set(rows)), frozenset(rows))
+        self._flops((self.ctx.local(whole) - self.ctx.local(out)) / out.itemsize, mult, "gather")
+        # the sum reduce-scattered onto the indices' split, the layout GSPMD gives the lookup
+        return self.resolve(eqn.outvars[0], whole, out.dims, mult, "gather")
 
     def filled(self, eqn: Any, out: Val, mask: Val, mult: int) -> Val:
         """A lookup that fills out-of-range indices (``jnp.take``'s default) is lowered as the gather,
@@ -1486,6 +1504,26 @@ class _Propagator:
                 # so the sum over the updates' split is over that device's rows (measured).
                 moving = updates.axes | ins[1].axes | updates.partial
                 target = _norm(hint, len(shape))
+                rows = {a for i in tuple(dn.inserted_window_dims) for a in target[i]}
+                if (
+                    rows & (updates.axes | ins[1].axes)
+                    and not any(target[i] for i in kept)
+                    and _size(updates) < math.prod(shape) * itemsize(out_aval)
+                ):
+                    # Updates split over the rows' axes and smaller than the table (the transpose
+                    # of ``masked_all_indices``): XLA gathers the updates and the indices and each
+                    # device scatters into the rows it holds; no sum over the rows (measured).
+                    self.reshard(
+                        eqn.invars[2],
+                        replace(updates, partial=frozenset()),
+                        _without(updates.dims, rows),
+                        mult,
+                        "scatter-add",
+                    )
+                    self.reshard(eqn.invars[1], ins[1], _without(ins[1].dims, rows), mult, "scatter-add")
+                    for i in tuple(dn.inserted_window_dims):
+                        dims[i] = target[i]
+                    return Val(shape, itemsize(out_aval), tuple(dims), updates.partial)
                 for i in tuple(dn.inserted_window_dims):
                     dims[i] = tuple(a for a in target[i] if a not in moving)
         out = Val(shape, itemsize(out_aval), tuple(dims))
@@ -2134,6 +2172,11 @@ def _spec_dims(spec: Any, rank: int) -> Dims:
     """A PartitionSpec's entries as per-dim axis tuples."""
     dims = [(() if e is None else (e,) if isinstance(e, str) else tuple(e)) for e in tuple(spec)]
     return _norm(tuple(dims), rank)
+
+
+def _size(v: Val) -> int:
+    """A value's bytes over the whole mesh (what XLA's gather partitioner compares)."""
+    return math.prod(v.shape) * v.itemsize
 
 
 def _without(dims: Dims, axes: set[str]) -> Dims:
