@@ -33,14 +33,19 @@ def cache_dir() -> Path:
     return base / "shardplan" / "shapes"
 
 
-def _versions() -> str:
-    out = [f"python {sys.version_info[:3]}"]
-    for name in PACKAGES:
+def installed(packages: tuple[str, ...]) -> str:
+    """The installed versions of ``packages`` ("none" for one that is not), as one line."""
+    out = []
+    for name in packages:
         try:
             out.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
             out.append(f"{name} none")
     return "; ".join(out)
+
+
+def _versions() -> str:
+    return f"python {sys.version_info[:3]}; {installed(PACKAGES)}"
 
 
 def _model_file(spec: str) -> Path | None:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.metadata
 import json
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from shardplan.core.shapecache import installed
 
 ENV_OFF = "SHARDPLAN_COMPILE_CACHE"
 PACKAGES = ("jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", "shardplan")
@@ -52,22 +53,12 @@ def cache_dir() -> Path:
     return base / "shardplan" / "compiled"
 
 
-def _versions() -> str:
-    out = []
-    for name in PACKAGES:
-        try:
-            out.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            out.append(f"{name} none")
-    return "; ".join(out)
-
-
 def key(lowered_text: str, target: str, devices: list[int], description: str = "") -> str:
     """The cache key of a lowered program compiled for ``target`` on ``devices`` (their ids, in the
     mesh's order); ``description``: what else the target's compiler is given (a GPU's)."""
     h = hashlib.sha256()
     flags = "\n".join(f"{name}={os.environ.get(name, '')}" for name in FLAGS)
-    h.update(f"{target}\n{devices}\n{description}\n{flags}\n{_versions()}\n".encode())
+    h.update(f"{target}\n{devices}\n{description}\n{flags}\n{installed(PACKAGES)}\n".encode())
     h.update(lowered_text.encode())
     return h.hexdigest()[:40]
 

@@ -36,6 +36,7 @@ from shardplan.runtime import gather_reuse
 from shardplan.runtime.gather_reuse import Share
 from shardplan.runtime.kernels import FUSED_ATTENTION, fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize, named
+from shardplan.runtime.primitives import subjaxpr as _subjaxpr
 from shardplan.runtime.sharding import constraint_target, permuted, scan_counts, update_paths
 from shardplan.runtime.sources import INTERNAL_SCOPE, eqn_source
 from shardplan.runtime.tracing import Resolution, Trace, trace_key
@@ -2075,17 +2076,6 @@ def _broadcast(v: Val, shape: tuple[int, ...]) -> Val:
     """``v`` seen at the output's shape: its size-1 dims (broadcast) are whole."""
     dims = tuple(d if v.shape[i] == shape[i] else () for i, d in enumerate(v.dims))
     return Val(shape, v.itemsize, dims, v.partial)
-
-
-def _subjaxpr(eqn: Any) -> Any:
-    """The body of a call XLA inlines (not a kernel's body, nor a shard_map's per-device one)."""
-    if eqn.primitive.name in ("pallas_call", "shard_map"):
-        return None
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        j = eqn.params.get(key)
-        if j is not None:
-            return j.jaxpr if hasattr(j, "jaxpr") else j
-    return None
 
 
 # Collectives written inside shard_map, by the kind XLA names them.

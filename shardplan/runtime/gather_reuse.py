@@ -22,9 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardplan.runtime.primitives import named
-
-_CALLS = frozenset(named(traits=("call",)))
+from shardplan.runtime.primitives import CALLS, subjaxpr
 
 
 @dataclass(frozen=True)
@@ -37,16 +35,6 @@ class Share:
     last: bool
 
 
-def _body(eqn: Any) -> Any:
-    if eqn.primitive.name not in _CALLS:
-        return None
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        j = eqn.params.get(key)
-        if j is not None:
-            return j.jaxpr if hasattr(j, "jaxpr") else j
-    return None
-
-
 def _flatten(jaxpr: Any) -> tuple[list[tuple[Any, list[Any]]], list[Any]]:
     """The jaxpr's equations with calls inlined, in program order: (eqn, sources of its operands),
     a source being ``("in", top-level input var)`` (through calls only) or ``("node", index)``;
@@ -56,7 +44,7 @@ def _flatten(jaxpr: Any) -> tuple[list[tuple[Any, list[Any]]], list[Any]]:
     def walk(jx: Any, env: dict[Any, Any]) -> None:
         for eqn in jx.eqns:
             srcs = [env.get(v) if not hasattr(v, "val") else None for v in eqn.invars]
-            sub = _body(eqn)
+            sub = subjaxpr(eqn) if eqn.primitive.name in CALLS else None
             if sub is not None:
                 inner = dict(zip(sub.invars, srcs, strict=False))
                 walk(sub, inner)

@@ -148,3 +148,14 @@ def itemsize(aval: Any) -> int:
         return int(np.dtype(aval.dtype).itemsize)
     except TypeError:  # PRNG key types
         return 8
+
+
+def subjaxpr(eqn: Any) -> Any:
+    """The body of a call XLA inlines (not a kernel's body, nor a shard_map's per-device one)."""
+    if eqn.primitive.name in ("pallas_call", "shard_map"):
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if j is not None:
+            return j.jaxpr if hasattr(j, "jaxpr") else j
+    return None
