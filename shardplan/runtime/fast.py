@@ -20,6 +20,7 @@ in the result's notes, never silently dropped.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import time
@@ -295,6 +296,10 @@ class _Propagator:
         # matmul's transpose made it, not to the optimizer's read of it).
         # where each pending sum was made: (primitive, source, elements a matmul contracted or 0)
         self.sum_origin: dict[Any, tuple[str, str, int]] = {}
+        # A matmul's result all-reduced over these axes (see ``resolve``): read in a layout that splits
+        # one of its split dims further over them, XLA gathers that dim first (``reshard``).
+        self.dot_reduced: dict[Any, tuple[frozenset[str], tuple[str, str, int], int]] = {}
+        self.dot_batch: dict[Any, int] = {}  # a batched matmul's summed result -> its batch dims (leading)
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] | frozenset[int] = set()  # outputs of the last run jaxpr that are broadcasts
@@ -346,14 +351,25 @@ class _Propagator:
         if hit is not None:
             return hit
         dims = [list(d) for d in v.dims]
+        origin = self.sum_origin.get(var)
+        # A matmul's sum is scattered onto a dim (whole, or split further); onto a batch dim its
+        # operands split, XLA's dot partitioner all-reduces, gathers that dim and slices (measured:
+        # "gsec,egcd->gsd" with g over data, e over expert, the result wanted over (data, expert)).
+        batch = self.dot_batch.get(self.root(var), 0) if origin is not None and origin[0] == "dot_general" else 0
         scatter: list[str] = []
         for i, t in enumerate(_norm(target, len(v.shape))):
             for a in t:
-                if a in v.partial and a not in dims[i] and v.shape[i] % (self.ctx.split((*dims[i], a))) == 0:
+                if (
+                    a in v.partial
+                    and a not in dims[i]
+                    and not (i < batch and v.dims[i])
+                    and v.shape[i] % (self.ctx.split((*dims[i], a))) == 0
+                ):
                     scatter.append(a)
                     dims[i].append(a)
         rest = tuple(a for a in sorted(v.partial) if a not in scatter)
-        origin = self.sum_origin.get(var)
+        if batch and rest and origin is not None:
+            self.dot_reduced[var] = (frozenset(rest), origin, batch)
         reader_source = self.ctx.source
         if origin is not None:  # the sum is the op's that made it, at its line
             why, self.ctx.source = origin[0], origin[1] or reader_source
@@ -412,6 +428,22 @@ class _Propagator:
                     )
                     dims[i].remove(a)
                     dims[j].append(a)
+        # A matmul's all-reduced result whose split dim the target splits further over an axis it
+        # was summed over: XLA gathers the dim whole, then slices it (``resolve``).
+        # Where a mesh axis is idle (neither splitting the value nor summed), XLA splits the matmul's
+        # batch over it instead and permutes the summed result into place (measured on a mesh with an
+        # unused `model` axis): not modelled, nothing added.
+        summed, origin, batch = self.dot_reduced.get(var, (frozenset(), None, 0))
+        idle = any(n > 1 and a not in v.axes and a not in summed for a, n in self.ctx.mesh.items())
+        for i, t in enumerate(target[:batch]):
+            if origin is not None and not idle and dims[i] and any(a in summed and a not in dims[i] for a in t):
+                undivided = [list(d) for d in dims]
+                undivided[i] = []
+                reader, self.ctx.source = self.ctx.source, origin[1] or self.ctx.source  # the matmul's
+                nbytes = self.ctx.local(Val(v.shape, v.itemsize, _tuple(undivided)))
+                self.ctx.add("all-gather", tuple(dims[i]), nbytes, mult, origin[0], moves)
+                self.ctx.source = reader
+                dims[i] = []
         # Axes the target adds: a free local slice, taken before any gather (so a gather moves
         # only the part the target keeps: measured, a broadcast split over `model` met by a value
         # split over `data` is gathered over `model` in its `data` slice).
@@ -722,6 +754,11 @@ class _Propagator:
         a call's body, else this equation."""
         if not any(v.partial for v in outs):
             return
+        if eqn.primitive.name == "transpose" and not hasattr(eqn.invars[0], "val"):
+            # a matmul's batch dims kept in front (a transposed einsum result): still its batch dims
+            batch = self.dot_batch.get(self.root(eqn.invars[0]), 0)
+            if batch and tuple(eqn.params["permutation"][:batch]) == tuple(range(batch)):
+                self.dot_batch[self.root(eqn.outvars[0])] = batch
         carried = next((self.sum_origin[x] for x in eqn.invars if not hasattr(x, "val") and x in self.sum_origin), None)
         sub = self.body(eqn)
         body = getattr(sub, "jaxpr", sub)
@@ -1019,7 +1056,32 @@ class _Propagator:
         conflict = False
         batch_axes: set[str] = set()
         for i, j in zip(lb, rb, strict=True):
-            if ldims[i] != rdims[j]:
+            # One side's split extends the other's ((data, expert) against data) by axes the other
+            # operand splits a free dim over: where the extending side is the smaller operand and
+            # not a weight, XLA keeps the other's free split and the extending side's longest prefix
+            # free of it on the batch dim, the rest gathered off (measured on single matmuls
+            # "gsd,egcd->gsec": tokens over (data, expert) against experts' buffers over expert on e
+            # and data on g, 4x the tokens' bytes: the tokens gathered over expert; the buffers
+            # smaller than the tokens: the buffers moved. A weight's split stays: its gradient's
+            # layout is fixed, and the step's propagation carries it to the tokens).
+            prefix = None
+            for longer, shorter, other, free, x, mine, theirs in (
+                (ldims[i], rdims[j], rdims, rfree, lx, lhs, rhs),
+                (rdims[j], ldims[i], ldims, lfree, rx, rhs, lhs),
+            ):
+                taken = {a for k in free for a in other[k]}
+                if (
+                    len(longer) > len(shorter)
+                    and longer[: len(shorter)] == shorter
+                    and taken & set(longer)
+                    and self.names.get(self.root(x)) is None
+                    and math.prod(mine.shape) * mine.itemsize < math.prod(theirs.shape) * theirs.itemsize
+                ):
+                    prefix = list(itertools.takewhile(lambda a, t=taken: a not in t, longer))  # type: ignore[misc]
+                    break
+            if prefix is not None and not batch_axes & set(prefix):
+                ldims[i], rdims[j] = list(prefix), list(prefix)
+            elif ldims[i] != rdims[j]:
                 options = sorted((ldims[i], rdims[j]), key=lambda d: -self.ctx.split(tuple(d)))
                 keep = next((d for d in options if not batch_axes & set(d)), [])
                 ldims[i], rdims[j] = list(keep), list(keep)
@@ -1133,6 +1195,8 @@ class _Propagator:
         k = math.prod(lhs.shape[i] for i in lc)
         kshards = self.ctx.split(tuple(x for i in lc for x in lt[i]))
         self._flops(2 * (self.ctx.local(out) / out.itemsize) * (k / kshards), mult, "dot_general")
+        if out.partial and lb:  # its leading dims are the batch dims (see ``resolve``)
+            self.dot_batch[self.root(eqn.outvars[0])] = len(lb)
         want = self.wants.get(eqn.outvars[0])
         if out.partial and want is not None and any(a in out.partial for d in want for a in d):
             # Its readers keep a split over a pending axis: reduce-scattered onto it here.
