@@ -36,7 +36,7 @@ from shardplan.ledger import merged
 from shardplan.runtime import gather_reuse
 from shardplan.runtime.gather_reuse import Share
 from shardplan.runtime.kernels import FUSED_ATTENTION, fused_attention_cost, pallas_cost
-from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize, named
+from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize, named, ragged_dense
 from shardplan.runtime.primitives import subjaxpr as _subjaxpr
 from shardplan.runtime.sharding import constraint_target, permuted, scan_counts, update_paths
 from shardplan.runtime.sources import INTERNAL_SCOPE, eqn_source
@@ -106,9 +106,14 @@ class Compiler:
       float32 input (a weight) that such matmuls read in place has that copy held beside it from
       its first matmul to its last reader (XLA:TPU casts a replicated weight once for the forward
       and backward pass; a gathered one is cast and gathered around each use).
+    - ``dense_ragged``: a grouped matmul (``ragged_dot_general``) runs as jax's dense decomposition
+      (``primitives.ragged_dense``: every group's masked copy of the tokens times its weights, the
+      groups' count times the useful FLOPs), as jax lowers it for XLA:CPU; elsewhere it is the
+      compiler's own grouped matmul, not modelled yet (replicated, said in the step's notes).
     """
 
     name: str
+    dense_ragged: bool = False
     sums: frozenset[str] = frozenset()
     matmul_itemsize: int | None = None
     gather_cse: int | None = None
@@ -120,7 +125,7 @@ class Compiler:
 
 _REASSOCIATES = frozenset({"add", "add_any", "sub"})
 COMPILERS = {
-    "cpu": Compiler(COMPILER_NAMES["cpu"]),
+    "cpu": Compiler(COMPILER_NAMES["cpu"], dense_ragged=True),
     "cuda": Compiler(COMPILER_NAMES["cuda"], sums=_REASSOCIATES, recomputes=True),
     "tpu": Compiler(
         COMPILER_NAMES["tpu"],
@@ -735,11 +740,16 @@ class _Propagator:
         return hit[1]
 
     def body(self, eqn: Any) -> Any:
-        """:func:`_subjaxpr`, once per equation of a trace (asked several times per equation)."""
-        key = ("body", id(eqn))
+        """:func:`_subjaxpr`, once per equation of a trace (asked several times per equation); a
+        grouped matmul's dense decomposition (:func:`ragged_dense`, what XLA:CPU runs)."""
+        key = ("body", id(eqn), self.ctx.book.dense_ragged)
         hit = self.memo.get(key)
         if hit is None or hit[0] is not eqn:
-            hit = self.memo[key] = (eqn, _subjaxpr(eqn))
+            if eqn.primitive.name == "ragged_dot_general":
+                sub = ragged_dense(eqn) if self.ctx.book.dense_ragged else None
+            else:
+                sub = _subjaxpr(eqn)
+            hit = self.memo[key] = (eqn, sub)
         return hit[1]
 
     def source_of(self, eqn: Any) -> str:
@@ -1383,9 +1393,12 @@ class _Propagator:
         # A table split over its rows: a masked local lookup summed over those axes (an
         # all-reduce of the output), as GSPMD does even where gathering the table would move
         # fewer bytes (measured); an axis that also splits the activations (the output, or
-        # the batch) makes it gather the table instead.
+        # the indices) makes it gather the table instead. Indices made whole (a global sort's
+        # order, the dropless MoE's) are looked up where the rows lie (measured).
         wanted = {a for d in self.wants.get(eqn.outvars[0], ()) for a in d}
-        masked = bool(rows) and not any(a in out.axes or a in self.ctx.batch_axes or a in wanted for a in rows)
+        # (indices that are literals, positions: XLA slices the table and moves it as the batch wants)
+        activations = idx.axes if eqn.invars[1] not in self.constant else set(self.ctx.batch_axes)
+        masked = bool(rows) and not any(a in out.axes or a in activations or a in wanted for a in rows)
         if clash:
             self.lookup_indices(eqn.invars[1], idx, clash, rows if masked else (), mult)
         if masked:
@@ -1634,6 +1647,54 @@ class _Propagator:
                         eqn.primitive.name,
                     )
             outs.append(Val(shape, itemsize(o.aval), _tuple(dims)))
+        return outs
+
+    def along(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        """An op along a dim whose result depends on the whole dim, that dim split (measured on
+        single ops): a scan (cumsum and kin) gathers it (its result sliced back, free); a sort
+        moves its axes to the largest other dim they divide and its results back (all-to-alls;
+        gathered where none does, a 1-D sort); a reverse swaps the blocks between devices (a
+        collective-permute of each device's block)."""
+        name = eqn.primitive.name
+        dim = eqn.params["dimension"] if name == "sort" else eqn.params.get("axis")
+        along = tuple(eqn.params["dimensions"]) if name == "rev" else (dim,)
+        outs = self.layout_preserving(eqn, ins, mult) if not any(ins[0].dims[i] for i in along) else None
+        if outs is not None:
+            return outs
+        v0 = self.resolve(eqn.invars[0], ins[0], None, mult, name)
+        dims = [list(d) for d in v0.dims]
+        if name == "rev":
+            for x, v in zip(eqn.invars, ins, strict=True):
+                self.ctx.add(
+                    "collective-permute",
+                    tuple(a for i in along for a in v.dims[i]),
+                    self.ctx.local(v),
+                    mult,
+                    name,
+                    self.names.get(self.root(x), ""),
+                )
+            return [Val(tuple(o.aval.shape), itemsize(o.aval), v0.dims) for o in eqn.outvars]
+        moving = dims[dim]
+        dims[dim] = []
+        moved = False
+        if name == "sort":
+            others = sorted(
+                (j for j in range(len(dims)) if j != dim and v0.shape[j] % self.ctx.split((*dims[j], *moving)) == 0),
+                key=lambda j: -v0.shape[j],
+            )
+            if others:
+                dims[others[0]] = dims[others[0]] + moving
+                moved = True
+        target = _tuple(dims)
+        for x, v in zip(eqn.invars, ins, strict=True):
+            self.reshard(x, self.resolve(x, v, None, mult, name), target, mult, name)
+        outs = []
+        for o in eqn.outvars:
+            out = Val(tuple(o.aval.shape), itemsize(o.aval), target)
+            if moved and type(o).__name__ != "DropVar":
+                # the result laid out as its operand was (Shardy's rule): moved back by all-to-all
+                self.ctx.add("all-to-all", tuple(moving), self.ctx.local(out), mult, name)
+            outs.append(Val(out.shape, out.itemsize, v0.dims) if moved or name != "sort" else out)
         return outs
 
     def kernel(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
@@ -2170,6 +2231,7 @@ _RULES: dict[str, Callable[..., list[Val] | None]] = {
     **dict.fromkeys(ELEMENTWISE, _one(_P.elementwise)),
     **dict.fromkeys(named(traits=("call",)), _P.inline),
     "scan": _P.scan,
+    "ragged_dot_general": _P.inline,  # its dense decomposition (``_Propagator.body``)
     "pallas_call": _P.kernel,
     **dict.fromkeys(FUSED_ATTENTION, _P.fused_attention),
     "shard_map": _P.shard_map,
@@ -2206,6 +2268,8 @@ _RULES: dict[str, Callable[..., list[Val] | None]] = {
         | _LAYOUT_PRESERVING - named(kinds=("elementwise", "identity")),
         _P.layout_preserving,
     ),
+    # along a dim (top_k's last dim changes size: laid out as a slice, gathered there)
+    **dict.fromkeys(named(kinds=("along",)) - {"top_k"}, _P.along),
 }
 # What fast mode declares it does not model: replicated results, reported in the step's notes
 # (XLA's program for them is not predicted). The coverage test (tests/test_primitives.py) holds

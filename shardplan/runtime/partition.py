@@ -82,6 +82,7 @@ _FALLBACKS = named(kinds=("collective", "kernel")) - {"ppermute"} | {
     "scatter_mul",
     "rng_bit_generator",
     "threefry2x32",
+    "ragged_dot_general",  # a grouped matmul: on whole operands (docs/backends.md, experts)
 }
 
 

@@ -90,6 +90,8 @@ CATALOGUE: Mapping[str, Prim] = MappingProxyType(
         **_rows("reduction", "reduce_sum", "linear"),
         **_rows("reduction", "reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin"),
         **_rows("contraction", "dot_general"),
+        # a grouped matmul; XLA:CPU runs jax's dense decomposition of it (``ragged_dense``)
+        **_rows("contraction", "ragged_dot_general"),
         **_rows("slicing", "slice dynamic_slice dynamic_update_slice pad concatenate split", "keeps-layout"),
         **_rows("slicing", "stack unstack"),
         **_rows("along", "cumsum cumprod cummax cummin cumlogsumexp sort rev top_k"),
@@ -148,6 +150,22 @@ def itemsize(aval: Any) -> int:
         return int(np.dtype(aval.dtype).itemsize)
     except TypeError:  # PRNG key types
         return 8
+
+
+def ragged_dense(eqn: Any) -> Any:
+    """A ``ragged_dot_general``'s dense decomposition, as jax lowers it where the compiler has no
+    grouped matmul (XLA:CPU): each group's rows masked out of a copy of the ragged operand, one
+    matmul that also contracts the groups (the groups' count times the useful FLOPs). None where
+    jax cannot decompose it (a group offset)."""
+    import jax
+    from jax._src.lax import lax as lax_internal
+
+    if eqn.params.get("group_offset") is not None:
+        return None
+    params = {k: v for k, v in eqn.params.items() if k != "group_offset"}
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    closed = jax.make_jaxpr(lambda *xs: lax_internal._ragged_dot_general_impl(*xs, **params))(*avals)
+    return closed.jaxpr if not closed.consts else None
 
 
 def subjaxpr(eqn: Any) -> Any:

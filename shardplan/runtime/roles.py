@@ -318,7 +318,10 @@ _RULES: dict[str, Callable[[_Walk, Any, list[list[int]]], list[list[int]]]] = {
 # Declared fallbacks (``_Walk.fallback``): values made from no operand dims (iota, random bits),
 # cuDNN's fused attention, collectives (met only inside a user's shard_map region), and a
 # bitcast to another dtype.
-_FALLBACKS = named(kinds=("creation", "random", "kernel", "collective")) - set(_RULES) | {"bitcast_convert_type"}
+_FALLBACKS = named(kinds=("creation", "random", "kernel", "collective")) - set(_RULES) | {
+    "bitcast_convert_type",
+    "ragged_dot_general",  # a grouped matmul: its operands' dims take no role from it
+}
 
 
 def rule_book() -> tuple[frozenset[str], frozenset[str]]:
