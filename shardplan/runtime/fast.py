@@ -110,10 +110,15 @@ class Compiler:
       (``primitives.ragged_dense``: every group's masked copy of the tokens times its weights, the
       groups' count times the useful FLOPs), as jax lowers it for XLA:CPU; elsewhere it is the
       compiler's own grouped matmul, not modelled yet (replicated, said in the step's notes).
+    - ``whole_top_k``: a ``top_k`` runs on its whole operand whatever its split (XLA:CPU's top-k is
+      a library call the partitioner does not split: the operand is gathered, the result sliced
+      back; measured, a (64, 32, 8) operand split over its batch: all-gathered on XLA:CPU, local
+      on XLA:TPU and XLA:GPU).
     """
 
     name: str
     dense_ragged: bool = False
+    whole_top_k: bool = False
     sums: frozenset[str] = frozenset()
     matmul_itemsize: int | None = None
     gather_cse: int | None = None
@@ -125,7 +130,7 @@ class Compiler:
 
 _REASSOCIATES = frozenset({"add", "add_any", "sub"})
 COMPILERS = {
-    "cpu": Compiler(COMPILER_NAMES["cpu"], dense_ragged=True),
+    "cpu": Compiler(COMPILER_NAMES["cpu"], dense_ragged=True, whole_top_k=True),
     "cuda": Compiler(COMPILER_NAMES["cuda"], sums=_REASSOCIATES, recomputes=True),
     "tpu": Compiler(
         COMPILER_NAMES["tpu"],
@@ -1649,6 +1654,17 @@ class _Propagator:
             outs.append(Val(shape, itemsize(o.aval), _tuple(dims)))
         return outs
 
+    def top_k(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+        """``top_k`` along its last dim: laid out as a slice (that dim gathered), or on its whole
+        operand where the compiler cannot split it (``Compiler.whole_top_k``; the results then
+        sliced back to the operand's other splits, free)."""
+        x, v = eqn.invars[0], ins[0]
+        if not self.ctx.book.whole_top_k or not (v.axes or v.partial):
+            return self.layout_preserving(eqn, ins, mult)
+        self.to_layout(x, v, ((),) * len(v.shape), mult, "top_k")
+        kept = (*v.dims[:-1], ())
+        return [Val(tuple(o.aval.shape), itemsize(o.aval), kept) for o in eqn.outvars]
+
     def along(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         """An op along a dim whose result depends on the whole dim, that dim split (measured on
         single ops): a scan (cumsum and kin) gathers it (its result sliced back, free); a sort
@@ -2268,8 +2284,9 @@ _RULES: dict[str, Callable[..., list[Val] | None]] = {
         | _LAYOUT_PRESERVING - named(kinds=("elementwise", "identity")),
         _P.layout_preserving,
     ),
-    # along a dim (top_k's last dim changes size: laid out as a slice, gathered there)
+    # along a dim
     **dict.fromkeys(named(kinds=("along",)) - {"top_k"}, _P.along),
+    "top_k": _P.top_k,
 }
 # What fast mode declares it does not model: replicated results, reported in the step's notes
 # (XLA's program for them is not predicted). The coverage test (tests/test_primitives.py) holds
