@@ -427,6 +427,19 @@ def test_a_grouped_matmul_is_costed_as_xla_cpu_runs_it(specs):
         assert abs(ledger.bytes_of(kind) - xla[kind]) <= 64, (kind, ledger.bytes_of(kind), xla[kind])
 
 
+def test_a_grouped_matmul_jax_cannot_decompose_is_reported_not_modelled(monkeypatch):
+    from jax._src.lax import lax as lax_internal
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("a ragged mode this jax does not decompose")
+
+    monkeypatch.setattr(lax_internal, "_ragged_dot_general_impl", refuse)
+    fn = lambda x, w, g: jax.lax.ragged_dot(x, w, g)  # noqa: E731
+    avals = (S(64, 128), S(4, 128, 64), jax.ShapeDtypeStruct((4,), jnp.int32))
+    ledger = fast.propagate_function(fn, avals, (_dims(P("data"), 2), _dims(P(), 3), _dims(P(), 1)), MESH)
+    assert any("ragged_dot_general" in u for u in ledger.unmodeled), ledger.unmodeled
+
+
 def test_scan_counts_a_body_collective_per_iteration():
     def f(xs, w):
         def body(c, x):

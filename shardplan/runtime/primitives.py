@@ -164,7 +164,10 @@ def ragged_dense(eqn: Any) -> Any:
         return None
     params = {k: v for k, v in eqn.params.items() if k != "group_offset"}
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-    closed = jax.make_jaxpr(lambda *xs: lax_internal._ragged_dot_general_impl(*xs, **params))(*avals)
+    try:
+        closed = jax.make_jaxpr(lambda *xs: lax_internal._ragged_dot_general_impl(*xs, **params))(*avals)
+    except (NotImplementedError, TypeError, ValueError):  # a mode jax does not decompose: not modelled
+        return None
     return closed.jaxpr if not closed.consts else None
 
 
