@@ -1674,11 +1674,9 @@ class _Propagator:
         name = eqn.primitive.name
         dim = eqn.params["dimension"] if name == "sort" else eqn.params.get("axis")
         along = tuple(eqn.params["dimensions"]) if name == "rev" else (dim,)
-        outs = self.layout_preserving(eqn, ins, mult) if not any(ins[0].dims[i] for i in along) else None
-        if outs is not None:
-            return outs
+        if not any(ins[0].dims[i] for i in along):
+            return self.layout_preserving(eqn, ins, mult)
         v0 = self.resolve(eqn.invars[0], ins[0], None, mult, name)
-        dims = [list(d) for d in v0.dims]
         if name == "rev":
             for x, v in zip(eqn.invars, ins, strict=True):
                 self.ctx.add(
@@ -1690,6 +1688,7 @@ class _Propagator:
                     self.names.get(self.root(x), ""),
                 )
             return [Val(tuple(o.aval.shape), itemsize(o.aval), v0.dims) for o in eqn.outvars]
+        dims = [list(d) for d in v0.dims]
         moving = dims[dim]
         dims[dim] = []
         moved = False
