@@ -308,7 +308,7 @@ class _Propagator:
         self.sum_origin: dict[Any, tuple[str, str, int]] = {}
         # A matmul's result all-reduced over these axes (see ``resolve``): read in a layout that splits
         # one of its split dims further over them, XLA gathers that dim first (``reshard``).
-        self.dot_reduced: dict[Any, tuple[frozenset[str], tuple[str, str, int], int]] = {}
+        self.dot_reduced: dict[Any, tuple[frozenset[str], int]] = {}  # -> (summed axes, batch dims)
         self.dot_batch: dict[Any, int] = {}  # a batched matmul's summed result -> its batch dims (leading)
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
@@ -378,8 +378,8 @@ class _Propagator:
                     scatter.append(a)
                     dims[i].append(a)
         rest = tuple(a for a in sorted(v.partial) if a not in scatter)
-        if batch and rest and origin is not None:
-            self.dot_reduced[var] = (frozenset(rest), origin, batch)
+        if batch and rest:
+            self.dot_reduced[var] = (frozenset(rest), batch)
         reader_source = self.ctx.source
         if origin is not None:  # the sum is the op's that made it, at its line
             why, self.ctx.source = origin[0], origin[1] or reader_source
@@ -443,7 +443,8 @@ class _Propagator:
         # Where a mesh axis is idle (neither splitting the value nor summed), XLA splits the matmul's
         # batch over it instead and permutes the summed result into place (measured on a mesh with an
         # unused `model` axis): not modelled, nothing added.
-        summed, origin, batch = self.dot_reduced.get(var, (frozenset(), None, 0))
+        summed, batch = self.dot_reduced.get(var, (frozenset(), 0))
+        origin = self.sum_origin.get(var)
         idle = any(n > 1 and a not in v.axes and a not in summed for a, n in self.ctx.mesh.items())
         for i, t in enumerate(target[:batch]):
             if origin is not None and not idle and dims[i] and any(a in summed and a not in dims[i] for a in t):
