@@ -620,9 +620,9 @@ class StepCoster:
         Args:
             delta: also what the plan's constraints change (one more propagation; off for a search).
             backend: the backend to cost (default: the plan's).
-            compiler: whose compiler's program is predicted: ``cpu``, ``cuda``, ``tpu`` or a TPU
-                generation with rules of its own, ``tpu-v6e`` (``runtime.fast.COMPILERS``; a
-                target's ``book``, ``core.targets``).
+            compiler: whose compiler's program is predicted: ``cpu``, ``cuda``, ``tpu`` or a chip
+                with rules of its own (``tpu-v6e``, ``a100-80gb``, ``b200``: ``runtime.fast.COMPILERS``;
+                a target's ``book``, ``core.targets``).
 
         Raises:
             ShardPlanError: the plan does not fit the model, batch or devices; the step fails to trace.
@@ -639,8 +639,8 @@ class StepCoster:
                     error(
                         "bad-argument",
                         f"unknown compiler '{compiler}'",
-                        f"use one of {', '.join([*COMPILER_NAMES, *sorted(BOOKS)])} (a target's platform, or a TPU "
-                        "generation whose compiler fast mode has rules of its own for)",
+                        f"use one of {', '.join([*COMPILER_NAMES, *sorted(BOOKS)])} (a target's platform, or a chip "
+                        "whose compiler fast mode has rules of its own for)",
                         path="compiler",
                     )
                 ]

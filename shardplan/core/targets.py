@@ -109,7 +109,9 @@ GPUS: dict[str, GpuSpec] = {
 
 # TPU generations the topology API names ("v5p:2x2x2"), by their chip in shardplan.core.chips.
 TPUS: dict[str, str] = {"tpu-v5e": "v5e", "tpu-v5p": "v5p", "tpu-v6e": "v6e"}
-BOOKS = frozenset({"tpu-v6e"})  # chips whose compiler has a rule book of its own in fast mode
+# chips whose compiler has a rule book of its own in fast mode: a TPU generation whose compiler
+# chooses otherwise, GPUs whose matmuls split differently from the H100's (runtime/splitk.py)
+BOOKS = frozenset({"tpu-v6e", "a100-80gb", "b200"})
 GPUS_PER_HOST = 8
 
 INSTALL = {

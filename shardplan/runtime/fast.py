@@ -30,10 +30,10 @@ from typing import Any
 
 from shardplan.core.leaves import records
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
-from shardplan.core.targets import COMPILER_NAMES
+from shardplan.core.targets import COMPILER_NAMES, GPUS
 from shardplan.core.timing import combined, combined_launches
 from shardplan.ledger import merged
-from shardplan.runtime import gather_reuse
+from shardplan.runtime import gather_reuse, splitk
 from shardplan.runtime.gather_reuse import Share
 from shardplan.runtime.kernels import FUSED_ATTENTION, fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize, named, ragged_dense
@@ -114,6 +114,10 @@ class Compiler:
       a library call the partitioner does not split: the operand is gathered, the result sliced
       back; measured, a (64, 32, 8) operand split over its batch: all-gathered on XLA:CPU, local
       on XLA:TPU and XLA:GPU).
+    - ``split_k``: the GPU a matmul's contraction is split for (``runtime/splitk.py``: XLA:GPU cuts
+      the contraction of a matmul with few output tiles into chunks, computes their partial results
+      in float32 side by side and adds them up: a workspace of the result times the chunks is alive
+      between the two, and the sum's additions count as FLOPs); None: never split.
     """
 
     name: str
@@ -126,12 +130,18 @@ class Compiler:
     narrows: bool = False
     tile: tuple[int, int] | None = None
     windowed: int | None = None
+    split_k: splitk.SplitK | None = None
 
 
 _REASSOCIATES = frozenset({"add", "add_any", "sub"})
 COMPILERS = {
     "cpu": Compiler(COMPILER_NAMES["cpu"], dense_ragged=True, whole_top_k=True),
-    "cuda": Compiler(COMPILER_NAMES["cuda"], sums=_REASSOCIATES, recomputes=True),
+    "cuda": Compiler(  # H100 (and H200: the same SMs) unless a chip's book says otherwise
+        COMPILER_NAMES["cuda"],
+        sums=_REASSOCIATES,
+        recomputes=True,
+        split_k=splitk.for_gpu(GPUS["h100"].sms, GPUS["h100"].compute_capability),
+    ),
     "tpu": Compiler(
         COMPILER_NAMES["tpu"],
         sums=_REASSOCIATES,
@@ -144,6 +154,10 @@ COMPILERS = {
     ),
 }
 COMPILERS["tpu-v6e"] = replace(COMPILERS["tpu"], windowed=16384)
+for _chip in ("a100-80gb", "b200"):  # GPUs whose split-K model differs from the H100's (SMs, generation)
+    COMPILERS[_chip] = replace(
+        COMPILERS["cuda"], split_k=splitk.for_gpu(GPUS[_chip].sms, GPUS[_chip].compute_capability)
+    )
 WINDOWED_MAX_DEVICES = 32  # the most devices a windowed einsum's ring was measured on (64: none)
 
 
@@ -1211,6 +1225,8 @@ class _Propagator:
         k = math.prod(lhs.shape[i] for i in lc)
         kshards = self.ctx.split(tuple(x for i in lc for x in lt[i]))
         self._flops(2 * (self.ctx.local(out) / out.itemsize) * (k / kshards), mult, "dot_general")
+        if self.ctx.book.split_k is not None:
+            self._split_k(eqn, Val(lhs.shape, lhs.itemsize, lt), Val(rhs.shape, rhs.itemsize, rt), out, mult)
         if out.partial and lb:  # its leading dims are the batch dims (see ``resolve``)
             self.dot_batch[self.root(eqn.outvars[0])] = len(lb)
         want = self.wants.get(eqn.outvars[0])
@@ -1218,6 +1234,31 @@ class _Propagator:
             # Its readers keep a split over a pending axis: reduce-scattered onto it here.
             return self.resolve(eqn.outvars[0], out, want, mult, "dot_general", contracted=k)
         return out
+
+    def _split_k(self, eqn: Any, lhs: Val, rhs: Val, out: Val, mult: int) -> None:
+        """XLA:GPU's split of the local matmul's contraction (``Compiler.split_k``): the float32
+        partial results' workspace alive while they are added up (on top of the result), the
+        additions and the padded contraction's products counted as FLOPs."""
+        gpu = self.ctx.book.split_k
+        assert gpu is not None
+        lc = eqn.params["dimension_numbers"][0][0]
+        lb = eqn.params["dimension_numbers"][1][0]
+        if not lc or 0 in lhs.shape or not all(_is_float(x) for x in eqn.invars):  # XLA:GPU splits no integer matmul
+            return
+        # Its dims merged as XLA:GPU canonicalises a matmul: batch, free and contracting dims each one
+        # (measured: "mhd,hdn->mn" splits as a contraction of h x d).
+        ls, rs = _local_shape(lhs, self.ctx), _local_shape(rhs, self.ctx)
+        b = math.prod(ls[i] for i in lb)
+        k = math.prod(ls[i] for i in lc)
+        m = math.prod(ls) // (b * k)
+        n = math.prod(rs) // (b * k)
+        bits = (lhs.itemsize * 8, rhs.itemsize * 8, out.itemsize * 8)
+        split = splitk.choose(gpu, b, m, n, k, bits)
+        if split == 1:
+            return
+        partials = b * split * m * n
+        self.peak = max(self.peak, partials * 4)
+        self._flops(partials + 2 * b * m * n * (splitk.padded(k, split, bits) - k), mult, "dot_general")
 
     def _contraction_moves(
         self, lhs: Val, rhs: Val, i: int, j: int, ldims: list, rdims: list, lb: Any, lfree: list, rfree: list
@@ -2332,6 +2373,10 @@ def _is_float(var: Any) -> bool:
 def _replicated(aval: Any) -> Val:
     shape = tuple(getattr(aval, "shape", ()))
     return Val(shape, itemsize(aval), ((),) * len(shape))
+
+
+def _local_shape(v: Val, ctx: _Ctx) -> tuple[int, ...]:
+    return tuple(size // ctx.split(axes) if axes else size for size, axes in zip(v.shape, v.dims, strict=True))
 
 
 def _fits(shape: tuple[int, ...], dims: Dims, ctx: _Ctx) -> bool:
