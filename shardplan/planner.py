@@ -173,6 +173,16 @@ def _fits_nowhere(best: search.Scored, budget: int) -> ShardPlanError:
     )
 
 
+def search_space(coster: Any, devices: int) -> search.Space:
+    """The space ``suggest`` searches for the step ``coster`` traced (``api.step_coster``) on
+    ``devices`` devices: the param families and what each dim is, read from the computation."""
+    roles = coster.roles(devices)
+    shapes = coster.shapes
+    space = search.Space(families(roles), dict(roles.sizes), tuple(int(s[0][0]) for s in shapes.values() if s[0]))
+    seq = tuple(int(s[0][1]) for s in shapes.values() if len(s[0]) > 1)
+    return search.Space(space.families, space.sizes, space.batch, _names(space), seq, roles.opt_prefixes)
+
+
 def suggest(
     *,
     model: str,
@@ -269,12 +279,7 @@ def suggest(
     budget = device_memory if device_memory is not None else int(hw.hbm_bytes)
     t0 = time.perf_counter()
     coster = api.step_coster(model, step, batch, optimizer)
-    roles = coster.roles(devices)
-    fams = families(roles)
-    shapes = coster.shapes
-    space = search.Space(fams, dict(roles.sizes), tuple(int(s[0][0]) for s in shapes.values() if s[0]))
-    seq = tuple(int(s[0][1]) for s in shapes.values() if len(s[0]) > 1)
-    space = search.Space(space.families, space.sizes, space.batch, _names(space), seq, roles.opt_prefixes)
+    space = search_space(coster, devices)
 
     def score(text: str) -> tuple | None:
         try:  # a candidate the plan checker or the model refuses is dropped, not the search

@@ -22,6 +22,7 @@ model axis inside a host, axes that cross hosts tagged ``@dcn``):
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter
@@ -505,6 +506,23 @@ class Scored:
         return (*self.key, self.text)
 
 
+_SCALARS = ("fsdp", "sp", "pin", "micro", "circular")
+
+
+def _combined(c: Choice, a: Choice, b: Choice) -> Choice | None:
+    """``c`` with the change that makes ``a`` and the one that makes ``b`` (None: both change one
+    decision)."""
+    fields = {}
+    for name in _SCALARS:
+        mine, x, y = getattr(c, name), getattr(a, name), getattr(b, name)
+        if x != mine and y != mine:
+            return None
+        fields[name] = x if x != mine else y
+    if a.tp != c.tp and b.tp != c.tp and (a.tp ^ c.tp) == (b.tp ^ c.tp):
+        return None
+    return replace(c, tp=c.tp ^ (a.tp ^ c.tp) ^ (b.tp ^ c.tp), **fields)
+
+
 @dataclass
 class Search:
     """A local search over choices. ``score(text) -> (cost, time, seconds, peak)`` or None when
@@ -548,12 +566,18 @@ class Search:
         return out
 
     def pairs(self, c: Choice) -> list[Choice]:
-        """Two changes at once, where one alone may not pay: the FSDP mode with a tensor-parallel dim
-        (memory moved from one to the other)."""
-        sizes = c.sizes
-        if math.prod(sizes.get(a, 1) for a in DATA_AXES) == 1 or sizes.get("model", 1) == 1:
-            return []
-        return [replace(c, fsdp=m, tp=c.tp ^ {u}) for m in FSDP_MODES if m != c.fsdp for u in self.space.tensor]
+        """Two changes at once, where no one alone pays: every two of :meth:`neighbours`' changes
+        that touch different decisions (the FSDP mode with a tensor-parallel dim: memory moved from
+        one to the other; sequence parallelism off and the residual stream pinned: measured on
+        llama_tiny, 4 devices at half the free best's peak, the best plan two such changes away)."""
+        singles = self.neighbours(c)
+        out = []
+        for i, a in enumerate(singles):
+            for b in singles[i + 1 :]:
+                both = _combined(c, a, b)
+                if both is not None:
+                    out.append(both)
+        return out
 
     def descend(self, start: Choice) -> Scored | None:
         """Steepest descent from ``start``: every single change costed, the best taken while it
@@ -572,10 +596,58 @@ class Search:
             best = step
         return best
 
+    def choices(self, mesh: tuple[tuple[str, int, str], ...]) -> list[Choice]:
+        """Every choice of the space on ``mesh``: each subset of the tensor-parallel dims, each FSDP
+        mode, sequence parallelism and the pinned residual stream where they apply, a pipeline's
+        microbatch counts and schedules (the decisions :meth:`neighbours` changes one at a time)."""
+        sizes = {a: n for a, n, _ in mesh}
+        modes = FSDP_MODES if math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1 else ("none",)
+        tensor = self.space.tensor if sizes.get("model", 1) > 1 else ()
+        subsets = [frozenset(c) for r in range(len(tensor) + 1) for c in itertools.combinations(tensor, r)]
+        pins = (
+            (False, True) if residual_module(self.space) and len([a for a in sizes if sizes[a] > 1]) > 1 else (False,)
+        )
+        base = Choice(mesh)
+        pipelines = [(0, False)]
+        if sizes.get("stage", 1) > 1:
+            counts = microbatch_counts(self.space, base)
+            pipelines = [
+                (m, c) for m in counts for c in (False, True) if not c or can_circle(self.space, replace(base, micro=m))
+            ]
+        out = []
+        for tp in subsets:
+            for fsdp in modes:
+                c = Choice(mesh, tp, fsdp)
+                sps = (
+                    (False, True)
+                    if sizes.get("model", 1) > 1 and sizes.get("seq", 1) == 1 and sp_modules(self.space, c)
+                    else (False,)
+                )
+                for sp in sps:
+                    for pin in pins:
+                        for micro, circular in pipelines:
+                            if micro or sizes.get("stage", 1) == 1:
+                                out.append(Choice(mesh, tp, fsdp, sp, pin, micro, circular))
+        return out
+
+    def exhaustive(self, mesh_list: list[tuple[tuple[str, int, str], ...]]) -> list[Scored]:
+        """Every choice on every mesh costed: the space's best by the cost model, whatever order the
+        search would meet it in (for small spaces, and to check :meth:`run` against)."""
+        for m in mesh_list:
+            for c in self.choices(m):
+                self.evaluate(c)
+        return sorted((s for s in self.seen.values() if s is not None), key=lambda s: s.rank)
+
+    def size(self, mesh_list: list[tuple[tuple[str, int, str], ...]]) -> int:
+        """How many choices :meth:`exhaustive` would cost."""
+        return sum(len(self.choices(m)) for m in mesh_list)
+
     def run(self, mesh_list: list[tuple[tuple[str, int, str], ...]], descents: int = 3) -> list[Scored]:
         """Every mesh's starting points costed (data parallel or FSDP, with no tensor parallel
-        and with all of it), then a local search from the best ``descents`` of them."""
+        and with all of it; where none of those fits the budget, also Megatron's split with every
+        memory-saving decision taken), then a local search from the best ``descents`` of them."""
         starts: list[Scored] = []
+        bases = []
         for m in mesh_list:
             sizes = {a: n for a, n, _ in m}
             fsdp = "params" if math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1 else "none"
@@ -584,12 +656,24 @@ class Search:
                 base = replace(base, micro=first_micro(self.space, base))
                 if not base.micro:
                     continue
+            bases.append(base)
             choices = [base]
             if sizes.get("model", 1) > 1:
                 choices.append(replace(base, tp=frozenset(self.space.tensor)))
             if fsdp != "none":
                 choices.append(replace(base, fsdp="none"))
             starts += [got for c in choices if (got := self.evaluate(c)) is not None]
+        if not any(s.fits for s in starts):
+            # Each dim but the residual stream's width over model (Megatron's columns, then rows),
+            # FSDP and sequence parallelism: the start that may fit where the others' descents end
+            # in plans that do not (measured on gpt_tiny, 4 devices, 35% of the free best's peak).
+            for base in bases:
+                if base.sizes.get("model", 1) > 1:
+                    most = replace(base, tp=frozenset(self.space.tensor) - {self.space.width})
+                    if base.sizes.get("seq", 1) == 1 and sp_modules(self.space, most):
+                        most = replace(most, sp=True)
+                    if (got := self.evaluate(most)) is not None:
+                        starts.append(got)
         for s in sorted(starts, key=lambda s: s.rank)[:descents]:
             self.descend(s.choice)
         return sorted((s for s in self.seen.values() if s is not None), key=lambda s: s.rank)
