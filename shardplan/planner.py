@@ -14,7 +14,7 @@ import math
 import textwrap
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardplan import api
@@ -47,6 +47,8 @@ class Candidate:
     exact_step_s: float | None = None  # the same, from the compiled program (exact mode)
     exact_peak: int | None = None
     flops: float = 0.0  # per device per step (the compiled program's where confirmed)
+    kind: str = ""  # shown as the best plan of this kind of parallelism (search.KINDS) the search costed
+    kinds: tuple[str, ...] = ()  # the kinds of parallelism it uses (search.Choice.kinds)
 
 
 @dataclass(frozen=True)
@@ -375,11 +377,26 @@ def suggest(
             ex[0] if ex else None,
             ex[1] if ex else None,
             ex[2].flops if ex else r.cost.flops,
+            kinds=r.choice.kinds(),
         )
 
     best = candidate(fitting[0])
     others = [candidate(r) for r in fitting[1:]][: max(top - 1, 0)]
     ruled_out = [candidate(r) for r in ranked if not r.fits][:2]
+    # The best plan of each kind of parallelism the winner does not use, whether or not it ranked
+    # near the top: what each costs and why it lost, said (a fitting one before one over the budget).
+    shown = {c.text for c in [best, *others, *ruled_out]}
+    left_out = {r.text for r in over}
+    pool = [r for r in fitting[1:] if r.text not in left_out] + [r for r in ranked if not r.fits]
+    kinds = []
+    for kind in search.KINDS:
+        if kind in winner.choice.kinds():
+            continue
+        r = next((r for r in pool if kind in r.choice.kinds()), None)
+        if r is not None and r.text not in shown:
+            shown.add(r.text)
+            kinds.append(replace(candidate(r), kind=kind))
+    others += kinds
     cost = confirmed[winner.text][2] if winner.text in confirmed else winner.cost
     if winner.text in confirmed:
         status = ""
@@ -477,7 +494,8 @@ def render(
                 + (" compiled" if both else "")
                 + (f": a tie within {TIE:.0%}, and {more}")
             )
-        head.append(f"- {c.description}: step {_ms(c.step_s)}, peak {fmt_bytes(c.peak)} ({why})")
+        label = f"best {c.kind} plan costed: " if c.kind else ""
+        head.append(f"- {label}{c.description}: step {_ms(c.step_s)}, peak {fmt_bytes(c.peak)} ({why})")
     wrapped = [
         line
         for h in head

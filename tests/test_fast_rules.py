@@ -377,6 +377,10 @@ CASES = [
     ("argsort/1-D split", lambda a: jnp.argsort(a), (S(512),), (P(("data", "model")),), None),
     ("rev/split dim", lambda a: a[:, ::-1] * 2.0, (S(B, D),), (P("data", "model"),), None),
     ("sort/along a whole dim", lambda a: jnp.sort(a, axis=1) * 2.0, (S(B, D),), (P("data"),), None),
+    # a ZeRO-1 update: moments split, the param and its update whole: computed where the moments
+    # lie, the new param gathered once (not both of the division's operands)
+    ("elementwise/split operands, whole result", lambda p, m, v: p - 0.1 * (m / (jnp.sqrt(v) + 1e-8)),
+     (S(B, D), S(B, D), S(B, D)), (P(), P("data"), P("data")), P()),
 ]
 
 

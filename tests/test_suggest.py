@@ -493,3 +493,17 @@ def test_the_search_finds_the_plan_brute_force_finds_under_every_budget():
                 assert found.fits and found.text == fitting[0].text, (share, found.choice, fitting[0].choice)
             else:
                 assert not found.fits, share
+
+
+def test_the_best_plan_of_each_kind_of_parallelism_is_shown_with_why_it_lost(tight):
+    """Whatever wins, the best data-parallel, FSDP, ZeRO-1 and tensor-parallel plans the search
+    costed are in the header with their step, peak and why they lost (the tower has no experts and
+    no stacked layers: no expert-parallel or pipeline plan exists for it)."""
+    kinds = {k for c in (tight.best, *tight.alternatives) for k in c.kinds}
+    assert {"data-parallel", "FSDP", "ZeRO-1", "tensor-parallel"} <= kinds
+    assert not kinds & {"expert-parallel", "pipeline"}
+    for c in tight.alternatives:
+        if c.kind:
+            assert c.kind in c.kinds and c.kind not in tight.best.kinds
+            line = " ".join(row.lstrip("#").strip() for row in tight.text.splitlines())
+            assert f"- best {c.kind} plan costed: " in line and re.search(r"\((?:[+-]\d+% step time|peak .* does not fit)", line)

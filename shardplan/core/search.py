@@ -31,6 +31,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 FSDP_MODES = ("params", "opt", "none")
+# The kinds of parallelism a plan of the space may use (``Choice.kinds``): suggest shows the best
+# plan of each beside the winner.
+KINDS = ("data-parallel", "FSDP", "ZeRO-1", "tensor-parallel", "expert-parallel", "pipeline")
 DATA_AXES = ("data", "fsdp", "seq")  # FSDP's axes: across hosts, inside each (hybrid), the sequence's
 _FSDP_WORDS = {
     "params": "FSDP (params and optimizer state over data)",
@@ -137,6 +140,26 @@ class Choice:
     @property
     def sizes(self) -> dict[str, int]:
         return {a: n for a, n, _ in self.mesh}
+
+    def kinds(self) -> tuple[str, ...]:
+        """The kinds of parallelism the choice uses, in :data:`KINDS`' words (none: every device
+        runs the whole step)."""
+        sizes = self.sizes
+        data = math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1
+        out = []
+        if data and self.fsdp == "none":
+            out.append("data-parallel")
+        if data and self.fsdp == "params":
+            out.append("FSDP")
+        if data and self.fsdp == "opt":
+            out.append("ZeRO-1")
+        if sizes.get("model", 1) > 1 and self.tp:
+            out.append("tensor-parallel")
+        if sizes.get("expert", 1) > 1:
+            out.append("expert-parallel")
+        if self.micro and sizes.get("stage", 1) > 1:
+            out.append("pipeline")
+        return tuple(out)
 
     def describe(self, space: Space) -> str:
         sizes = self.sizes

@@ -925,6 +925,18 @@ class _Propagator:
             return None
         return claim
 
+    def _gathers_alike(self, outvar: Any, full: list) -> bool:
+        """Whether the layout a step output wants of ``outvar`` (``hints``) only gathers operands that
+        are laid out alike with no pending sum: XLA computes the op where they lie and moves its
+        result where the chain ends (measured: ZeRO-1's update ``mu / (sqrt(nu) + eps)`` over
+        split moments is computed split and the new replicated param gathered once, 3.25 MiB on
+        llama_small over 8 devices; computed whole, both operands were gathered: 6.5 MiB)."""
+        hint = self.hints[outvar]
+        first = full[0][1].dims
+        if any(v.partial or v.dims != first for _, v in full):
+            return False
+        return all(set(h) <= set(d) for h, d in zip(_norm(hint, len(first)), first, strict=True))
+
     def _flops(self, n: float, mult: int, name: str) -> None:
         self.ctx.flops += n * mult
         if name in TRANSCENDENTAL:
@@ -962,7 +974,12 @@ class _Propagator:
             out = Val(shape, itemsize(out_aval), _norm(back, rank))
             self._flops(self.ctx.local(out) / out.itemsize, mult, name)
             return out
-        if full and outvar not in self.hints and outvar not in self.claimed and outvar not in self.free:
+        if (
+            full
+            and (outvar not in self.hints or self._gathers_alike(outvar, full))
+            and outvar not in self.claimed
+            and (outvar not in self.free)
+        ):
             first = full[0][1].dims
             if all(v.dims == first and not v.partial for _, v in full):  # operands laid out alike: nothing moves
                 out = Val(shape, itemsize(out_aval), _norm(first, rank))
