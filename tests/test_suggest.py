@@ -455,12 +455,12 @@ def test_a_tie_on_step_time_goes_to_the_plan_whose_devices_do_the_least_of_the_s
 
 
 def test_the_search_finds_the_plan_brute_force_finds_under_every_budget():
-    """llama_tiny on 4 devices: every plan of the search's space (297: meshes, tensor-parallel dims,
-    FSDP modes, sequence parallelism, the pinned residual stream) costed by fast mode, against the
-    local search under budgets from free down to where nothing fits, meshes in either order. Before
-    pairs of any two changes and the Megatron start, the search wrote a plan 7.3% slower at half
-    the free best's peak (the best three changes away) and, on gpt_tiny at 35%, one that did not fit
-    where one did."""
+    """llama_tiny on 4 devices, tensor parallelism over its 3 widest dims: every plan of the space
+    (101: meshes, tensor-parallel dims, FSDP modes, sequence parallelism, the pinned residual
+    stream) costed by fast mode, against the local search under budgets from free down to where
+    nothing fits, meshes in either order. Before pairs of any two changes, the search wrote a plan
+    7.3% slower at half the free best's peak (the best three changes away; the same over all 5
+    dims, 297 plans, and on gpt_tiny 4.0%, 591 plans; docs/suggest.md)."""
     import functools
 
     from shardplan import planner
@@ -468,7 +468,15 @@ def test_the_search_finds_the_plan_brute_force_finds_under_every_budget():
 
     coster = shardplan.api.step_coster(f"{EXAMPLES}:llama_tiny", f"{TRAIN}:lm_loss",
                                        ["tokens=int32[16,32],labels=int32[16,32]"])
-    space = planner.search_space(coster, 4)
+    full = planner.search_space(coster, 4)
+    keep = full.tensor[:3]
+
+    class Widest(search.Space):
+        @property
+        def tensor(self):
+            return tuple(u for u in super().tensor if u in keep)
+
+    space = Widest(full.families, full.sizes, full.batch, full.names, full.seq, full.opt_prefixes)
     hw = chips.lookup("h100")
 
     @functools.cache
@@ -483,9 +491,9 @@ def test_the_search_finds_the_plan_brute_force_finds_under_every_budget():
 
     meshes = search.meshes(space, 4)
     every = search.Search(space, score).exhaustive(meshes)
-    assert len(every) > 200
+    assert len(every) > 90
     free = every[0].peak
-    for share in (1.0, 0.8, 0.5, 0.35, 0.25):
+    for share in (1.0, 0.5, 0.35, 0.25):
         fitting = sorted((s for s in every if s.peak <= share * free), key=lambda s: (s.seconds, s.text))
         for order in (meshes, meshes[::-1]):
             found = search.Search(space, score, share * free).run(order)[0]
