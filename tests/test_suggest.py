@@ -390,6 +390,18 @@ def test_a_device_count_nothing_divides_says_so_in_the_header():
     assert "nothing split" in got.best.description and "16 rows" in got.best.description, got.best.description
 
 
+def test_a_batch_no_mesh_splits_says_so_and_what_would():
+    """7 rows on 8 devices: the weights could be split (FSDP divides them) but alone do not pay on
+    this toy; the header says the batch is what does not divide and what batch would, not that no
+    weight dim divides."""
+    got = shardplan.suggest(model=f"{RENAMED}:tower", step=f"{RENAMED}:loss",
+                            batch=["tokens=int32[7,64]", "labels=int32[7,64]"], devices=8, confirm=0)
+    words = got.best.description
+    assert "nothing split" in words and not shardplan.loads(got.text, "suggested.splan").params, got.text
+    assert "7 rows do not divide over data=8" in words and "a multiple of 8 rows" in words, words
+    assert "no weight dim" not in words, words
+
+
 class _Reordered(search.Space):
     """The same space with its tensor-parallel dims listed in the opposite order."""
 

@@ -175,6 +175,14 @@ class Choice:
             any(param_dims(f, space, self)) for f in space.families
         ):
             rows = "/".join(map(str, sorted(set(space.batch)))) or "no"
+            rows_split = math.prod(sizes.get(a, 1) for a in (*DATA_AXES, "expert"))
+            if any(any(param_dims(f, space, replace(self, fsdp="params"))) for f in space.families):
+                # weights could be split over the mesh: the search found splitting them costs more
+                return (
+                    f"{n} devices, nothing split: the batch's {rows} rows do not divide over {mesh}, and "
+                    f"splitting the weights alone costs this model more than it saves on this chip, so every device "
+                    f"runs the whole step; a batch of a multiple of {rows_split} rows splits the work"
+                )
             return (
                 f"{n} devices, nothing split: no weight dim and not the batch's {rows} rows divide over {mesh}, so "
                 f"every device runs the whole step; a device count that divides them splits the work"
