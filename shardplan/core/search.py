@@ -669,10 +669,6 @@ class Search:
                 self.evaluate(c)
         return sorted((s for s in self.seen.values() if s is not None), key=lambda s: s.rank)
 
-    def size(self, mesh_list: list[tuple[tuple[str, int, str], ...]]) -> int:
-        """How many choices :meth:`exhaustive` would cost."""
-        return sum(len(self.choices(m)) for m in mesh_list)
-
     def run(self, mesh_list: list[tuple[tuple[str, int, str], ...]], descents: int = 3) -> list[Scored]:
         """Every mesh's starting points costed (data parallel or FSDP, with no tensor parallel
         and with all of it; where none of those fits the budget, also Megatron's split with every

@@ -30,7 +30,7 @@ from typing import Any
 
 from shardplan.core.leaves import records
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
-from shardplan.core.targets import COMPILER_NAMES, GPUS
+from shardplan.core.targets import BOOKS, COMPILER_NAMES, GPUS
 from shardplan.core.timing import combined, combined_launches
 from shardplan.ledger import merged
 from shardplan.runtime import gather_reuse, splitk
@@ -154,7 +154,7 @@ COMPILERS = {
     ),
 }
 COMPILERS["tpu-v6e"] = replace(COMPILERS["tpu"], windowed=16384)
-for _chip in ("a100-80gb", "b200"):  # GPUs whose split-K model differs from the H100's (SMs, generation)
+for _chip in sorted(BOOKS & set(GPUS)):  # GPUs whose split-K model differs from the H100's (SMs, generation)
     COMPILERS[_chip] = replace(
         COMPILERS["cuda"], split_k=splitk.for_gpu(GPUS[_chip].sms, GPUS[_chip].compute_capability)
     )
