@@ -272,6 +272,7 @@ class _Frame:
 
 
 _NONE: frozenset = frozenset()  # an empty set nothing adds to
+_BITCASTS = splitk.VIEWS  # views XLA makes without a copy: a fused reader of one reads the view's operand
 _NORMAL: dict[tuple, Dims] = {}  # (dims, rank) -> normal dims: asked ~100,000 times per costing
 
 
@@ -325,6 +326,8 @@ class _Propagator:
         self.dot_reduced: dict[Any, tuple[frozenset[str], int]] = {}  # -> (summed axes, batch dims)
         self.dot_batch: dict[Any, int] = {}  # a batched matmul's summed result -> its batch dims (leading)
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
+        # A matmul's result held as its split contraction's float32 partials (``_split_k``)
+        self.widened: dict[Any, int] = {}
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.virtual_outs: set[int] | frozenset[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
@@ -542,8 +545,13 @@ class _Propagator:
                 self._sum_origins(eqn, outs)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
+                wide = self.widened.pop(var, 0)
+                if not wide and eqn.primitive.name in _BITCASTS and eqn.invars[0] in self.widened:
+                    wide = self.widened[eqn.invars[0]]  # a view of a split matmul's result: its partials
+                if wide:
+                    self.widened[var] = wide
                 if var not in fused and var not in self.aliased and var not in virtual:
-                    held[var] = self.ctx.held(val)
+                    held[var] = max(self.ctx.held(val), wide)
                     live += held[var]
             for x in copying:
                 # made for its first matmul, where the weight is read in place (not gathered: then
@@ -1270,12 +1278,47 @@ class _Propagator:
         m = math.prod(ls) // (b * k)
         n = math.prod(rs) // (b * k)
         bits = (lhs.itemsize * 8, rhs.itemsize * 8, out.itemsize * 8)
-        split = splitk.choose(gpu, b, m, n, k, bits)
+        side, wider = self._dot_merged(eqn)
+        if wider > 1 and (
+            math.prod(ls) * lhs.itemsize + math.prod(rs) * rhs.itemsize + b * m * n * out.itemsize <= splitk.MERGE_BYTES
+        ):
+            # merged with the matmuls that share an operand with it: split as the wider matmul
+            m, n = (m, round(n * wider)) if side == 0 else (round(m * wider), n)
+            split = splitk.choose(gpu, b, m, n, k, bits)
+            m, n = (m, round(n / wider)) if side == 0 else (round(m / wider), n)
+        else:
+            split = splitk.choose(gpu, b, m, n, k, bits)
         if split == 1:
             return
         partials = b * split * m * n
-        self.peak = max(self.peak, partials * 4)
-        self._flops(partials + 2 * b * m * n * (splitk.padded(k, split, bits) - k), mult, "dot_general")
+        if out.partial:  # summed over devices first: the partials added up before the collective
+            self.peak = max(self.peak, partials * 4)
+            adds = partials * wider
+        else:  # the addition fused into every reader: the partials held as long as the result
+            self.widened[eqn.outvars[0]] = partials * 4
+            adds = partials * wider * self._reads(eqn.outvars[0])
+        self._flops(adds + 2 * b * m * n * (splitk.padded(k, split, bits) - k), mult, "dot_general")
+
+    def _reads(self, var: Any) -> int:
+        """How many kernels of the jaxpr being run read ``var`` (``splitk.reads``)."""
+        jaxpr = self._frame.jaxpr if self._frame is not None else None
+        key = ("reads", id(jaxpr))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not jaxpr:
+            hit = (jaxpr, splitk.reads(jaxpr))
+            self.memo[key] = hit
+        return max(1, hit[1].get(var, 0))
+
+    def _dot_merged(self, eqn: Any) -> tuple[int, float]:
+        """The side a matmul shares with those XLA:GPU merges it with, and how much wider the merged
+        matmul is (``splitk.merged``; 1.0 where it stays alone)."""
+        jaxpr = self._frame.jaxpr if self._frame is not None else None
+        key = ("merged", id(jaxpr))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not jaxpr:
+            hit = (jaxpr, splitk.merged(jaxpr))
+            self.memo[key] = hit
+        return hit[1].get(id(eqn), (0, 1.0))
 
     def _contraction_moves(
         self, lhs: Val, rhs: Val, i: int, j: int, ldims: list, rdims: list, lb: Any, lfree: list, rfree: list

@@ -18,6 +18,7 @@ B200 split exactly as :func:`choose` says (tests/test_splitk.py keeps a sample).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 TILE = 128  # the output tile the cost model assumes, both sides
@@ -78,3 +79,118 @@ def padded(k: int, split: int, bits: tuple[int, int, int]) -> int:
     """The contraction after padding: a multiple of ``split`` chunks of 16-byte-aligned length."""
     step = split * 128 // min(128, bits[0], bits[1])
     return -(-k // step) * step
+
+
+MERGE_BYTES = 32 << 20  # XLA:GPU's ``xla_gpu_dot_merger_threshold_mb`` default (32)
+
+
+def merged(jaxpr: Any) -> dict[int, tuple[int, float]]:
+    """XLA:GPU's ``DotMerger`` (openxla/xla ``dot_merger.cc``, run before the split-K choice) on a
+    jaxpr: matmuls that read one value on the same side, with the same dimension numbers and
+    types and neither computed from the other, become one matmul over their other operands
+    concatenated on their free dim (``x @ Wq``, ``x @ Wk``, ``x @ Wv`` as ``x @ [Wq Wk Wv]``; the
+    weight gradients ``x.T @ dq``, ``x.T @ dk`` likewise). Returns, per merged matmul (``id`` of
+    its equation), the side its group shares (0: left, 1: right) and the group's free size over
+    its own on the other side, the factor by which its merged matmul is wider. A group merges in
+    program order while one of each pair reads and writes at most ``MERGE_BYTES`` (checked where
+    the layouts are known: ``fits``)."""
+    eqns = list(getattr(jaxpr, "eqns", ()))
+    below: dict[Any, int] = {}  # value -> bitset of the matmuls it is computed from
+    dots: list[Any] = []
+    index: dict[int, int] = {}
+    for eqn in eqns:
+        deps = 0
+        for x in eqn.invars:
+            if not hasattr(x, "val"):
+                deps |= below.get(x, 0)
+        if eqn.primitive.name == "dot_general" and all(_floating(x) for x in eqn.invars):
+            index[id(eqn)] = len(dots)
+            dots.append(eqn)
+            deps |= 1 << index[id(eqn)]
+        for x in eqn.outvars:
+            below[x] = deps
+    classes: dict[tuple[int, object], list[Any]] = {}
+    for eqn in dots:
+        for side in (0, 1):
+            x = eqn.invars[side]
+            if not hasattr(x, "val"):
+                classes.setdefault((side, x), []).append(eqn)
+    out: dict[int, tuple[int, float]] = {}
+    done: set[int] = set()
+    for (side, _), members in classes.items():
+        groups: list[list[Any]] = []
+        for eqn in members:
+            if id(eqn) in done:
+                continue
+            for group in groups:
+                if _mergeable(group[0], eqn, side) and not any(_reaches(below, a, eqn, index) for a in group):
+                    group.append(eqn)
+                    break
+            else:
+                groups.append([eqn])
+        for group in groups:
+            if len(group) < 2:
+                continue
+            widths = [_free(e, 1 - side) for e in group]
+            total = sum(widths)
+            for e, w in zip(group, widths, strict=True):
+                out[id(e)] = (side, total / w)
+                done.add(id(e))
+    return out
+
+
+def _floating(x: Any) -> bool:
+    dtype = getattr(getattr(x, "aval", None), "dtype", None)
+    return dtype is not None and getattr(dtype, "kind", "") == "f"
+
+
+def _mergeable(a: Any, b: Any, side: int) -> bool:
+    """Same dimension numbers and types, and the other operands alike but for one free dim."""
+    if a.params["dimension_numbers"] != b.params["dimension_numbers"]:
+        return False
+    oa, ob = a.invars[1 - side], b.invars[1 - side]
+    if oa.aval.dtype != ob.aval.dtype or a.outvars[0].aval.dtype != b.outvars[0].aval.dtype:
+        return False
+    (lc, rc), (lb, rb) = a.params["dimension_numbers"]
+    used = set(rc) | set(rb) if side == 0 else set(lc) | set(lb)
+    free = [i for i in range(len(oa.aval.shape)) if i not in used]
+    return (
+        len(free) == 1
+        and len(oa.aval.shape) == len(ob.aval.shape)
+        and all(oa.aval.shape[i] == ob.aval.shape[i] for i in used)
+    )
+
+
+def _free(eqn: Any, side: int) -> int:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    x = eqn.invars[side]
+    used = set(lc) | set(lb) if side == 0 else set(rc) | set(rb)
+    size = 1
+    for i, d in enumerate(x.aval.shape):
+        if i not in used:
+            size *= d
+    return size
+
+
+def _reaches(below: dict[Any, int], a: Any, b: Any, index: dict[int, int]) -> bool:
+    """Whether either matmul is computed from the other."""
+    return bool(below[b.outvars[0]] >> index[id(a)] & 1) or bool(below[a.outvars[0]] >> index[id(b)] & 1)
+
+
+VIEWS = frozenset({"reshape", "squeeze", "expand_dims"})  # read without a copy: their readers read the operand
+
+
+def reads(jaxpr: Any) -> dict[Any, int]:
+    """How many kernels read each value of ``jaxpr``, a view's readers counted as its operand's:
+    where a split matmul's partials are added up inside each reader, each reader adds them up."""
+    eqns = list(getattr(jaxpr, "eqns", ()))
+    out: dict[Any, int] = {}
+    for eqn in reversed(eqns):
+        for x in eqn.invars:
+            if hasattr(x, "val"):
+                continue
+            if eqn.primitive.name in VIEWS:
+                out[x] = out.get(x, 0) + max(1, out.get(eqn.outvars[0], 0))
+            else:
+                out[x] = out.get(x, 0) + 1
+    return out
