@@ -110,7 +110,7 @@ def test_readme_block_runs_as_written(index, folder):
     run_block(BLOCKS[index], folder)
     if BLOCKS[index][0].startswith("shardplan suggest") and "-o my.splan" in BLOCKS[index][0]:
         # What the README says of it: a plan a compiler confirmed within the budget, its header saying
-        # so; the FSDP x tensor parallel plans fast mode ranks first compile over it and are left out.
+        # so: data parallel, ranked first by fast mode.
         header = " ".join(line.lstrip("# ") for line in (folder / "my.splan").read_text().splitlines()
                           if line.startswith("#"))
         assert "Compiled by XLA:CPU (exact mode)" in header and "Not confirmed" not in header, header

@@ -559,6 +559,47 @@ def program_flops(hlo_text: str) -> float:
     return loop_flops(hlo_text, whole=True)
 
 
+def _instr_flops(
+    ins: _Instr, defs: dict[str, _Instr], comps: dict[str, list[_Instr]], memo: dict[str, float], stack: frozenset[str]
+) -> float:
+    """FLOPs of one instruction and the fused or called computations it runs (not while bodies):
+    matmuls 2*M*N*K, elementwise ops and reductions one per element. ``memo``: per computation."""
+    n = _shape_bytes(ins.shape)[2] if _ARRAY.search(ins.shape) else 0
+    total = 0.0
+    if ins.op == "dot":
+        lhs = defs.get(ins.operands[0]) if ins.operands else None
+        m = _CONTRACT.search(ins.line)
+        k = math.prod(_dims_of(lhs.shape)[int(i)] for i in _ints(m.group(1))) if lhs and m else 1
+        total += 2.0 * max(n, 0) * k
+    elif ins.op == "convolution":  # XLA:TPU writes its matmuls as convolutions
+        lhs = defs.get(ins.operands[0]) if ins.operands else None
+        labels = _DIM_LABELS.search(ins.line)
+        k = 1
+        if lhs is not None and labels:
+            dims = _dims_of(lhs.shape)
+            k = math.prod(d for d, c in zip(dims, labels.group(1), strict=False) if c == "f")
+        window = _WINDOW.search(ins.line)
+        k *= math.prod(int(w) for w in window.group(1).split("x")) if window else 1
+        total += 2.0 * max(n, 0) * k
+    elif ins.op in _ELEMENTWISE_FLOP:
+        total += max(n, 0)
+    elif ins.op == "reduce" and ins.operands:
+        src = defs.get(ins.operands[0])
+        total += _shape_bytes(src.shape)[2] if src else 0
+    if ins.op in ("fusion", "call", "conditional"):
+        for callee in _CALLS.findall(ins.line):
+            if callee in comps and callee not in stack:
+                total += _comp_flops(callee, comps, memo, stack)
+    return total
+
+
+def _comp_flops(name: str, comps: dict[str, list[_Instr]], memo: dict[str, float], stack: frozenset[str]) -> float:
+    if name not in memo:
+        defs = {i.name: i for i in comps[name]}
+        memo[name] = sum(_instr_flops(i, defs, comps, memo, stack | {name}) for i in comps[name])
+    return memo[name]
+
+
 def loop_flops(hlo_text: str, entry_only: bool = False, whole: bool = False) -> float:
     """FLOPs that XLA's cost analysis leaves out: it counts a ``while`` body once, but the body
     runs once per iteration. Returns each body's own FLOPs x (its runs per step - 1) summed over
@@ -571,38 +612,7 @@ def loop_flops(hlo_text: str, entry_only: bool = False, whole: bool = False) -> 
 
     def own(name: str, stack: frozenset[str]) -> float:
         """FLOPs of one execution of ``name`` and what it calls, except nested while bodies."""
-        if name in memo:
-            return memo[name]
-        defs = {i.name: i for i in comps.get(name, [])}
-        total = 0.0
-        for ins in comps.get(name, []):
-            n = _shape_bytes(ins.shape)[2] if _ARRAY.search(ins.shape) else 0
-            if ins.op == "dot":
-                lhs = defs.get(ins.operands[0]) if ins.operands else None
-                m = _CONTRACT.search(ins.line)
-                k = math.prod(_dims_of(lhs.shape)[int(i)] for i in _ints(m.group(1))) if lhs and m else 1
-                total += 2.0 * max(n, 0) * k
-            elif ins.op == "convolution":  # XLA:TPU writes its matmuls as convolutions
-                lhs = defs.get(ins.operands[0]) if ins.operands else None
-                labels = _DIM_LABELS.search(ins.line)
-                k = 1
-                if lhs is not None and labels:
-                    dims = _dims_of(lhs.shape)
-                    k = math.prod(d for d, c in zip(dims, labels.group(1), strict=False) if c == "f")
-                window = _WINDOW.search(ins.line)
-                k *= math.prod(int(w) for w in window.group(1).split("x")) if window else 1
-                total += 2.0 * max(n, 0) * k
-            elif ins.op in _ELEMENTWISE_FLOP:
-                total += max(n, 0)
-            elif ins.op == "reduce" and ins.operands:
-                src = defs.get(ins.operands[0])
-                total += _shape_bytes(src.shape)[2] if src else 0
-            if ins.op in ("fusion", "call", "conditional"):
-                for callee in _CALLS.findall(ins.line):
-                    if callee in comps and callee not in stack:
-                        total += own(callee, stack | {name})
-        memo[name] = total
-        return total
+        return _comp_flops(name, comps, memo, stack) if name in comps else 0.0
 
     if entry_only:
         return own(entry, frozenset())
@@ -753,6 +763,79 @@ def _instr_traffic(ins: _Instr, defs: dict[str, _Instr], comps: dict[str, list[_
         else:
             total += size.get(o, 0.0)
     return total
+
+
+@dataclass(frozen=True)
+class Step:
+    """A compiled program's instructions in the order its schedule runs them (the order the
+    optimized HLO prints a scheduled module in): kernels, collectives (a synchronous one, or the
+    start and the done of an asynchronous one, which runs while the kernels between them run),
+    and loops. Consecutive kernels are one ``work`` step (their FLOPs, bytes and count summed)."""
+
+    kind: str  # "work", "sync", "start", "done" or "loop"
+    flops: float = 0.0
+    bytes: float = 0.0  # read and written in device memory
+    kernels: int = 0
+    collective: str = ""  # a collective's kind
+    axes: tuple[str, ...] = ()  # its mesh axes
+    moved: int = 0  # its bytes per device (as ``CollectiveOp.bytes``)
+    key: str = ""  # a start's name, that its done names
+    trips: int = 1  # a loop's iterations
+    body: tuple[Step, ...] = ()  # a loop's (or a called computation's) steps
+
+
+def schedule(hlo_text: str, ops: list[CollectiveOp]) -> tuple[Step, ...]:
+    """The entry computation's :class:`Step` s in schedule order (``ops``: :func:`parse`'s
+    collectives of the same program, :func:`with_axes` applied). A ``while`` is a loop of its
+    body's steps; a call or conditional is its callee's (the branch with the most FLOPs)."""
+    comps, entry = _computations(hlo_text)
+    named: dict[str, tuple[str, tuple[str, ...], int]] = {}
+    for op in ops:
+        kind, axes, moved = named.get(op.name, (op.kind, op.axes, 0))
+        named[op.name] = (kind, axes, moved + op.bytes)
+    inside = {  # an async computation -> the collective it runs
+        comp: next((named[i.name] for i in instrs if i.name in named), None) for comp, instrs in comps.items()
+    }
+    memo: dict[str, float] = {}
+
+    def steps(name: str, stack: frozenset[str]) -> tuple[Step, ...]:
+        out: list[Step] = []
+        defs = {i.name: i for i in comps.get(name, [])}
+
+        def work(flops: float, nbytes: float) -> None:
+            if out and out[-1].kind == "work":
+                last = out.pop()
+                out.append(replace(last, flops=last.flops + flops, bytes=last.bytes + nbytes, kernels=last.kernels + 1))
+            else:
+                out.append(Step("work", flops, nbytes, 1))
+
+        for ins in comps.get(name, []):
+            callees = [c for c in _CALLS.findall(ins.line) if c in comps]
+            coll = named.get(ins.name) or (inside.get(callees[0]) if ins.op == "async-start" and callees else None)
+            if ins.op == "while":
+                body = _BODY.search(ins.line)
+                if body and body.group(1) in comps and body.group(1) not in stack:
+                    out.append(Step("loop", trips=_trip_count(ins, comps), body=steps(body.group(1), stack | {name})))
+            elif ins.op in ("call", "conditional"):
+                targets = re.findall(r"\b(?:to_apply|true_computation|false_computation)=%([\w.\-]+)", ins.line)
+                for b in _BRANCHES.findall(ins.line):
+                    targets += _OPERAND.findall(b)
+                targets = [t for t in targets if t in comps and t not in stack]
+                if targets:
+                    best = max(targets, key=lambda t: _comp_flops(t, comps, memo, stack))
+                    out.append(Step("loop", body=steps(best, stack | {name})))
+            elif coll is not None and (ins.op.endswith("-start") or ins.op == "async-start"):
+                out.append(Step("start", kernels=1, collective=coll[0], axes=coll[1], moved=coll[2], key=ins.name))
+            elif coll is not None:
+                out.append(Step("sync", kernels=1, collective=coll[0], axes=coll[1], moved=coll[2]))
+            elif ins.op.endswith("-done") or ins.op == "async-done":
+                if ins.operands:
+                    out.append(Step("done", key=ins.operands[0]))
+            elif ins.op not in _NO_TRAFFIC:
+                work(_instr_flops(ins, defs, comps, memo, stack | {name}), _instr_traffic(ins, defs, comps))
+        return tuple(out)
+
+    return steps(entry, frozenset()) if entry in comps else ()
 
 
 def with_axes(ops: list[CollectiveOp], mesh: dict[str, int]) -> list[CollectiveOp]:

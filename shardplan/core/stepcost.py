@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from shardplan.core import hlo
 from shardplan.core.hlo import KINDS
 from shardplan.ledger import Communication as Communication  # the collective ledger's row
 
@@ -100,6 +101,9 @@ class StepCost:
     # v5p's cost analysis ``optimal_seconds``; None elsewhere).
     compiler: str = ""
     compiler_seconds: float | None = None
+    # Exact mode, where the program runs collectives asynchronously (XLA:GPU): its schedule
+    # (``hlo.schedule``: kernels and collectives in the order they run), for the step time.
+    schedule: tuple[hlo.Step, ...] = ()
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -139,6 +143,7 @@ class StepCost:
             "kernels_per_device": self.kernels,
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
             **({"compiler": self.compiler, "compiler_seconds": self.compiler_seconds} if self.compiler else {}),
+            **({"schedule": [_step_json(x) for x in self.schedule]} if self.schedule else {}),
         }
 
     @staticmethod
@@ -165,4 +170,27 @@ class StepCost:
             PipelineCost(**doc["pipeline"]) if doc.get("pipeline") else None,
             doc.get("compiler", ""),
             doc.get("compiler_seconds"),
+            tuple(_step_of(x) for x in doc.get("schedule", ())),
         )
+
+
+def _step_json(s: hlo.Step) -> list:
+    return [
+        s.kind,
+        s.flops,
+        s.bytes,
+        s.kernels,
+        s.collective,
+        list(s.axes),
+        s.moved,
+        s.key,
+        s.trips,
+        [_step_json(x) for x in s.body],
+    ]
+
+
+def _step_of(doc: list) -> hlo.Step:
+    kind, flops, nbytes, kernels, collective, axes, moved, key, trips, body = doc
+    return hlo.Step(
+        kind, flops, nbytes, kernels, collective, tuple(axes), moved, key, trips, tuple(_step_of(x) for x in body)
+    )

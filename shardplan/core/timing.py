@@ -15,6 +15,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from shardplan.core import hlo
 from shardplan.core.chips import Chip
 from shardplan.core.plan import Plan
 from shardplan.core.stepcost import StepCost
@@ -34,6 +35,10 @@ class StepTime:
     mfu_overlapped: float
     latency_s: float = 0.0  # of comm_s, the collectives' latency (count x per-collective latency)
     launch_s: float = 0.0  # kernel launches (the cost's kernels x the chip's launch overhead)
+    # As an accelerator's compiler schedules the step: its asynchronous collectives run while the
+    # kernels between their start and their done run, the others wait (see :func:`scheduled`).
+    scheduled_s: float = 0.0
+    exposed_s: float = 0.0  # of comm_s, what the schedule does not hide
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -79,35 +84,82 @@ def combined_launches(groups: dict[tuple[str, tuple[str, ...], int], int]) -> in
     return sum(runs * max(1, math.ceil(nbytes / COMBINE_BYTES)) for (_, _, runs), nbytes in groups.items())
 
 
+def _one(
+    kind: str,
+    nbytes: float,
+    axes: tuple[str, ...],
+    count: int,
+    mesh: dict[str, int],
+    links: dict[str, str],
+    chip: Chip,
+    latency: bool = True,
+) -> tuple[dict[str, float], float]:
+    """Seconds of ``count`` collectives of ``kind`` moving ``nbytes`` (per device, all runs) over
+    ``axes``, per link, and their latency (``latency=False``: counted elsewhere, see COMBINE_BYTES)."""
+    group = math.prod(mesh.get(a, 1) for a in axes)
+    link = "dcn" if any(links.get(a) == "dcn" for a in axes) else "ici"
+    lat = collective_latency(count, group, chip.dcn_latency if link == "dcn" else chip.ici_latency) if latency else 0.0
+    inside = math.prod(mesh.get(a, 1) for a in axes if links.get(a) != "dcn")
+    if link == "dcn" and inside > 1 and kind in ("all-reduce", "all-gather", "reduce-scatter"):
+        # Over axes inside and across hosts: hierarchically, the fast links first over the whole
+        # buffer, then the network over the 1/inside of it each device holds.
+        return {
+            "ici": collective_seconds(kind, nbytes, inside, chip.ici_bandwidth),
+            "dcn": lat + collective_seconds(kind, nbytes / inside, group // inside, chip.dcn_bandwidth),
+        }, lat
+    bw = chip.dcn_bandwidth if link == "dcn" else chip.ici_bandwidth
+    return {link: collective_seconds(kind, nbytes, group, bw) + lat}, lat
+
+
+def scheduled(steps: tuple[hlo.Step, ...], mesh: dict[str, int], links: dict[str, str], chip: Chip) -> float:
+    """A compiled program's step as its schedule runs it: its kernels one after another (FLOPs at
+    the chip's peak, memory traffic at its bandwidth, a launch each); a synchronous collective
+    after the kernels before it; an asynchronous one from its start, on the links (one collective
+    at a time), its done waiting for it. A loop runs its body's schedule ``trips`` times."""
+    t = net = 0.0
+    pending: dict[str, float] = {}
+    for s in steps:
+        if s.kind == "work":
+            t += s.flops / chip.peak_flops + s.bytes / chip.hbm_bandwidth + s.kernels * chip.launch_s
+        elif s.kind in ("sync", "start"):
+            seconds = sum(_one(s.collective, s.moved, s.axes, 1, mesh, links, chip)[0].values())
+            begin = max(t, net)
+            net = begin + seconds
+            if s.kind == "sync":
+                t = net + chip.launch_s
+            else:
+                pending[s.key] = net
+                t += chip.launch_s
+        elif s.kind == "done":
+            t = max(t, pending.pop(s.key, t))
+        elif s.kind == "loop":
+            t = max(t, net) + s.trips * scheduled(s.body, mesh, links, chip)
+            net = t
+    return max([t, *pending.values()])
+
+
 def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
     links = {a.name: a.link for a in plan.mesh}
     by_link: dict[str, float] = {}
     latency = 0.0
+    # Fast mode's gathers of params, state and inputs, and its sums of gradients: (seconds, bytes)
+    gathers, sums = [0.0, 0.0], [0.0, 0.0]
     # A moved param, state or input (gathered), or a gradient's sum (its row names the param):
     # combined with the others of its kind (see COMBINE_BYTES). Exact mode's rows are the
     # program's own launches (a combined all-reduce counts once).
     groups = combined(cost.communication) if cost.mode == "fast" else {}
     for c in cost.communication:
-        group = math.prod(cost.mesh.get(a, 1) for a in c.axes)
-        link = "dcn" if any(links.get(a) == "dcn" for a in c.axes) else "ici"
-        if c.moves and cost.mode == "fast":  # its latency is its combined group's, below
-            lat = 0.0
-        else:
-            lat = collective_latency(c.count, group, chip.dcn_latency if link == "dcn" else chip.ici_latency)
+        # a fast row that moves a param, state or input: its latency is its combined group's, below
+        secs, lat = _one(
+            c.kind, c.bytes, c.axes, c.count, cost.mesh, links, chip, not (c.moves and cost.mode == "fast")
+        )
         latency += lat
-        inside = math.prod(cost.mesh.get(a, 1) for a in c.axes if links.get(a) != "dcn")
-        if link == "dcn" and inside > 1 and c.kind in ("all-reduce", "all-gather", "reduce-scatter"):
-            # Over axes inside and across hosts: hierarchically, the fast links first over the whole
-            # buffer, then the network over the 1/inside of it each device holds.
-            by_link["ici"] = by_link.get("ici", 0.0) + collective_seconds(c.kind, c.bytes, inside, chip.ici_bandwidth)
-            by_link["dcn"] = (
-                by_link.get("dcn", 0.0)
-                + lat
-                + collective_seconds(c.kind, c.bytes / inside, group // inside, chip.dcn_bandwidth)
-            )
-            continue
-        bw = chip.dcn_bandwidth if link == "dcn" else chip.ici_bandwidth
-        by_link[link] = by_link.get(link, 0.0) + collective_seconds(c.kind, c.bytes, group, bw) + lat
+        for link, x in secs.items():
+            by_link[link] = by_link.get(link, 0.0) + x
+        if c.moves:
+            acc = gathers if c.kind == "all-gather" else sums
+            acc[0] += sum(secs.values())
+            acc[1] += c.bytes
     for key, nbytes in groups.items():
         _, axes, _ = key
         group = math.prod(cost.mesh.get(a, 1) for a in axes)
@@ -117,11 +169,27 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
         )
         latency += lat
         by_link[link] = by_link.get(link, 0.0) + lat
+        (gathers if key[0] == "all-gather" else sums)[0] += lat
     compute = cost.flops / chip.peak_flops
     memory = cost.hbm_bytes / chip.hbm_bandwidth
     launch = cost.kernels * chip.launch_s
     comm = sum(by_link.values())
-    serial, overlapped = compute + memory + launch + comm, max(compute + memory + launch, comm)
+    work = compute + memory + launch
+    serial, overlapped = work + comm, max(work, comm)
+    if cost.schedule:  # the compiled program's own schedule
+        sched = max(overlapped, min(serial, scheduled(cost.schedule, cost.mesh, links, chip)))
+    elif cost.mode == "fast":
+        # No schedule: what XLA's scheduler does with them on an accelerator (read from XLA:GPU's
+        # programs, docs/stepcost.md): a collective of activations is waited for where its result
+        # is read; the gathers of params, state and inputs are combined into buffers of up to
+        # COMBINE_BYTES, the first waited for at the start, the others run while the layers before
+        # their readers compute; the sums of gradients likewise, the last waited for at the end.
+        first = gathers[0] * min(1.0, COMBINE_BYTES / gathers[1]) if gathers[1] else gathers[0]
+        last = sums[0] * min(1.0, COMBINE_BYTES / sums[1]) if sums[1] else sums[0]
+        hidden = gathers[0] - first + sums[0] - last
+        sched = max(overlapped, serial - min(hidden, work))
+    else:  # a program that runs its collectives synchronously (XLA:CPU)
+        sched = serial
     return StepTime(
         chip.name,
         compute,
@@ -134,4 +202,6 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
         compute / overlapped if overlapped else 0.0,
         latency,
         launch,
+        sched,
+        sched - work,
     )

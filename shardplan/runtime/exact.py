@@ -220,7 +220,17 @@ def compile_step(
         kernels=hlo.kernel_count(text),
         compiler=target.compiler + ("" if target.platform == "cpu" else f" {target.name}"),
         compiler_seconds=compiler_seconds,
+        schedule=_schedule(text, ops, target),
     )
+
+
+def _schedule(text: str, ops: list[hlo.CollectiveOp], target: targets.Target) -> tuple[hlo.Step, ...]:
+    """The program's schedule where it runs collectives asynchronously (XLA:GPU's start/done pairs),
+    for the step time; none for XLA:CPU (every collective synchronous: the serial time is its own)
+    or XLA:TPU (its collectives run inside fusions: not read)."""
+    if target.platform != "cuda":
+        return ()
+    return hlo.schedule(text, ops)
 
 
 def target_mesh(plan: Any, target: targets.Target) -> Any:

@@ -177,6 +177,20 @@ def print_step_cost(
             f"Step {fmt_seconds(time.overlapped_s)} with communication overlapped (the larger of the two) to "
             f"{fmt_seconds(time.serial_s)} serial (their sum), MFU {time.mfu_overlapped:.0%} to {time.mfu_serial:.0%}"
         )
+        how = (
+            f"as {cost.compiler}'s schedule runs it: each asynchronous collective while the kernels between "
+            "its start and its done run"
+            if cost.schedule
+            else "as XLA schedules it on an accelerator: gathers of params and sums of gradients combined, the "
+            "first gather and the last sum waited for, the others run while layers compute; collectives of "
+            "activations waited for"
+            if cost.mode == "fast"
+            else f"{cost.compiler} runs every collective synchronously"
+        )
+        console.print(
+            f"scheduled step {fmt_seconds(time.scheduled_s)}, communication exposed {fmt_seconds(time.exposed_s)} "
+            f"of {fmt_seconds(time.comm_s)} ({how})"
+        )
     for n in cost.notes:
         console.print(f"[dim]note: {escape(n)}[/]")
 
