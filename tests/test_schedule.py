@@ -101,3 +101,25 @@ def test_xla_gpus_schedule_hides_part_of_an_fsdp_steps_communication():
     assert exact.schedule
     assert t.overlapped_s < t.scheduled_s < t.serial_s
     assert 0 < t.exposed_s < 0.5 * t.comm_s
+
+
+def test_combined_collectives_launch_once_per_buffer_or_once_each_when_larger():
+    gb = timing.COMBINE_BYTES
+    small = [Communication("all-gather", ("data",), gb // 4, 1, moves=f"w{i}") for i in range(8)]
+    big = [Communication("all-gather", ("model",), 3 * gb, 1, moves=f"v{i}") for i in range(3)]
+    groups = timing.combined(small + big)
+    assert groups[("all-gather", ("data",), 1)] == (2 * gb, 8) and groups[("all-gather", ("model",), 1)] == (9 * gb, 3)
+    # 8 quarter-buffers pack into 2; 3 collectives of 3 buffers each are not cut up: 3 launches, not 9
+    assert timing.combined_launches(groups) == 2 + 3
+
+
+def test_a_scanned_layers_collectives_name_the_params_they_move():
+    """Inside a scan over stacked layers each gather and gradient sum is the layer's slice of a
+    stacked param: the ledger names the param and its plan rule (it named none before), and the
+    scheduled step hides them behind the layers' compute as it does an unscanned model's."""
+    kw = dict(model=f"{ROOT / 'examples' / 'models.py'}:llama_tiny_scan", step=f"{ROOT / 'examples' / 'train.py'}:lm_loss",
+              batch=["tokens=int32[8,16],labels=int32[8,16]"], devices=8)
+    cost = shardplan.api.analyze(PLANS / "llama_scan_2d.splan", mode="fast", **kw)
+    looped = [c for c in cost.communication if c.count > 1 and c.kind in ("all-gather", "reduce-scatter")]
+    assert looped and all(c.moves.startswith("layers/") and "llama_scan_2d.splan:" in c.rule
+                          for c in looped), looped

@@ -67,21 +67,26 @@ def collective_latency(count: int, group: int, latency: float) -> float:
 COMBINE_BYTES = 30 * 2**20
 
 
-def combined(rows: Iterable[Communication]) -> dict[tuple[str, tuple[str, ...], int], int]:
-    """Fast mode's rows that XLA combines, as (kind, axes, runs) -> bytes per run: those that move
-    a param, optimizer state or input (gathers) or sum a param's gradient (their rows name what they
-    move), combined within one run (a scanned layer's gathers run once per layer, not across runs)."""
-    out: dict[tuple[str, tuple[str, ...], int], int] = {}
+def combined(rows: Iterable[Communication]) -> dict[tuple[str, tuple[str, ...], int], tuple[int, int]]:
+    """Fast mode's rows that XLA combines, as (kind, axes, runs) -> (bytes per run, collectives per
+    run): those that move a param, optimizer state or input (gathers) or sum a param's gradient
+    (their rows name what they move), combined within one run (a scanned layer's gathers run once
+    per layer, not across runs)."""
+    out: dict[tuple[str, tuple[str, ...], int], tuple[int, int]] = {}
     for c in rows:
         if c.moves:
             key = (c.kind, c.axes, max(c.count, 1))
-            out[key] = out.get(key, 0) + c.bytes // key[2]
+            nbytes, ops = out.get(key, (0, 0))
+            out[key] = (nbytes + c.bytes // key[2], ops + 1)
     return out
 
 
-def combined_launches(groups: dict[tuple[str, tuple[str, ...], int], int]) -> int:
-    """Collectives launched for :func:`combined`'s groups: one per run per COMBINE_BYTES."""
-    return sum(runs * max(1, math.ceil(nbytes / COMBINE_BYTES)) for (_, _, runs), nbytes in groups.items())
+def combined_launches(groups: dict[tuple[str, tuple[str, ...], int], tuple[int, int]]) -> int:
+    """Collectives launched for :func:`combined`'s groups: per run, the collectives packed into
+    buffers of up to COMBINE_BYTES (one per COMBINE_BYTES of them, or one each where each is larger)."""
+    return sum(
+        runs * min(ops, max(1, math.ceil(nbytes / COMBINE_BYTES))) for (_, _, runs), (nbytes, ops) in groups.items()
+    )
 
 
 def _one(
@@ -160,12 +165,12 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
             acc = gathers if c.kind == "all-gather" else sums
             acc[0] += sum(secs.values())
             acc[1] += c.bytes
-    for key, nbytes in groups.items():
+    for key, packed in groups.items():
         _, axes, _ = key
         group = math.prod(cost.mesh.get(a, 1) for a in axes)
         link = "dcn" if any(links.get(a) == "dcn" for a in axes) else "ici"
         lat = collective_latency(
-            combined_launches({key: nbytes}), group, chip.dcn_latency if link == "dcn" else chip.ici_latency
+            combined_launches({key: packed}), group, chip.dcn_latency if link == "dcn" else chip.ici_latency
         )
         latency += lat
         by_link[link] = by_link.get(link, 0.0) + lat

@@ -181,6 +181,7 @@ class _Ctx:
     batch_axes: tuple[str, ...] = ()  # the axes inputs are split over (activations carry them)
     book: Compiler = COMPILERS["cpu"]  # the compiler whose program is predicted
     comm: list[Communication] = field(default_factory=list)
+    labelled: set[int] = field(default_factory=set)  # rows of ``comm`` whose ``moves`` is a label only
     flops: float = 0.0
     transcendentals: float = 0.0
     hbm: float = 0.0  # bytes read and written in memory (XLA's fusion assumed: see _Propagator.traffic)
@@ -236,7 +237,11 @@ class _Ctx:
             n = self.memo[key] = tiled_bytes(local, v.itemsize, tile)
         return n
 
-    def add(self, kind: str, axes: tuple[str, ...], nbytes: int, mult: int, why: str, moves: str = "") -> None:
+    def add(
+        self, kind: str, axes: tuple[str, ...], nbytes: int, mult: int, why: str, moves: str = "", label: bool = False
+    ) -> None:
+        """One collective; ``label``: ``moves`` names the param only for the ledger (a scanned
+        layer's slice of it, see ``_Propagator.scan``): its launches are counted as they are."""
         if axes and nbytes and self.split(tuple(axes)) > 1:  # over axes of size 1 nothing moves
             # A collective reads its buffer and writes its result (``nbytes``: an all-gather's
             # result, a reduce-scatter's input; the other side is 1/n of it).
@@ -244,6 +249,8 @@ class _Ctx:
             self.hbm += (nbytes + nbytes // n if kind in ("all-gather", "reduce-scatter") else 2 * nbytes) * mult
             self.launches += mult
             self.comm.append(Communication(kind, tuple(axes), nbytes * mult, mult, why, self.source, moves))
+            if label and moves:
+                self.labelled.add(len(self.comm) - 1)
 
 
 @dataclass(frozen=True)
@@ -302,6 +309,9 @@ class _Propagator:
         self.ctx = ctx
         self.ignore_constraints = ignore_constraints  # propagate as if the step constrained nothing
         self.names = names  # top-level invar -> leaf path (for 'moves')
+        # A scanned body's slices of stacked params and gradients -> their path: what the ledger's
+        # rows say they move (``scan``); the layouts and the memory read ``names`` alone.
+        self.labels: dict[Any, str] = {}
         self.updates: dict[Any, str] = {}  # a value -> the param it updates (a gradient's sums name it)
         self.hints: dict[Any, Dims] = {}
         self.claimed: dict[Any, Dims] = {}  # values a closed sharding constraint lays out (see _claims)
@@ -402,17 +412,19 @@ class _Propagator:
             why, self.ctx.source = origin[0], origin[1] or reader_source
             contracted = contracted or origin[2]
         moves = self.updates.get(var) or self.updates.get(self.root(var), "")  # a gradient: its param
+        label = moves or self.labels.get(var) or self.labels.get(self.root(var), "")
+        only = bool(label) and not moves  # named for the ledger alone
         if scatter:
             n = self.ctx.split(tuple(scatter))
             windowed = self.ctx.book.windowed
             if windowed and contracted > windowed and n <= WINDOWED_MAX_DEVICES:  # a ring inside the matmul
                 ring = self.ctx.local(v) * (2 * n + 1) // n
-                self.ctx.add("collective-permute", tuple(scatter), ring, mult, why, moves)
+                self.ctx.add("collective-permute", tuple(scatter), ring, mult, why, label, only)
             else:
-                self.ctx.add("reduce-scatter", tuple(scatter), self.ctx.local(v), mult, why, moves)
+                self.ctx.add("reduce-scatter", tuple(scatter), self.ctx.local(v), mult, why, label, only)
         out = Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims))
         if rest:
-            self.ctx.add("all-reduce", rest, self.ctx.local(out), mult, why, moves)
+            self.ctx.add("all-reduce", rest, self.ctx.local(out), mult, why, label, only)
         if moves and mult == 1 and (scatter or rest) and self.depth == 1:
             self.ctx.reduced += self.ctx.local(out)
             self.ctx.reducing = True
@@ -434,6 +446,8 @@ class _Propagator:
         want = {a: i for i, d in enumerate(target) for a in d}
         dims = [list(d) for d in v.dims]
         moves = self.names.get(self.root(var), "")
+        label = moves or self.labels.get(self.root(var), "")
+        only = bool(label) and not moves  # named for the ledger alone
         mult = self.invariant.get(self.root(var), mult)
         if any(any(want.get(a, i) != i for a in d) and any(a not in want for a in d) for i, d in enumerate(v.dims)):
             # One dim's axes both moving to another dim and gathered (``(data, expert)`` on the
@@ -442,7 +456,13 @@ class _Propagator:
             # rematerialization"), then slices it (measured).
             whole = Val(v.shape, v.itemsize, ((),) * len(v.shape))
             self.ctx.add(
-                "all-gather", tuple(a for a in self.ctx.mesh if a in v.axes), self.ctx.local(whole), mult, why, moves
+                "all-gather",
+                tuple(a for a in self.ctx.mesh if a in v.axes),
+                self.ctx.local(whole),
+                mult,
+                why,
+                label,
+                only,
             )
             dims = [[] for _ in v.dims]
         # An axis that moves to another dim: all-to-all of the local buffer.
@@ -451,7 +471,13 @@ class _Propagator:
                 j = want.get(a)
                 if j is not None and j != i and a in dims[i] and a not in dims[j]:
                     self.ctx.add(
-                        "all-to-all", (a,), self.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))), mult, why, moves
+                        "all-to-all",
+                        (a,),
+                        self.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
+                        mult,
+                        why,
+                        label,
+                        only,
                     )
                     dims[i].remove(a)
                     dims[j].append(a)
@@ -469,7 +495,7 @@ class _Propagator:
                 undivided[i] = []
                 reader, self.ctx.source = self.ctx.source, origin[1] or self.ctx.source  # the matmul's
                 nbytes = self.ctx.local(Val(v.shape, v.itemsize, _tuple(undivided)))
-                self.ctx.add("all-gather", tuple(dims[i]), nbytes, mult, origin[0], moves)
+                self.ctx.add("all-gather", tuple(dims[i]), nbytes, mult, origin[0], label, only)
                 self.ctx.source = reader
                 dims[i] = []
         # Axes the target adds: a free local slice, taken before any gather (so a gather moves
@@ -487,7 +513,7 @@ class _Propagator:
                 dims[i] = [a for a in cur if a in target[i]]
                 gathered = Val(v.shape, v.itemsize, _tuple(dims))
                 nbytes = self.ctx.local(gathered)
-                self.ctx.add("all-gather", tuple(drop), nbytes, mult, why, moves)
+                self.ctx.add("all-gather", tuple(drop), nbytes, mult, why, label, only)
                 if moves and self.ctx.book.gather_cse is None:  # held to its last use (else: ``_cast_gather``)
                     self.ctx.gathered_now += nbytes
                     self.ctx.gathered_peak = max(self.ctx.gathered_peak, self.ctx.gathered_now)
@@ -1922,6 +1948,16 @@ class _Propagator:
 
         nc, ncarry = scan_counts(eqn)
         env: dict[Any, Val] = {}
+        # For the ledger's rows only: a layer's slice of a stacked param is the param its gathers
+        # move, the body's slice of a stacked gradient the param its sums update.
+        for var, outer in zip(body.invars, eqn.invars, strict=True):
+            name = "" if hasattr(outer, "val") else self.names.get(self.root(outer)) or self.labels.get(outer, "")
+            if name:
+                self.labels.setdefault(var, name)
+        for inner, outer in zip(body.outvars[ncarry:], eqn.outvars[ncarry:], strict=True):
+            param = self.updates.get(outer) or self.labels.get(outer)
+            if param and not hasattr(inner, "val"):
+                self.labels.setdefault(inner, param)
         for k, (var, v) in enumerate(zip(body.invars, ins, strict=True)):
             if k < nc:
                 self.invariant[var] = mult
@@ -2554,6 +2590,8 @@ def cost(
         bare, _ = settled(True)
         changed = _delta(ctx.comm, bare.comm)
     comm = merge_communication(ctx.comm, params, opt)
+    # the collectives XLA combines for the kernel count: those that move a param by its own name
+    combining = [c for k, c in enumerate(ctx.comm) if c.moves and k not in ctx.labelled]
     notes = [
         "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns"
         + (f", with {book.name}'s own choices (its casts, sums and gathers)" if compiler != "cpu" else "")
@@ -2626,7 +2664,7 @@ def cost(
         changed,
         hbm_bytes=ctx.hbm,
         # each collective counted once above; XLA launches a combined group's together
-        kernels=ctx.launches - sum(c.count for c in ctx.comm if c.moves) + combined_launches(combined(ctx.comm)),
+        kernels=ctx.launches - sum(c.count for c in combining) + combined_launches(combined(combining)),
         compiler="" if compiler == "cpu" else book.name,
     )
 
