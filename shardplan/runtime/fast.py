@@ -1325,26 +1325,23 @@ class _Propagator:
             adds = partials * wider * self._reads(eqn.outvars[0])
         self._flops(adds + 2 * b * m * n * (splitk.padded(k, split, bits) - k), mult, "dot_general")
 
-    def _reads(self, var: Any) -> int:
-        """How many kernels of the jaxpr being run read ``var`` (``splitk.reads``)."""
+    def _of_frame(self, read: Callable[[Any], dict]) -> dict:
+        """``read(jaxpr)`` of the jaxpr being run, once per trace (kept in the memo)."""
         jaxpr = self._frame.jaxpr if self._frame is not None else None
-        key = ("reads", id(jaxpr))
+        key = (read.__name__, id(jaxpr))
         hit = self.memo.get(key)
         if hit is None or hit[0] is not jaxpr:
-            hit = (jaxpr, splitk.reads(jaxpr))
-            self.memo[key] = hit
-        return max(1, hit[1].get(var, 0))
+            hit = self.memo[key] = (jaxpr, read(jaxpr))
+        return hit[1]
+
+    def _reads(self, var: Any) -> int:
+        """How many kernels of the jaxpr being run read ``var`` (``splitk.reads``)."""
+        return max(1, self._of_frame(splitk.reads).get(var, 0))
 
     def _dot_merged(self, eqn: Any) -> tuple[int, float]:
         """The side a matmul shares with those XLA:GPU merges it with, and how much wider the merged
         matmul is (``splitk.merged``; 1.0 where it stays alone)."""
-        jaxpr = self._frame.jaxpr if self._frame is not None else None
-        key = ("merged", id(jaxpr))
-        hit = self.memo.get(key)
-        if hit is None or hit[0] is not jaxpr:
-            hit = (jaxpr, splitk.merged(jaxpr))
-            self.memo[key] = hit
-        return hit[1].get(id(eqn), (0, 1.0))
+        return self._of_frame(splitk.merged).get(id(eqn), (0, 1.0))
 
     def _contraction_moves(
         self, lhs: Val, rhs: Val, i: int, j: int, ldims: list, rdims: list, lb: Any, lfree: list, rfree: list
