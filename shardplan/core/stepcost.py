@@ -104,6 +104,9 @@ class StepCost:
     # Exact mode, where the program runs collectives asynchronously (XLA:GPU): its schedule
     # (``hlo.schedule``: kernels and collectives in the order they run), for the step time.
     schedule: tuple[hlo.Step, ...] = ()
+    # Fast mode: the backward pass's collectives of activations, (kind, axes, bytes, launches) per
+    # step, that run beside its weight gradients' matmuls (``timing.step_time``).
+    backward: tuple[tuple[str, tuple[str, ...], int, int], ...] = ()
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -144,6 +147,7 @@ class StepCost:
             "pipeline": self.pipeline.to_json() if self.pipeline is not None else None,
             **({"compiler": self.compiler, "compiler_seconds": self.compiler_seconds} if self.compiler else {}),
             **({"schedule": [_step_json(x) for x in self.schedule]} if self.schedule else {}),
+            **({"backward_activations": [[k, list(a), n, c] for k, a, n, c in self.backward]} if self.backward else {}),
         }
 
     @staticmethod
@@ -171,6 +175,7 @@ class StepCost:
             doc.get("compiler", ""),
             doc.get("compiler_seconds"),
             tuple(_step_of(x) for x in doc.get("schedule", ())),
+            tuple((k, tuple(a), int(n), int(c)) for k, a, n, c in doc.get("backward_activations", ())),
         )
 
 

@@ -192,6 +192,13 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
         first = gathers[0] * min(1.0, COMBINE_BYTES / gathers[1]) if gathers[1] else gathers[0]
         last = sums[0] * min(1.0, COMBINE_BYTES / sums[1]) if sums[1] else sums[0]
         hidden = gathers[0] - first + sums[0] - last
+        # The backward pass's collectives of activations (an input gradient's all-reduce) run beside
+        # the weight gradients' matmuls, which do not read them: a third of a step's matmul work.
+        beside = sum(
+            sum(_one(kind, n, axes, count, cost.mesh, links, chip)[0].values())
+            for kind, axes, n, count in cost.backward
+        )
+        hidden += min(beside, work / 3)
         sched = max(overlapped, serial - min(hidden, work))
     else:  # a program that runs its collectives synchronously (XLA:CPU)
         sched = serial

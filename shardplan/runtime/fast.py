@@ -182,6 +182,8 @@ class _Ctx:
     book: Compiler = COMPILERS["cpu"]  # the compiler whose program is predicted
     comm: list[Communication] = field(default_factory=list)
     labelled: set[int] = field(default_factory=set)  # rows of ``comm`` whose ``moves`` is a label only
+    backward: bool = False  # the equation being costed is in the backward pass (a transpose's)
+    backward_rows: set[int] = field(default_factory=set)  # rows of ``comm`` added in the backward pass
     flops: float = 0.0
     transcendentals: float = 0.0
     hbm: float = 0.0  # bytes read and written in memory (XLA's fusion assumed: see _Propagator.traffic)
@@ -251,6 +253,8 @@ class _Ctx:
             self.comm.append(Communication(kind, tuple(axes), nbytes * mult, mult, why, self.source, moves))
             if label and moves:
                 self.labelled.add(len(self.comm) - 1)
+            if self.backward:
+                self.backward_rows.add(len(self.comm) - 1)
 
 
 @dataclass(frozen=True)
@@ -840,6 +844,12 @@ class _Propagator:
         catalogued: replicated results, counted in the step's notes as not modelled."""
         name = eqn.primitive.name
         self.ctx.source = self.source_of(eqn) or self.call_source
+        if self.depth == 1:  # the step's own equations: the backward pass's are a transpose's
+            hit = self.memo.get(("backward", id(eqn)))
+            if hit is None or hit[0] is not eqn:
+                stack = str(getattr(eqn.source_info, "name_stack", ""))
+                hit = self.memo[("backward", id(eqn))] = (eqn, "transpose(" in stack)
+            self.ctx.backward = hit[1]
         if name in ELEMENTWISE:  # most equations (no elementwise primitive has a body)
             return [self.elementwise(eqn, ins, mult)]
         rule = _RULES.get(name)
@@ -2589,6 +2599,14 @@ def cost(
     comm = merge_communication(ctx.comm, params, opt)
     # the collectives XLA combines for the kernel count: those that move a param by its own name
     combining = [c for k, c in enumerate(ctx.comm) if c.moves and k not in ctx.labelled]
+    # the backward pass's collectives of activations (for the scheduled step: ``timing.step_time``)
+    backward: dict[tuple[str, tuple[str, ...]], list[int]] = {}
+    for k in sorted(ctx.backward_rows):
+        c = ctx.comm[k]
+        if not c.moves:
+            acc = backward.setdefault((c.kind, c.axes), [0, 0])
+            acc[0] += c.bytes
+            acc[1] += c.count
     notes = [
         "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns"
         + (f", with {book.name}'s own choices (its casts, sums and gathers)" if compiler != "cpu" else "")
@@ -2663,6 +2681,7 @@ def cost(
         # each collective counted once above; XLA launches a combined group's together
         kernels=ctx.launches - sum(c.count for c in combining) + combined_launches(combined(combining)),
         compiler="" if compiler == "cpu" else book.name,
+        backward=tuple((kind, axes, n, count) for (kind, axes), (n, count) in backward.items()),
     )
 
 
