@@ -183,7 +183,7 @@ def print_step_cost(
             if cost.schedule
             else "as XLA schedules it on an accelerator: gathers of params and sums of gradients combined, the "
             "first gather and the last sum waited for, the others run while layers compute; collectives of "
-            "activations waited for"
+            "activations waited for, the backward pass's beside its weight gradients' matmuls"
             if cost.mode == "fast"
             else f"{cost.compiler} runs every collective synchronously"
         )
