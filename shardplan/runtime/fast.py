@@ -283,7 +283,6 @@ class _Frame:
 
 
 _NONE: frozenset = frozenset()  # an empty set nothing adds to
-_BITCASTS = splitk.VIEWS  # views XLA makes without a copy: a fused reader of one reads the view's operand
 _NORMAL: dict[tuple, Dims] = {}  # (dims, rank) -> normal dims: asked ~100,000 times per costing
 
 
@@ -575,8 +574,8 @@ class _Propagator:
                 self._sum_origins(eqn, outs)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
-                wide = self.widened.pop(var, 0)
-                if not wide and eqn.primitive.name in _BITCASTS and eqn.invars[0] in self.widened:
+                wide = self.widened.pop(var, 0) if self.widened else 0  # (only a GPU book's split matmuls)
+                if not wide and self.widened and eqn.primitive.name in splitk.VIEWS and eqn.invars[0] in self.widened:
                     wide = self.widened[eqn.invars[0]]  # a view of a split matmul's result: its partials
                 if wide:
                     self.widened[var] = wide
