@@ -47,7 +47,8 @@ class Target:
     @property
     def book(self) -> str:
         """Fast mode's rule book for this target (shardplan/runtime/fast.py, ``COMPILERS``): the
-        platform's, or a TPU generation's where its compiler chooses otherwise (``tpu-v6e``)."""
+        platform's, or a TPU generation's where its compiler chooses otherwise (``tpu-v5p``,
+        ``tpu-v6e``)."""
         return self.chip if self.chip in BOOKS else self.platform
 
 
@@ -111,7 +112,7 @@ GPUS: dict[str, GpuSpec] = {
 TPUS: dict[str, str] = {"tpu-v5e": "v5e", "tpu-v5p": "v5p", "tpu-v6e": "v6e"}
 # chips whose compiler has a rule book of its own in fast mode: a TPU generation whose compiler
 # chooses otherwise, GPUs whose matmuls split differently from the H100's (runtime/splitk.py)
-BOOKS = frozenset({"tpu-v6e", "a100-80gb", "b200"})
+BOOKS = frozenset({"tpu-v5p", "tpu-v6e", "a100-80gb", "b200"})
 GPUS_PER_HOST = 8
 
 INSTALL = {

@@ -90,6 +90,14 @@ class Compiler:
       (XLA:GPU and XLA:TPU duplicate such producers into their consumers; measured on XLA:GPU's
       buffer assignment, a SwiGLU's ``silu(gate)`` pieces are recomputed in the backward pass from
       the gate and up matmul results it holds there; XLA:CPU holds each piece with several readers).
+    - ``duplicates``: with ``recomputes``, an expensive elementwise result that every reader fuses
+      (an exponent) is computed again in each reader too, and so is a quotient computed from one
+      that matmuls alone read (a softmax's probabilities), where holding what they are computed
+      from to their last reader takes no more memory than holding them: a softmax's scores are
+      held, not its exponent and probabilities (XLA:TPU, measured on its buffer assignments: one
+      scores-sized buffer per attention layer; XLA:GPU's choice depends on sizes and layouts: one
+      per layer on a grouped-query attention over 1,024 tokens, two on the same over 32 tokens and
+      on plain attention over 32-1,024 tokens, so its book holds both as XLA:CPU does).
     - ``tile``: the (second-minor, minor) tile every array in memory is padded to, in whole 512 B
       granules, the step's arguments included (XLA:TPU lays two dims of an array out in (8, 128)
       tiles: a (4, 8, 32, 32) float32 array of attention scores takes 4x its bytes; measured per
@@ -114,6 +122,12 @@ class Compiler:
       a library call the partitioner does not split: the operand is gathered, the result sliced
       back; measured, a (64, 32, 8) operand split over its batch: all-gathered on XLA:CPU, local
       on XLA:TPU and XLA:GPU).
+    - ``gathers_reduce``: an all-gather whose group is every device of the slice, where the slice
+      has at least this many, is an all-reduce of the zero-padded shard (the gathered bytes; its
+      time twice the gather's). XLA:TPU v5p, measured on single gathers of a weight and of an
+      activation (2026-12-05): a 1-D mesh over 64 (4x4x4, 2x4x8), 128 and 256 chips all-reduces, over
+      8-32 chips it gathers, and so does an axis of 128 of 256 chips; v5e and v6e gather at 64 and
+      256 chips. None: gathered.
     - ``split_k``: the GPU a matmul's contraction is split for (``runtime/splitk.py``: XLA:GPU cuts
       the contraction of a matmul with few output tiles into chunks, computes their partial results
       in float32 side by side and adds them up: a workspace of the result times the chunks is alive
@@ -127,10 +141,12 @@ class Compiler:
     matmul_itemsize: int | None = None
     gather_cse: int | None = None
     recomputes: bool = False
+    duplicates: bool = False
     narrows: bool = False
     tile: tuple[int, int] | None = None
     windowed: int | None = None
     split_k: splitk.SplitK | None = None
+    gathers_reduce: int | None = None
 
 
 _REASSOCIATES = frozenset({"add", "add_any", "sub"})
@@ -149,11 +165,13 @@ COMPILERS = {
         gather_cse=100,
         narrows=True,
         recomputes=True,
+        duplicates=True,
         tile=(8, 128),
         windowed=8192,
     ),
 }
 COMPILERS["tpu-v6e"] = replace(COMPILERS["tpu"], windowed=16384)
+COMPILERS["tpu-v5p"] = replace(COMPILERS["tpu"], gathers_reduce=64)
 for _chip in sorted(BOOKS & set(GPUS)):  # GPUs whose split-K model differs from the H100's (SMs, generation)
     COMPILERS[_chip] = replace(
         COMPILERS["cuda"], split_k=splitk.for_gpu(GPUS[_chip].sms, GPUS[_chip].compute_capability)
@@ -248,6 +266,9 @@ class _Ctx:
             # A collective reads its buffer and writes its result (``nbytes``: an all-gather's
             # result, a reduce-scatter's input; the other side is 1/n of it).
             n = self.split(tuple(axes))
+            if kind == "all-gather" and self.book.gathers_reduce and n >= self.book.gathers_reduce:
+                if n == self.split(tuple(self.mesh)):  # over the whole slice: a padded shard all-reduced
+                    kind = "all-reduce"
             self.hbm += (nbytes + nbytes // n if kind in ("all-gather", "reduce-scatter") else 2 * nbytes) * mult
             self.launches += mult
             self.comm.append(Communication(kind, tuple(axes), nbytes * mult, mult, why, self.source, moves))
@@ -751,9 +772,9 @@ class _Propagator:
         """What a jaxpr's run needs that no plan changes: each value's last reader and reader count,
         its outputs, the values fused into their readers, and its kernels (fresh copies of a memo
         kept per trace: the run updates them)."""
-        recomputes = self.ctx.book.recomputes
+        recomputes, duplicates = self.ctx.book.recomputes, self.ctx.book.duplicates
         outs = None if boundary is None else frozenset(boundary.fusable_outs.items())
-        key = ("structure", id(jaxpr), outs, recomputes)
+        key = ("structure", id(jaxpr), outs, recomputes, duplicates)
         hit = self.memo.get(key)
         if hit is None or hit[0] is not jaxpr:
             last: dict[Any, int] = {}
@@ -767,7 +788,8 @@ class _Propagator:
             kernels = _kernels(jaxpr, {} if boundary is None else boundary.fusable_outs)
             fused = _fused_outputs(jaxpr, uses)
             if recomputes:
-                fused = fused | _recomputed(jaxpr, kernels[0], last)
+                dropped, last = _recomputed(jaxpr, kernels[0], last, fused, duplicates)
+                fused = fused | dropped
             hit = (jaxpr, last, uses, keep, fused, kernels)
             self.memo[key] = hit
         _, last, uses, keep, fused, (fused_v, soft, shared) = hit
@@ -777,7 +799,7 @@ class _Propagator:
         """Per equation of ``jaxpr``, what no plan changes: its literal operands' values (None for a
         variable), its variable operands, and the values whose last reader it is (memoised)."""
         book = self.ctx.book
-        key = ("steps", id(jaxpr), book.recomputes, book.narrows)
+        key = ("steps", id(jaxpr), book.recomputes, book.duplicates, book.narrows)
         hit = self.memo.get(key)
         if hit is None or hit[0] is not jaxpr:
             steps = []
@@ -787,10 +809,14 @@ class _Propagator:
             for x, k in wide.items():
                 narrowing.setdefault(k, []).append(x)
             inputs = {x for x in jaxpr.invars if _is_float(x) and x.aval.dtype == "float32"} if narrows else set()
+            ends: dict[int, list] = {}  # a value dies after its last reader (or its last recomputation's)
+            for x, k in last.items():
+                if x not in keep:
+                    ends.setdefault(k, []).append(x)
             for k, eqn in enumerate(jaxpr.eqns):
                 literals = tuple(self._read({}, x) if hasattr(x, "val") else None for x in eqn.invars)
                 variables = tuple(x for x in eqn.invars if not hasattr(x, "val"))
-                dying = tuple(dict.fromkeys(x for x in variables if last.get(x) == k and x not in keep))
+                dying = tuple(ends.get(k, ()))
                 copying = tuple(x for x in variables if x in inputs) if _reads_narrow(eqn) else ()
                 steps.append((eqn, literals, variables, dying, tuple(narrowing.get(k, ())), copying))
             hit = self.memo[key] = (jaxpr, steps)
@@ -2141,29 +2167,96 @@ def _last_wide_readers(jaxpr: Any, last: dict[Any, int], keep: set) -> dict[Any,
     return out
 
 
-def _recomputed(jaxpr: Any, fused: dict[Any, int], last: dict[Any, int]) -> set[Any]:
-    """``Compiler.recomputes``: the results ``_kernels`` fuses into every reader that need not be
-    held, because what they are computed from is held at least as long anyway (a SwiGLU's
-    ``silu(gate)`` pieces, recomputed in the backward pass from the two matmul results it reads
-    there too). In program order: a dropped result's readers recompute it from its own sources."""
-    dropped: set[Any] = set()
+def _recomputed(
+    jaxpr: Any, fused: dict[Any, int], last: dict[Any, int], unheld: set[Any], duplicates: bool
+) -> tuple[set[Any], dict[Any, int]]:
+    """``Compiler.recomputes``: the elementwise results the readers compute again instead of reading
+    a stored copy, and each value's last reader once its readers' recomputations read it. In program
+    order:
+
+    - a result ``_kernels`` fuses into every reader, where what it is computed from is held at least
+      as long anyway (a SwiGLU's ``silu(gate)`` pieces, recomputed in the backward pass from the two
+      matmul results it reads there too), and the result of a call of elementwise ops alone whose
+      readers all fuse it (``jax.nn.silu``'s);
+    - with ``duplicates`` (``Compiler.duplicates``), an expensive elementwise result every reader
+      fuses (XLA:TPU's fusion duplicates an exponent into its readers), and a quotient read by matmuls alone
+      that is computed from such a recomputed result (a softmax's probabilities: the backward pass's
+      fusions that compute the exponent again also write the quotient its matmul reads), where
+      holding what they are computed from to their last reader takes no more memory than holding
+      them: those sources are then held that long (a softmax's scores, its maximum and its sum,
+      where XLA:CPU holds the exponent and the probabilities; measured on XLA:TPU's buffer
+      assignments: one scores-sized buffer per attention layer). Sources under 1/16 of the result's
+      bytes (a reduction's result) are not counted."""
     eqns = jaxpr.eqns
-    for x, k in sorted(fused.items(), key=lambda t: t[1]):
+    readers: dict[Any, list[Any]] = {}
+    for eqn in eqns:
+        for x in eqn.invars:
+            if not hasattr(x, "val"):
+                readers.setdefault(x, []).append(eqn)
+    outs = {x for x in jaxpr.outvars if not hasattr(x, "val")}
+    cand = dict(fused)
+    unheld = set(unheld)
+    costly: set[Any] = set()  # candidates whose sources may be held longer for them
+    for k, eqn in enumerate(eqns):
+        for v in eqn.outvars:
+            rs = readers.get(v, [])
+            if v in cand or v in outs or not rs or not _is_float(v):
+                continue
+            if (
+                duplicates
+                and eqn.primitive.name in _EXPENSIVE
+                and all(r.primitive.name in _FUSES_PRODUCER or _fuses_all(r, v) for r in rs)
+            ):
+                cand[v] = k
+                costly.add(v)
+            elif (sub := _subjaxpr(eqn)) is not None and eqn.primitive.name != "scan":
+                if all(e.primitive.name in _FUSES_PRODUCER for e in sub.eqns) and all(
+                    r.primitive.name in _FUSES_PRODUCER or _fuses_all(r, v) for r in rs
+                ):
+                    cand[v] = k
+                    unheld.add(v)  # computed again inside its readers (the call's virtual outputs)
+            elif duplicates and eqn.primitive.name == "div" and all(r.primitive.name == "dot_general" for r in rs):
+                cand[v] = k
+                costly.add(v)
+    last = dict(last)
+    dropped: set[Any] = set()
+    for x, k in sorted(cand.items(), key=lambda t: t[1]):
         end = last.get(x, -1)
-        stack, ok, seen = [k], True, set()
-        while stack and ok:
+        sources: set[Any] = set()
+        through_costly = False
+        stack, seen = [k], set()
+        while stack:
             for z in eqns[stack.pop()].invars:
                 if hasattr(z, "val") or z in seen:
                     continue
                 seen.add(z)
-                if z in dropped:
-                    stack.append(fused[z])
-                elif last.get(z, -1) < end:
-                    ok = False
-                    break
-        if ok:
+                if z in dropped or (z in unheld and z in cand):
+                    through_costly |= z in costly
+                    stack.append(cand[z])
+                else:
+                    sources.add(z)
+        short = [z for z in sources if last.get(z, -1) < end]
+        if not short:
             dropped.add(x)
-    return dropped
+            continue
+        if x not in costly or (eqns[k].primitive.name == "div" and not through_costly):
+            continue
+        size = _bytes_of(x)
+        if sum(b for z in short if (b := _bytes_of(z)) * 16 >= size) <= size:
+            dropped.add(x)
+            for z in short:
+                last[z] = end
+    return dropped, last
+
+
+def _bytes_of(var: Any) -> int:
+    aval = var.aval
+    return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _fuses_all(eqn: Any, var: Any) -> bool:
+    """Whether a call computes its operand ``var`` inside its body's kernels wherever it reads it."""
+    return any(x is var for x in eqn.invars) and all(_fuses(eqn, p) for p, x in enumerate(eqn.invars) if x is var)
 
 
 def _kernels(jaxpr: Any, fusable_outs: dict[Any, int]) -> tuple[dict[Any, int], dict[Any, int], set]:
