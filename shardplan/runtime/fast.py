@@ -359,6 +359,7 @@ class _Propagator:
         # one of its split dims further over them, XLA gathers that dim first (``reshard``).
         self.dot_reduced: dict[Any, tuple[frozenset[str], int]] = {}  # -> (summed axes, batch dims)
         self.dot_batch: dict[Any, int] = {}  # a batched matmul's summed result -> its batch dims (leading)
+        self.stand_ins: dict[Any, dict[str, str]] = {}  # a matmul's result -> {idle axis: the summed one it stands for}
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
         # A matmul's result held as its split contraction's float32 partials (``_split_k``)
         self.widened: dict[Any, int] = {}
@@ -418,12 +419,15 @@ class _Propagator:
         # "gsec,egcd->gsd" with g over data, e over expert, the result wanted over (data, expert)).
         batch = self.dot_batch.get(self.root(var), 0) if origin is not None and origin[0] == "dot_general" else 0
         scatter: list[str] = []
+        # summed axes an idle axis stands in for (``_idle_split``): all-reduced, then permuted
+        stands_for = set(self.stand_ins.get(self.root(var), {}).values())
         for i, t in enumerate(_norm(target, len(v.shape))):
             for a in t:
                 if (
                     a in v.partial
                     and a not in dims[i]
                     and not (i < batch and v.dims[i])
+                    and a not in stands_for
                     and v.shape[i] % (self.ctx.split((*dims[i], a))) == 0
                 ):
                     scatter.append(a)
@@ -506,13 +510,14 @@ class _Propagator:
                     dims[i].remove(a)
                     dims[j].append(a)
         # A matmul's all-reduced result whose split dim the target splits further over an axis it
-        # was summed over: XLA gathers the dim whole, then slices it (``resolve``).
-        # Where a mesh axis is idle (neither splitting the value nor summed), XLA splits the matmul's
-        # batch over it instead and permutes the summed result into place (measured on a mesh with an
-        # unused `model` axis): not modelled, nothing added.
+        # was summed over: XLA gathers the dim whole, then slices it (``resolve``). Where a mesh
+        # axis is idle (neither splitting the value nor summed), XLA splits the matmul's batch over
+        # it instead and permutes the summed result into place (``_idle_split``'s stand-ins).
         summed, batch = self.dot_reduced.get(var, (frozenset(), 0))
         origin = self.sum_origin.get(var)
-        idle = any(n > 1 and a not in v.axes and a not in summed for a, n in self.ctx.mesh.items())
+        idle = bool(self.stand_ins.get(self.root(var))) or any(
+            n > 1 and a not in v.axes and a not in summed for a, n in self.ctx.mesh.items()
+        )
         for i, t in enumerate(target[:batch]):
             if origin is not None and not idle and dims[i] and any(a in summed and a not in dims[i] for a in t):
                 undivided = [list(d) for d in dims]
@@ -522,6 +527,33 @@ class _Propagator:
                 self.ctx.add("all-gather", tuple(dims[i]), nbytes, mult, origin[0], label, only)
                 self.ctx.source = reader
                 dims[i] = []
+        # Axes replaced on a dim by others of the same size that split nothing else: the local part
+        # sent to the device that holds it in the target, a collective-permute (measured: a value
+        # over (data, model) to (data, expert), and over model to expert, on either dim).
+        held = {a for d in dims for a in d}
+        wanted_axes = {a for t in target for a in t}
+        for i, t in enumerate(target):
+            cur = dims[i]
+            k = next((n for n, (x, y) in enumerate(zip(cur, t, strict=False)) if x != y), min(len(cur), len(t)))
+            old, new = cur[k:], list(t[k:])
+            if (
+                old
+                and new
+                and self.ctx.split(tuple(old)) == self.ctx.split(tuple(new))
+                and not set(old) & wanted_axes
+                and not set(new) & held
+            ):
+                self.ctx.add(
+                    "collective-permute",
+                    (*old, *new),
+                    self.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
+                    mult,
+                    why,
+                    label,
+                    only,
+                )
+                dims[i] = cur[:k] + new
+                held = {a for d in dims for a in d}
         # Axes the target adds: a free local slice, taken before any gather (so a gather moves
         # only the part the target keeps: measured, a broadcast split over `model` met by a value
         # split over `data` is gathered over `model` in its `data` slice).
@@ -1275,6 +1307,11 @@ class _Propagator:
                     [tuple(ldims[i]) for i in lb] + [tuple(ldims[i]) for i in lfree] + [tuple(rdims[j]) for j in rfree]
                 ),
             )
+        if claimed is not None and not lb and partial & {a for d in claimed for a in d}:
+            # A plain matmul whose contraction both sides split over an axis the constraint wants on
+            # the result: the sum stays (reduce-scattered, or all-reduced beside an idle axis that
+            # stands in: ``_idle_split``), the operands are not gathered (measured on single matmuls)
+            claimed = None
         if claimed is not None and not pending and len(claimed) == len(lb) + len(lfree) + len(rfree):
             # A constraint's layout given to the matmul's result (Shardy's apply-sharding-constraints):
             # XLA's partitioner then lays the operands out to produce it, each batch and free dim
@@ -1292,6 +1329,13 @@ class _Propagator:
                 if ldims[i] != rdims[j] or any(a in taken for a in ldims[i]):
                     ldims[i], rdims[j] = [], []
                 partial |= set(ldims[i])
+        wanted = self.wants.get(eqn.outvars[0], self.hints.get(eqn.outvars[0]))
+        if wanted is not None:
+            stand_ins = self._idle_split(
+                _norm(wanted, len(out_aval.shape)), tuple(out_aval.shape), ldims, rdims, lb, rb, lfree, rfree, partial
+            )
+            if stand_ins:
+                self.stand_ins[self.root(eqn.outvars[0])] = stand_ins
         lt, rt = _tuple(ldims), _tuple(rdims)
         narrow = self.ctx.book.matmul_itemsize
         if narrow and _reads_narrow(eqn):
@@ -1320,6 +1364,61 @@ class _Propagator:
             # Its readers keep a split over a pending axis: reduce-scattered onto it here.
             return self.resolve(eqn.outvars[0], out, want, mult, "dot_general", contracted=k)
         return out
+
+    def _idle_split(
+        self,
+        want: Dims,
+        shape: tuple[int, ...],
+        ldims: list[list[str]],
+        rdims: list[list[str]],
+        lb: Sequence[int],
+        rb: Sequence[int],
+        lfree: list[int],
+        rfree: list[int],
+        partial: set[str],
+    ) -> dict[str, str]:
+        """A matmul's result dim that its readers want split further, over axes neither operand
+        nor the pending sum uses, is computed split so: the operand that holds the dim is sliced
+        there (no collective), the matmul does that share of the work and a pending sum is reduced
+        on that share (XLA's dot partitioner lays the result out as wanted; measured on single
+        matmuls ``a @ b`` with ``a`` over ``data`` and the result wanted over ``(data, model)`` or
+        ``model`` on its columns, ``model`` idle: a quarter or half of the FLOPs, the all-reduce of
+        the half). Where the readers want it split over an axis the sum is over, an idle axis of
+        the same size stands in for it: the result computed split over the idle axis, all-reduced
+        over the summed one and permuted into place (measured: the result wanted over ``(data,
+        expert)``, summed over ``expert``, ``model`` idle: an all-reduce and a collective-permute of
+        the quarter, where a reduce-scatter of the half was predicted). Updates ``ldims`` /
+        ``rdims`` in place; returns the stand-ins (idle axis -> summed axis)."""
+        used = {a for d in (*ldims, *rdims) for a in d} | partial
+        named = {a for d in want for a in d}
+        dims: list[tuple[list[str], ...]] = [(ldims[i], rdims[j]) for i, j in zip(lb, rb, strict=True)]
+        dims += [(ldims[i],) for i in lfree] + [(rdims[j],) for j in rfree]
+        stand_ins: dict[str, str] = {}
+        for p, sides in enumerate(dims):
+            cur, w = sides[0], list(want[p])
+            if w[: len(cur)] != cur:
+                continue
+            extra: list[str] = []
+            for a in w[len(cur) :]:
+                if a in partial:
+                    idle = next(
+                        (m for m, n in self.ctx.mesh.items() if n == self.ctx.mesh[a] and m not in used | named),
+                        None,
+                    )
+                    if idle is None:
+                        break
+                    stand_ins[idle] = a
+                    used.add(idle)
+                    a = idle
+                elif a in used or self.ctx.mesh.get(a, 1) == 1:
+                    break
+                extra.append(a)
+            while extra and shape[p] % self.ctx.split((*cur, *extra)):
+                stand_ins.pop(extra.pop(), None)
+            for side in sides:
+                side.extend(extra)
+            used.update(extra)
+        return stand_ins
 
     def _split_k(self, eqn: Any, lhs: Val, rhs: Val, out: Val, mult: int) -> None:
         """XLA:GPU's split of the local matmul's contraction (``Compiler.split_k``): the float32
