@@ -26,7 +26,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from shardplan.core.leaves import records
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
@@ -54,6 +54,7 @@ _LINEAR = named(traits=("linear",)) - named(kinds=("elementwise",)) | {"convert_
 # operand layout (``name`` is ``checkpoint_name``: an identity that tags a value for a remat
 # policy). A bitcast to another dtype is not modelled (a declared fallback, below).
 _VIEWS = named(traits=("bitcast",)) - {"bitcast_convert_type"}
+_T = TypeVar("_T")
 _LAYOUT = _VIEWS | {"convert_element_type"}
 # Consumers XLA fuses a single-use elementwise producer into (loop and input fusion).
 _FUSES_PRODUCER = ELEMENTWISE | _LAYOUT | REDUCTIONS | {"broadcast_in_dim"}
@@ -1451,15 +1452,19 @@ class _Propagator:
         if split == 1:
             return
         partials = b * split * m * n
-        if out.partial:  # summed over devices first: the partials added up before the collective
+        if out.partial and eqn.outvars[0] not in self._summed_by_adds():
+            # summed over devices first: the partials added up before the collective
             self.peak = max(self.peak, partials * 4)
+            adds = partials * wider
+        elif out.partial:  # added to another partial sum first: held until that addition adds them up
+            self.widened[eqn.outvars[0]] = partials * 4
             adds = partials * wider
         else:  # the addition fused into every reader: the partials held as long as the result
             self.widened[eqn.outvars[0]] = partials * 4
             adds = partials * wider * self._reads(eqn.outvars[0])
         self._flops(adds + 2 * b * m * n * (splitk.padded(k, split, bits) - k), mult, "dot_general")
 
-    def _of_frame(self, read: Callable[[Any], dict]) -> dict:
+    def _of_frame(self, read: Callable[[Any], _T]) -> _T:
         """``read(jaxpr)`` of the jaxpr being run, once per trace (kept in the memo)."""
         jaxpr = self._frame.jaxpr if self._frame is not None else None
         key = (read.__name__, id(jaxpr))
@@ -1467,6 +1472,10 @@ class _Propagator:
         if hit is None or hit[0] is not jaxpr:
             hit = self.memo[key] = (jaxpr, read(jaxpr))
         return hit[1]
+
+    def _summed_by_adds(self) -> set[Any]:
+        """The values of the jaxpr being run that only additions read (``splitk.summed_by_adds``)."""
+        return self._of_frame(splitk.summed_by_adds)
 
     def _reads(self, var: Any) -> int:
         """How many kernels of the jaxpr being run read ``var`` (``splitk.reads``)."""
