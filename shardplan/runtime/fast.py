@@ -42,6 +42,8 @@ from shardplan.runtime.sharding import constraint_target, permuted, scan_counts,
 from shardplan.runtime.sources import INTERNAL_SCOPE, eqn_source
 from shardplan.runtime.tracing import Resolution, Trace, trace_key
 
+_T = TypeVar("_T")
+
 Dims = tuple[tuple[str, ...], ...]
 
 # fast mode's sets, as policy over the primitive catalogue (shardplan/runtime/primitives.py).
@@ -54,7 +56,6 @@ _LINEAR = named(traits=("linear",)) - named(kinds=("elementwise",)) | {"convert_
 # operand layout (``name`` is ``checkpoint_name``: an identity that tags a value for a remat
 # policy). A bitcast to another dtype is not modelled (a declared fallback, below).
 _VIEWS = named(traits=("bitcast",)) - {"bitcast_convert_type"}
-_T = TypeVar("_T")
 _LAYOUT = _VIEWS | {"convert_element_type"}
 # Consumers XLA fuses a single-use elementwise producer into (loop and input fusion).
 _FUSES_PRODUCER = ELEMENTWISE | _LAYOUT | REDUCTIONS | {"broadcast_in_dim"}
@@ -150,7 +151,7 @@ class Compiler:
     gathers_reduce: int | None = None
 
 
-_REASSOCIATES = frozenset({"add", "add_any", "sub"})
+_REASSOCIATES = splitk.ADDS  # the ops XLA:GPU and XLA:TPU add partial sums with before reducing them
 COMPILERS = {
     "cpu": Compiler(COMPILER_NAMES["cpu"], dense_ragged=True, whole_top_k=True),
     "cuda": Compiler(  # H100 (and H200: the same SMs) unless a chip's book says otherwise

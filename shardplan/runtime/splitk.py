@@ -201,10 +201,10 @@ ADDS = frozenset({"add", "add_any", "sub"})  # what XLA:GPU adds partial sums wi
 
 def summed_by_adds(jaxpr: Any) -> set[Any]:
     """The values of ``jaxpr`` that only additions (``ADDS``) read: a split matmul's partial sum
-    there keeps its partials until the
-    addition, which adds them up with the other term's (measured on XLA:GPU: a layer's two input
-    gradients ``d_gate @ Wg.T + d_up @ Wu.T`` under Megatron TP, each split in 8, both workspaces
-    alive until the one fusion that adds all partials, before the all-reduce)."""
+    there keeps its partials until the addition, which adds them up with the other term's
+    (measured on XLA:GPU: a layer's two input gradients ``d_gate @ Wg.T + d_up @ Wu.T`` under
+    Megatron TP, each split in 8, both workspaces alive until the one fusion that adds all
+    partials, before the all-reduce)."""
     readers: dict[Any, list[str]] = {}
     for eqn in getattr(jaxpr, "eqns", ()):
         for x in eqn.invars:
