@@ -38,6 +38,20 @@ def test_the_reader_sees_what_xla_tpu_made():
     assert hlo.program_flops((HLO / "tpu_v5e_2x4.hlo").read_text()) == pytest.approx(405_209_088, rel=0.01)
 
 
+def test_a_windowed_einsums_unrolled_loop_runs_as_often_as_its_counter_says():
+    """``x.T @ g`` (x f32[32768, 256], g f32[32768, 512], rows over 8 v5e chips), its result split
+    over the same axis: XLA:TPU's windowed einsum, a loop whose counter steps 2 to a bound of 4
+    (unrolled: two iterations, each passing a shard each way twice) and one shard after it, 9
+    shards of f32[32, 512] in all; each iteration's convolutions span a window of 2 shards. Read
+    as ``counter < 4`` the loop ran 4 times: 17 shards and 1.9x the FLOPs (exact mode reported
+    the ring as (2n + 1) / n times the gradient, and fast mode was fitted to it)."""
+    text = (HLO / "tpu_v5e_2x4_windowed.hlo").read_text()
+    ops = hlo.parse(text, 8)
+    assert {o.kind for o in ops} == {"collective-permute"}
+    assert sum(o.bytes * o.runs for o in ops) == 9 * 32 * 512 * 4
+    assert hlo.program_flops(text) == pytest.approx(2 * 32768 * 256 * 512 / 8, rel=0.002)
+
+
 def test_a_collective_xla_tpu_writes_once_per_overlapping_fusion_is_counted_once():
     """``jax.grad`` over two FSDP layers ``tanh(bf16(h) @ bf16(w))`` (w 1024 x 1024 f32 split over 8
     v5e chips, x 256 x 1024): XLA:TPU gathers each w once, cast to bf16 (2 MiB), but writes each
@@ -258,21 +272,25 @@ def _wide_peaks(plan: str, model: str, batch: str, target: str) -> tuple[Any, An
 def test_fast_mode_for_a_tpu_target_runs_long_weight_gradients_as_windowed_einsums():
     """XLA:TPU v5e computes a weight gradient over more than 8,192 tokens that FSDP reduce-scatters
     as a windowed einsum: partial results passed around a ring of collective-permutes inside the
-    matmul, (2n + 1) / n times the gradient, and no reduce-scatter; v6e does so above 16,384. Fast
-    mode told the target predicts which (measured on mlp_small, 16,384 rows: 731,136 B predicted,
-    800,768 B compiled; reduce-scatters 344,064 B on v6e, both)."""
+    matmul, (n + 1) / n times the gradient, and no reduce-scatter; v6e does so above 16,384. Fast
+    mode told the target predicts which (measured on mlp_small, 16,384 rows: 387,072 B predicted,
+    423,936 B compiled; reduce-scatters 344,064 B on v6e, both). The step's FLOPs are the same
+    on both (the ring's loop counted as often as it runs)."""
     kw = dict(model=f"{ROOT / 'examples' / 'models.py'}:mlp_small", step=f"{ROOT / 'examples' / 'train.py'}:mse_loss",
               batch=["x=float32[16384,64],y=float32[16384,16]"], devices=8)
+    flops: dict[str, float] = {}
     for target, ring in (("tpu-v5e:2x4", True), ("tpu-v6e:2x4", False)):
-        exact = shardplan.api.analyze(PLANS / "fsdp.splan", mode="exact", target=target, timeout_s=299,
-                                      **kw).bytes_by_kind()
+        exact_result = shardplan.api.analyze(PLANS / "fsdp.splan", mode="exact", target=target, timeout_s=299, **kw)
+        exact = exact_result.bytes_by_kind()
         fast = shardplan.api.analyze(PLANS / "fsdp.splan", mode="fast", target=target, **kw).bytes_by_kind()
+        flops[target] = exact_result.flops
         if ring:
             assert not exact.get("reduce-scatter") and not fast.get("reduce-scatter"), (fast, exact)
             assert fast["collective-permute"] == pytest.approx(exact["collective-permute"], rel=0.10)
         else:
             assert not exact.get("collective-permute") and not fast.get("collective-permute"), (fast, exact)
             assert fast["reduce-scatter"] == exact["reduce-scatter"]
+    assert flops["tpu-v5e:2x4"] == pytest.approx(flops["tpu-v6e:2x4"], rel=0.015)
 
 
 @pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")

@@ -237,6 +237,7 @@ def _computations(hlo_text: str) -> tuple[dict[str, list[_Instr]], str]:
 
 _CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
 _CONSTANT = re.compile(r"constant\((\d+)\)")
+_INDEX = re.compile(r"\bindex=(\d+)")
 
 
 def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]]) -> int:
@@ -256,7 +257,44 @@ def _trip_count(ins: _Instr, comps: dict[str, list[_Instr]]) -> int:
     if counter is None or bound is None or counter.op != "get-tuple-element" or bound.op != "constant":
         return 1
     m = _CONSTANT.search(bound.line)
-    return int(m.group(1)) if m and re.match(r"[su](8|16|32|64)\[\]", bound.shape) else 1
+    if not (m and re.match(r"[su](8|16|32|64)\[\]", bound.shape)):
+        return 1
+    index = _INDEX.search(counter.line)
+    if index is None:
+        return int(m.group(1))
+    start, step = _counter(ins, comps, int(index.group(1)))
+    return max(0, -(-(int(m.group(1)) - start) // step))
+
+
+def _counter(loop: _Instr, comps: dict[str, list[_Instr]], index: int) -> tuple[int, int]:
+    """Where a while loop's counter (tuple element ``index``) starts and by how much its body
+    steps it: XLA:TPU unrolls its windowed einsums' loops, stepping 2 towards the same bound.
+    (0, 1) where the program does not say."""
+
+    def value(name: str, defs: dict[str, _Instr]) -> int | None:
+        ins = defs.get(name)
+        while ins is not None and ins.op == "copy" and ins.operands:
+            ins = defs.get(ins.operands[0])
+        m = _CONSTANT.search(ins.line) if ins is not None and ins.op == "constant" else None
+        return int(m.group(1)) if m else None
+
+    body = _BODY.search(loop.line)
+    instrs = comps.get(body.group(1), []) if body else []
+    defs = {i.name: i for i in instrs}
+    root = next((i for i in instrs if i.line.lstrip().startswith("ROOT ")), None)
+    step = 1
+    if root is not None and root.op == "tuple" and index < len(root.operands):
+        bump = defs.get(root.operands[index])
+        if bump is not None and bump.op == "add" and len(bump.operands) == 2:
+            steps = [value(o, defs) for o in bump.operands]
+            step = next((v for v in steps if v), 1)
+    home = next((c for c in comps.values() if any(i is loop for i in c)), [])
+    outer = {i.name: i for i in home}
+    init = outer.get(loop.operands[0]) if loop.operands else None
+    start = None
+    if init is not None and init.op == "tuple" and index < len(init.operands):
+        start = value(init.operands[index], outer)
+    return start or 0, max(1, step)
 
 
 def _runs(comps: dict[str, list[_Instr]], entry: str) -> dict[str, int]:
@@ -534,7 +572,63 @@ _ELEMENTWISE_FLOP = {
 }
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
-_WINDOW = re.compile(r"window=\{size=([0-9x]+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def _window(line: str) -> dict[str, list[int]]:
+    """A convolution's ``window={size=.. stride=.. pad=.. lhs_dilate=.. rhs_dilate=..}``, per
+    spatial dim (``pad``: low and high per dim, flattened)."""
+    m = _WINDOW.search(line)
+    out: dict[str, list[int]] = {}
+    for part in m.group(1).split() if m else []:
+        key, _, value = part.partition("=")
+        out[key] = [int(x) for x in re.split(r"[x_]", value) if x.lstrip("-").isdigit()]
+    return out
+
+
+def _taps(size: int, out: int, window: int, stride: int, lo: int, lhs_dilate: int, rhs_dilate: int) -> int:
+    """How many (output position, window position) pairs of one spatial dim read an input element,
+    not a hole of the input's dilation or its padding, as XLA's cost analysis counts them. XLA:TPU
+    writes a batched matmul as a convolution whose window spans the batch with the input dilated by
+    the window's size: one pair in ``window`` reads data there."""
+    dilated = (size - 1) * lhs_dilate + 1 if size > 0 else 0
+    if out * window > 4_000_000:  # too many to count one by one: the share a dilation leaves
+        return out * -(-window // lhs_dilate)
+    return sum(
+        1
+        for k in range(window)
+        for o in range(out)
+        if 0 <= (p := o * stride + k * rhs_dilate - lo) < dilated and p % lhs_dilate == 0
+    )
+
+
+def _conv_flops(ins: _Instr, lhs: list[int], labels: re.Match[str]) -> float:
+    """A convolution's FLOPs as XLA's cost analysis counts them: 2 x (output elements over its
+    spatial positions) x input features per group x the (output, window) pairs that read data."""
+    lhs_labels, _, out_labels = labels.groups()
+    out = _dims_of(ins.shape)
+    features = math.prod(d for d, c in zip(lhs, lhs_labels, strict=False) if c == "f")
+    groups = re.search(r"feature_group_count=(\d+)", ins.line)
+    features //= int(groups.group(1)) if groups else 1
+    spatial = sorted(c for c in lhs_labels if c.isdigit())
+    w = _window(ins.line)
+    per_position = math.prod(out) // max(1, math.prod(out[out_labels.index(c)] for c in spatial))
+    taps = 1
+    for i, c in enumerate(spatial):
+        size, o = lhs[lhs_labels.index(c)], out[out_labels.index(c)]
+        window = w.get("size", [1] * len(spatial))[i]
+        stride = w.get("stride", [1] * len(spatial))[i]
+        lo = w.get("pad", [0] * 2 * len(spatial))[2 * i]
+        taps *= _taps(
+            size,
+            o,
+            window,
+            stride,
+            lo,
+            w.get("lhs_dilate", [1] * len(spatial))[i],
+            w.get("rhs_dilate", [1] * len(spatial))[i],
+        )
+    return 2.0 * per_position * features * taps
 
 
 def _dims_of(shape: str) -> list[int]:
@@ -574,13 +668,8 @@ def _instr_flops(
     elif ins.op == "convolution":  # XLA:TPU writes its matmuls as convolutions
         lhs = defs.get(ins.operands[0]) if ins.operands else None
         labels = _DIM_LABELS.search(ins.line)
-        k = 1
         if lhs is not None and labels:
-            dims = _dims_of(lhs.shape)
-            k = math.prod(d for d, c in zip(dims, labels.group(1), strict=False) if c == "f")
-        window = _WINDOW.search(ins.line)
-        k *= math.prod(int(w) for w in window.group(1).split("x")) if window else 1
-        total += 2.0 * max(n, 0) * k
+            total += _conv_flops(ins, _dims_of(lhs.shape), labels)
     elif ins.op in _ELEMENTWISE_FLOP:
         total += max(n, 0)
     elif ins.op == "reduce" and ins.operands:

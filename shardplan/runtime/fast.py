@@ -106,10 +106,11 @@ class Compiler:
       array on its compiled programs); None: unpadded.
     - ``windowed``: a matmul whose result is reduce-scattered over an axis of at most 32 devices,
       contracting more elements than this (the tokens of a weight gradient), runs as a windowed
-      einsum: its partial results passed around a ring of collective-permutes, (2n + 1) / n times
+      einsum: its partial results passed around a ring of collective-permutes, (n + 1) / n times
       the result's bytes, and no reduce-scatter (XLA:TPU, measured on single weight-gradient
       matmuls: v5e and v5p above 8,192 tokens, v6e above 16,384, on 8, 16 and 32 devices; not on
-      64 or 256; the ring's bytes 2.125x the gradient on 8 devices, 2.0625x on 16, 2.03x on 32).
+      64 or 256; a loop of n / 4 iterations, two shards each way in each, and one more shard
+      after it: 1.125x the gradient on 8 devices, 1.0625x on 16, 1.03x on 32).
     - ``narrows``: a float32 value whose remaining readers are all matmuls at the default precision
       is held from then on as the ``matmul_itemsize`` copy they read (XLA:TPU keeps the bfloat16
       cast of an activation for the backward pass's weight gradient, not the float32 value); a
@@ -448,7 +449,7 @@ class _Propagator:
             n = self.ctx.split(tuple(scatter))
             windowed = self.ctx.book.windowed
             if windowed and contracted > windowed and n <= WINDOWED_MAX_DEVICES:  # a ring inside the matmul
-                ring = self.ctx.local(v) * (2 * n + 1) // n
+                ring = self.ctx.local(v) * (n + 1) // n
                 self.ctx.add("collective-permute", tuple(scatter), ring, mult, why, label, only)
             else:
                 self.ctx.add("reduce-scatter", tuple(scatter), self.ctx.local(v), mult, why, label, only)
