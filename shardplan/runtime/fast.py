@@ -99,7 +99,13 @@ class Compiler:
       held, not its exponent and probabilities (XLA:TPU, measured on its buffer assignments: one
       scores-sized buffer per attention layer; XLA:GPU's choice depends on sizes and layouts: one
       per layer on a grouped-query attention over 1,024 tokens, two on the same over 32 tokens and
-      on plain attention over 32-1,024 tokens, so its book holds both as XLA:CPU does).
+      on plain attention over 32-1,024 tokens, so its book holds both as XLA:CPU does). Likewise
+      an elementwise result that matmuls alone read, made from values held to its last reader
+      anyway by no expensive op of its size (a norm's output, ``x * rsqrt(mean(x^2)) * scale``,
+      read by the next projections and their weight gradients), is computed again in each
+      matmul's operand fusion, not held (nor its narrow copy); a GELU's output is held (XLA:TPU's
+      buffer assignments, Llama-style d_model 1,024, 16 x 1,024 tokens, and gpt_small at 1,024 x
+      64: no norm output is held, in float32 or bfloat16, on v5e or v5p).
     - ``tile``: the (second-minor, minor) tile every array in memory is padded to, in whole 512 B
       granules, the step's arguments included (XLA:TPU lays two dims of an array out in (8, 128)
       tiles: a (4, 8, 32, 32) float32 array of attention scores takes 4x its bytes; measured per
@@ -2295,8 +2301,10 @@ def _recomputed(
       holding what they are computed from to their last reader takes no more memory than holding
       them: those sources are then held that long (a softmax's scores, its maximum and its sum,
       where XLA:CPU holds the exponent and the probabilities; measured on XLA:TPU's buffer
-      assignments: one scores-sized buffer per attention layer). Sources under 1/16 of the result's
-      bytes (a reduction's result) are not counted."""
+      assignments: one scores-sized buffer per attention layer), and an elementwise result that
+      matmuls alone read whose sources are held that long anyway, unless an expensive op of its
+      size makes it (a norm's output is recomputed, a GELU's held). Sources under 1/16 of the
+      result's bytes (a reduction's result) are not counted."""
     eqns = jaxpr.eqns
     readers: dict[Any, list[Any]] = {}
     for eqn in eqns:
@@ -2307,6 +2315,7 @@ def _recomputed(
     cand = dict(fused)
     unheld = set(unheld)
     costly: set[Any] = set()  # candidates whose sources may be held longer for them
+    cheap: set[Any] = set()  # candidates dropped only where no expensive op of their size makes them
     for k, eqn in enumerate(eqns):
         for v in eqn.outvars:
             rs = readers.get(v, [])
@@ -2328,15 +2337,21 @@ def _recomputed(
             elif duplicates and eqn.primitive.name == "div" and all(r.primitive.name == "dot_general" for r in rs):
                 cand[v] = k
                 costly.add(v)
+            elif duplicates and eqn.primitive.name in ELEMENTWISE and all(_matmul(r) for r in rs):
+                # computed again in each matmul's operand fusion, from sources held anyway
+                cand[v] = k
+                cheap.add(v)
     last = dict(last)
     dropped: set[Any] = set()
     for x, k in sorted(cand.items(), key=lambda t: t[1]):
         end = last.get(x, -1)
         sources: set[Any] = set()
-        through_costly = False
+        through_costly = heavy = False
         stack, seen = [k], set()
         while stack:
-            for z in eqns[stack.pop()].invars:
+            made = eqns[stack.pop()]
+            heavy |= made.primitive.name in _EXPENSIVE and _bytes_of(made.outvars[0]) * 16 >= _bytes_of(x)
+            for z in made.invars:
                 if hasattr(z, "val") or z in seen:
                     continue
                 seen.add(z)
@@ -2345,6 +2360,8 @@ def _recomputed(
                     stack.append(cand[z])
                 else:
                     sources.add(z)
+        if x in cheap and heavy:  # a GELU's output: XLA:TPU holds it rather than its tanh again
+            continue
         short = [z for z in sources if last.get(z, -1) < end]
         if not short:
             dropped.add(x)
@@ -2357,6 +2374,10 @@ def _recomputed(
             for z in short:
                 last[z] = end
     return dropped, last
+
+
+def _matmul(eqn: Any) -> bool:
+    return eqn.primitive.name == "dot_general"
 
 
 def _bytes_of(var: Any) -> int:
