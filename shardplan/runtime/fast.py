@@ -60,6 +60,7 @@ _LAYOUT = _VIEWS | {"convert_element_type"}
 # Consumers XLA fuses a single-use elementwise producer into (loop and input fusion).
 _FUSES_PRODUCER = ELEMENTWISE | _LAYOUT | REDUCTIONS | {"broadcast_in_dim"}
 _FREE = {"iota", "stop_gradient"}
+_IN_PLACE = {"scatter-add", "scatter_add", "scatter", "dynamic_update_slice"}  # write into operand 0
 # Elementwise ops XLA's fusion will not duplicate into several consumers (instruction_fusion's
 # IsExpensive): transcendental functions and divisions.
 _EXPENSIVE = named(traits=("expensive",))
@@ -373,6 +374,9 @@ class _Propagator:
         # A matmul's result held as its split contraction's float32 partials (``_split_k``)
         self.widened: dict[Any, int] = {}
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
+        self.inlined = False  # the equation being run was a call walked in place (``inline``)
+        self.inlined_peak = 0  # that call's peak less its results (held by the caller from then)
+        self.peak_without_outputs = 0  # the last jaxpr run's peak, less its outputs held then
         self.virtual_outs: set[int] | frozenset[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
         self.backward = False  # in the backward pass (a transpose's equations): for ``Compiler.gather_cse``
@@ -605,7 +609,8 @@ class _Propagator:
         top = self.depth == 0
         self.depth += 1
         last, uses, keep, fused, (fused_v, soft, shared) = self._structure(jaxpr, boundary)
-        live = peak = 0
+        live = peak = peak_ex = out_live = 0
+        results = {x for x in jaxpr.outvars if not hasattr(x, "val")}
         held: dict[Any, int] = {}
         narrow = self.ctx.book.matmul_itemsize or 4
         # Values in memory (not fused away): a jaxpr's inputs, unless a call's caller fused them.
@@ -626,6 +631,7 @@ class _Propagator:
                 self.constant.difference_update(eqn.outvars)
             outer_peak, self.peak = self.peak, 0
             self.virtual_outs = _NONE
+            self.inlined = False
             outs = self.eqn(eqn, ins, mult)
             inner, self.peak = self.peak, outer_peak
             virtual = (
@@ -644,20 +650,28 @@ class _Propagator:
                 if var not in fused and var not in self.aliased and var not in virtual:
                     held[var] = max(self.ctx.held(val), wide)
                     live += held[var]
+                    out_live += held[var] if var in results else 0
             for x in copying:
                 # made for its first matmul, where the weight is read in place (not gathered: then
                 # the cast is gathered around its uses, ``Compiler.gather_cse``)
                 if x not in copies and not any(a in self.ctx.batch_axes for a in env[x].axes):
                     copies[x] = self.ctx.held(env[x]) * narrow // 4
                     live += copies[x]
+            # An update in place (a scatter into zeros, a slice written into a cache) shares its
+            # operand's buffer where this is the operand's last reader: one buffer, not two.
+            shared = held.get(eqn.invars[0], 0) if eqn.primitive.name in _IN_PLACE and eqn.invars[0] in dying else 0
+            if self.inlined:  # a call's body holds its results, which the caller now holds: once
+                inner = self.inlined_peak
             # Gathered weights stay alive for their reuse in the backward pass (XLA's CSE).
-            peak = max(peak, live + inner + (self.ctx.gathered_now if top else 0))
+            peak = max(peak, live - shared + inner + (self.ctx.gathered_now if top else 0))
+            peak_ex = max(peak_ex, live - shared - out_live + inner)
             if top and self.ctx.reducing:  # the first gradient reduced: the combined one's moment
                 self.ctx.reducing = False
                 if self.ctx.reduced_from is None:
                     self.ctx.reduced_from = live + inner
             for x in dying:
                 if x in held:
+                    out_live -= held[x] if x in results else 0
                     live -= held.pop(x)
             for x in dying:
                 if x in copies:  # the weight's last reader (the optimizer's update)
@@ -669,6 +683,7 @@ class _Propagator:
                     live -= cut
         self._last_frame, self._frame = frame, outer_frame
         self.peak = max(self.peak, peak)
+        self.peak_without_outputs = peak_ex
         # Outputs that are broadcasts (a call's jvp residuals, masks): recomputed where used.
         self.virtual_outs = {i for i, x in enumerate(jaxpr.outvars) if x in fused}
         self.depth -= 1
@@ -964,6 +979,7 @@ class _Propagator:
             {} if self.layouts_only else {i: self._closure(outer, o) for i, o in bound if o not in outer.stored},
         )
         inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult, boundary)
+        self.inlined, self.inlined_peak = True, self.peak_without_outputs
         body = self._last_frame
         assert body is not None
         for i, o in zip(sub.outvars, eqn.outvars, strict=False):
