@@ -374,7 +374,7 @@ class _Propagator:
         # A matmul's result held as its split contraction's float32 partials (``_split_k``)
         self.widened: dict[Any, int] = {}
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
-        self.inlined = False  # the equation being run was a call walked in place (``inline``)
+        self.inlined: Any = None  # the last call walked in place (``inline``)
         self.inlined_peak = 0  # that call's peak less its results (held by the caller from then)
         self.peak_without_outputs = 0  # the last jaxpr run's peak, less its outputs held then
         self.virtual_outs: set[int] | frozenset[int] = set()  # outputs of the last run jaxpr that are broadcasts
@@ -631,7 +631,6 @@ class _Propagator:
                 self.constant.difference_update(eqn.outvars)
             outer_peak, self.peak = self.peak, 0
             self.virtual_outs = _NONE
-            self.inlined = False
             outs = self.eqn(eqn, ins, mult)
             inner, self.peak = self.peak, outer_peak
             virtual = (
@@ -660,7 +659,7 @@ class _Propagator:
             # An update in place (a scatter into zeros, a slice written into a cache) shares its
             # operand's buffer where this is the operand's last reader: one buffer, not two.
             shared = held.get(eqn.invars[0], 0) if eqn.primitive.name in _IN_PLACE and eqn.invars[0] in dying else 0
-            if self.inlined:  # a call's body holds its results, which the caller now holds: once
+            if self.inlined is eqn:  # a call's body holds its results, which the caller now holds: once
                 inner = self.inlined_peak
             # Gathered weights stay alive for their reuse in the backward pass (XLA's CSE).
             peak = max(peak, live - shared + inner + (self.ctx.gathered_now if top else 0))
@@ -979,7 +978,7 @@ class _Propagator:
             {} if self.layouts_only else {i: self._closure(outer, o) for i, o in bound if o not in outer.stored},
         )
         inner = self.run(sub, dict(zip(sub.invars, ins, strict=False)), mult, boundary)
-        self.inlined, self.inlined_peak = True, self.peak_without_outputs
+        self.inlined, self.inlined_peak = eqn, self.peak_without_outputs
         body = self._last_frame
         assert body is not None
         for i, o in zip(sub.outvars, eqn.outvars, strict=False):
