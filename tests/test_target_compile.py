@@ -319,16 +319,18 @@ def test_fast_mode_for_a_tpu_target_computes_a_norms_output_again_in_the_matmuls
 @pytest.mark.parametrize("target, compiled", [("tpu-v5e:2x4", 1_001_596_416), ("h100:8", 1_456_505_844)])
 def test_a_calls_results_are_held_once_where_the_peak_is_the_call(target, compiled):
     """``llama_kilo`` under llama_tp (its head split over the vocabulary): fast mode's peak is at
-    the loss's ``take_along_axis`` gradient, a call (``jit``) whose result, a 64 MiB scatter into
-    zeros, the call's body holds at its end and the caller holds from then: one buffer. Counted in
-    both, fast mode was 17.4% over XLA:TPU v5e's compiled peak and 15.7% over XLA:GPU's (8 H100s);
-    now 14.1% and 13.4% (``compiled``: their peaks, read 2026-12-05). Fast mode alone."""
+    the loss's ``take_along_axis`` gradient, a call (``jit``) whose result, a scatter into zeros,
+    the call's body holds at its end and the caller holds from then: one buffer. Counted in both,
+    fast mode was 17.4% over XLA:TPU v5e's compiled peak and 15.7% over XLA:GPU's (8 H100s); 14.1%
+    and 13.4% counted once. The scatter is added to the softmax's part of the gradient, already
+    split over the vocabulary: XLA makes it split so too (32 MiB, where fast mode made it whole,
+    64 MiB): now 11.2% and 11.1% (``compiled``: their peaks, read 2026-12-05). Fast mode alone."""
     wide = FIXTURES / "wide_models.py"
     kw = dict(model=f"{wide}:llama_kilo", step=STEP, batch=["tokens=int32[16,1024],labels=int32[16,1024]"])
     coster = shardplan.api.step_coster(kw["model"], kw["step"], kw["batch"])
     book = targets.parse(target).book
     assert coster.cost(PLANS / "llama_tp.splan", devices=8, compiler=book).memory.peak == pytest.approx(compiled,
-                                                                                                      rel=0.15)
+                                                                                                      rel=0.12)
 
 
 @pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")

@@ -375,6 +375,9 @@ class _Propagator:
         self.widened: dict[Any, int] = {}
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.inlined: Any = None  # the last call walked in place (``inline``)
+        # a call's result -> the layout of a value already made that an elementwise reader of the
+        # result adds it to (GSPMD's propagation gives the producer that layout; ``scatter``)
+        self.siblings: dict[Any, Dims] = {}
         self.inlined_peak = 0  # that call's peak less its results (held by the caller from then)
         self.peak_without_outputs = 0  # the last jaxpr run's peak, less its outputs held then
         self.virtual_outs: set[int] | frozenset[int] = set()  # outputs of the last run jaxpr that are broadcasts
@@ -947,6 +950,27 @@ class _Propagator:
         self.ctx.unmodeled[name] = self.ctx.unmodeled.get(name, 0) + 1
         return [_replicated(o.aval) for o in eqn.outvars]
 
+    def _made_beside(self, frame: _Frame, var: Any) -> Dims | None:
+        """The layout of a value already made that an elementwise reader of ``var`` combines it
+        with (same shape, split over some axis), or None."""
+        key = ("readers", id(frame.jaxpr))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not frame.jaxpr:
+            readers: dict[Any, list[Any]] = {}
+            for e in frame.jaxpr.eqns:
+                if e.primitive.name in ELEMENTWISE:
+                    for x in e.invars:
+                        if not hasattr(x, "val"):
+                            readers.setdefault(x, []).append(e)
+            hit = self.memo[key] = (frame.jaxpr, readers)
+        shape = tuple(var.aval.shape)
+        for e in hit[1].get(var, ()):
+            for x in e.invars:
+                if x is not var and not hasattr(x, "val") and tuple(x.aval.shape) == shape and x in frame.env:
+                    if frame.env[x].axes:
+                        return frame.env[x].dims
+        return None
+
     def inline(self, eqn: Any, ins: list[Val], mult: int) -> list[Val] | None:
         """A call XLA inlines: its body walked in place (None: no body)."""
         sub = self.body(eqn)
@@ -971,6 +995,10 @@ class _Propagator:
         outer_call, self.call_source = self.call_source, self.ctx.source
         outer = self._frame
         assert outer is not None  # equations run inside a jaxpr
+        for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
+            made = self._made_beside(outer, outer_var)
+            if made is not None and not hasattr(inner_var, "val"):
+                self.siblings[inner_var] = made
         bound = [(i, o) for i, o in zip(sub.invars, eqn.invars, strict=False) if not hasattr(o, "val")]
         boundary = _Boundary(
             frozenset(i for i, o in bound if o in outer.stored),
@@ -1900,6 +1928,14 @@ class _Propagator:
                     return Val(shape, itemsize(out_aval), tuple(dims), updates.partial)
                 for i in tuple(dn.inserted_window_dims):
                     dims[i] = tuple(a for a in target[i] if a not in moving)
+            elif hint is None and eqn.outvars[0] in self.siblings:
+                # ``take_along_axis``'s gradient into zeros, added to a value already split over
+                # the scattered dim (logits over the vocabulary): made split so (GSPMD's
+                # propagation), each device scattering the updates that fall in its share
+                beside = _norm(self.siblings[eqn.outvars[0]], len(shape))
+                used = {a for d in dims for a in d} | updates.axes | updates.partial | ins[1].axes
+                for i in tuple(dn.inserted_window_dims):
+                    dims[i] = tuple(a for a in beside[i] if a not in used)
         out = Val(shape, itemsize(out_aval), tuple(dims))
         pending = frozenset(a for d in updates.dims for a in d if a not in out.axes) | updates.partial
         if len(ins) > 2 and not tuple(getattr(dn, "scatter_indices_batching_dims", ())):
