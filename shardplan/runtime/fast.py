@@ -2385,7 +2385,7 @@ def _recomputed(
                 ):
                     cand[v] = k
                     unheld.add(v)  # computed again inside its readers (the call's virtual outputs)
-            elif duplicates and eqn.primitive.name == "div" and all(r.primitive.name == "dot_general" for r in rs):
+            elif duplicates and eqn.primitive.name == "div" and all(_matmul(r) for r in rs):
                 cand[v] = k
                 costly.add(v)
             elif duplicates and eqn.primitive.name in ELEMENTWISE and all(_matmul(r) for r in rs):
@@ -2401,7 +2401,8 @@ def _recomputed(
         stack, seen = [k], set()
         while stack:
             made = eqns[stack.pop()]
-            heavy |= made.primitive.name in _EXPENSIVE and _bytes_of(made.outvars[0]) * 16 >= _bytes_of(x)
+            if x in cheap and made.primitive.name in _EXPENSIVE:
+                heavy |= _bytes_of(made.outvars[0]) * 16 >= _bytes_of(x)
             for z in made.invars:
                 if hasattr(z, "val") or z in seen:
                     continue
@@ -2411,7 +2412,7 @@ def _recomputed(
                     stack.append(cand[z])
                 else:
                     sources.add(z)
-        if x in cheap and heavy:  # a GELU's output: XLA:TPU holds it rather than its tanh again
+        if heavy:  # a GELU's output: XLA:TPU holds it rather than its tanh again
             continue
         short = [z for z in sources if last.get(z, -1) < end]
         if not short:
