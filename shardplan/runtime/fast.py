@@ -956,15 +956,11 @@ class _Propagator:
         key = ("readers", id(frame.jaxpr))
         hit = self.memo.get(key)
         if hit is None or hit[0] is not frame.jaxpr:
-            readers: dict[Any, list[Any]] = {}
-            for e in frame.jaxpr.eqns:
-                if e.primitive.name in ELEMENTWISE:
-                    for x in e.invars:
-                        if not hasattr(x, "val"):
-                            readers.setdefault(x, []).append(e)
-            hit = self.memo[key] = (frame.jaxpr, readers)
+            hit = self.memo[key] = (frame.jaxpr, _readers(frame.jaxpr))
         shape = tuple(var.aval.shape)
         for e in hit[1].get(var, ()):
+            if e.primitive.name not in ELEMENTWISE:
+                continue
             for x in e.invars:
                 if x is not var and not hasattr(x, "val") and tuple(x.aval.shape) == shape and x in frame.env:
                     if frame.env[x].axes:
@@ -2357,11 +2353,7 @@ def _recomputed(
       size makes it (a norm's output is recomputed, a GELU's held). Sources under 1/16 of the
       result's bytes (a reduction's result) are not counted."""
     eqns = jaxpr.eqns
-    readers: dict[Any, list[Any]] = {}
-    for eqn in eqns:
-        for x in eqn.invars:
-            if not hasattr(x, "val"):
-                readers.setdefault(x, []).append(eqn)
+    readers = _readers(jaxpr)
     outs = {x for x in jaxpr.outvars if not hasattr(x, "val")}
     cand = dict(fused)
     unheld = set(unheld)
@@ -2426,6 +2418,16 @@ def _recomputed(
             for z in short:
                 last[z] = end
     return dropped, last
+
+
+def _readers(jaxpr: Any) -> dict[Any, list[Any]]:
+    """Each variable of ``jaxpr`` with the equations that read it, in program order."""
+    readers: dict[Any, list[Any]] = {}
+    for eqn in jaxpr.eqns:
+        for x in eqn.invars:
+            if not hasattr(x, "val"):
+                readers.setdefault(x, []).append(eqn)
+    return readers
 
 
 def _matmul(eqn: Any) -> bool:
