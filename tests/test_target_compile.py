@@ -44,12 +44,14 @@ def test_a_windowed_einsums_unrolled_loop_runs_as_often_as_its_counter_says():
     (unrolled: two iterations, each passing a shard each way twice) and one shard after it, 9
     shards of f32[32, 512] in all; each iteration's convolutions span a window of 2 shards. Read
     as ``counter < 4`` the loop ran 4 times: 17 shards and 1.9x the FLOPs (exact mode reported
-    the ring as (2n + 1) / n times the gradient, and fast mode was fitted to it)."""
+    the ring as (2n + 1) / n times the gradient, and fast mode was fitted to it). The FLOPs are the
+    matmuls' and 0.6% more: the casts to bfloat16, one flop per element as XLA's cost analysis counts
+    a conversion."""
     text = (HLO / "tpu_v5e_2x4_windowed.hlo").read_text()
     ops = hlo.parse(text, 8)
     assert {o.kind for o in ops} == {"collective-permute"}
     assert sum(o.bytes * o.runs for o in ops) == 9 * 32 * 512 * 4
-    assert hlo.program_flops(text) == pytest.approx(2 * 32768 * 256 * 512 / 8, rel=0.002)
+    assert hlo.program_flops(text) == pytest.approx(2 * 32768 * 256 * 512 / 8, rel=0.01)
 
 
 def test_a_collective_xla_tpu_writes_once_per_overlapping_fusion_is_counted_once():
@@ -381,3 +383,33 @@ def test_fast_mode_for_a_v5p_slice_of_64_chips_all_reduces_what_fsdp_gathers():
         assert fast[k] == pytest.approx(n, rel=0.001), k
     smaller = kinds("fast", "tpu-v5p:2x4x4", 32)
     assert smaller["all-gather"] == pytest.approx(4_030_464, rel=0.001) and smaller["all-reduce"] < 10_000
+
+
+def test_the_readers_flops_are_xla_cost_analysis_counts():
+    """XLA:GPU gives no cost analysis: exact mode counts its FLOPs from the HLO. The count follows
+    XLA's HloCostAnalysis, checked here against XLA:CPU's own on one program of every op it weighs
+    apart: a sum and an argmax (their reducer's flops per element reduced, the result's elements not
+    reduced), a cumulative sum (a reduce-window), a scatter-add, a float power (a transcendental, no
+    flop), a conversion (one flop), and an all-reduce over 8 devices (one per element). Before,
+    reductions were one per input element, power a flop, and scatters, windows, conversions and
+    all-reduces nothing: 0.85% under XLA's count in the median of 90 compiled steps, 2.1% at worst."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((8,), ("d",), devices=jax.devices()[:8], axis_types=(jax.sharding.AxisType.Auto,))
+    idx = jnp.arange(64, dtype=jnp.int32) % 16
+
+    def f(x):
+        y = jnp.cumsum(x, -1) + jnp.argmax(x, -1)[:, None] + x**2.5
+        z = jnp.zeros((16, 128)).at[idx].add(y).astype(jnp.bfloat16).astype(jnp.float32)
+        return z.sum(0) + y.sum(0)  # rows split over d: summed over the devices
+
+    x = jax.ShapeDtypeStruct((64, 128), np.float32, sharding=NamedSharding(mesh, PartitionSpec("d")))
+    compiled = jax.jit(f, out_shardings=NamedSharding(mesh, PartitionSpec())).lower(x).compile()
+    text = compiled.as_text()
+    assert "all-reduce" in text and "reduce-window" in text
+    # XLA counts a while body once (the suite's compile flags expand the scatter into a loop);
+    # exact mode adds the other iterations (``loop_flops``; its condition: one compare apart)
+    assert hlo.program_flops(text) - hlo.loop_flops(text) == pytest.approx(compiled.cost_analysis()["flops"], rel=1e-4)

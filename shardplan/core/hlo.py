@@ -543,7 +543,9 @@ def parse(hlo_text: str, n_devices: int | None = None) -> list[CollectiveOp]:
     return ops
 
 
-# What XLA's cost analysis counts as one flop per output element (transcendentals apart).
+# What XLA's cost analysis (HloCostAnalysis::HandleElementwiseOp) counts as one flop per output
+# element: its transcendentals (exp, log, power, sqrt, rsqrt, tanh, atan2, ...) are counted apart,
+# and a conversion is elementwise.
 _ELEMENTWISE_FLOP = {
     "add",
     "subtract",
@@ -566,10 +568,15 @@ _ELEMENTWISE_FLOP = {
     "ceil",
     "round-nearest-even",
     "round-nearest-afz",
-    "power",
-    "atan2",
     "is-finite",
+    "convert",
+    "reduce-precision",
 }
+# Ops XLA's cost analysis counts as their reducer's flops once per element reduced
+# (HandleReduce: the operand's elements less the result's; HandleScatter: the updates'
+# elements) or once per element of their result (HandleAllReduce: "we assume 2 replicas").
+_ALL_REDUCE = {"all-reduce", "all-reduce-start"}
+_TO_APPLY = re.compile(r"\bto_apply=%([\w.\-]+)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
@@ -656,8 +663,10 @@ def program_flops(hlo_text: str) -> float:
 def _instr_flops(
     ins: _Instr, defs: dict[str, _Instr], comps: dict[str, list[_Instr]], memo: dict[str, float], stack: frozenset[str]
 ) -> float:
-    """FLOPs of one instruction and the fused or called computations it runs (not while bodies):
-    matmuls 2*M*N*K, elementwise ops and reductions one per element. ``memo``: per computation."""
+    """FLOPs of one instruction and the fused or called computations it runs (not while bodies),
+    as XLA's cost analysis counts them: matmuls 2*M*N*K, elementwise ops one per element (not
+    transcendentals), reductions, scatters and reduce-windows their reducer's flops per element
+    reduced, all-reduces one per element. ``memo``: per computation."""
     n = _shape_bytes(ins.shape)[2] if _ARRAY.search(ins.shape) else 0
     total = 0.0
     if ins.op == "dot":
@@ -672,9 +681,20 @@ def _instr_flops(
             total += _conv_flops(ins, _dims_of(lhs.shape), labels)
     elif ins.op in _ELEMENTWISE_FLOP:
         total += max(n, 0)
-    elif ins.op == "reduce" and ins.operands:
-        src = defs.get(ins.operands[0])
-        total += _shape_bytes(src.shape)[2] if src else 0
+    elif ins.op in ("reduce", "scatter", "reduce-window") and ins.operands:
+        # the reducer's flops per element reduced (a sum: 1; an argmax's compare-and-select: more)
+        reducer = _TO_APPLY.search(ins.line)
+        per = _comp_flops(reducer.group(1), comps, memo, stack) if reducer and reducer.group(1) in comps else 1.0
+        if ins.op == "reduce":
+            src = defs.get(ins.operands[0])
+            total += per * max(_shape_bytes(src.shape)[2] - max(n, 1), 0) if src else 0
+        elif ins.op == "reduce-window":  # each output element reduces its window: size - 1 steps
+            total += per * (math.prod(_window(ins.line).get("size", [1])) - 1) * max(n, 0)
+        else:
+            updates = defs.get(ins.operands[-1])
+            total += per * _shape_bytes(updates.shape)[2] if updates else 0
+    elif ins.op in _ALL_REDUCE:
+        total += sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(ins.shape))
     if ins.op in ("fusion", "call", "conditional"):
         for callee in _CALLS.findall(ins.line):
             if callee in comps and callee not in stack:
@@ -692,8 +712,8 @@ def _comp_flops(name: str, comps: dict[str, list[_Instr]], memo: dict[str, float
 def loop_flops(hlo_text: str, entry_only: bool = False, whole: bool = False) -> float:
     """FLOPs that XLA's cost analysis leaves out: it counts a ``while`` body once, but the body
     runs once per iteration. Returns each body's own FLOPs x (its runs per step - 1) summed over
-    loops, a body nested in another loop running trip x the outer body's runs (matmuls 2*M*N*K,
-    elementwise ops and reductions one per element, as the cost analysis counts). ``whole``: the
+    loops, a body nested in another loop running trip x the outer body's runs (counted as the cost
+    analysis counts: :func:`_instr_flops`). ``whole``: the
     program's own count instead (:func:`program_flops`)."""
     comps, entry = _computations(hlo_text)
     runs = _runs(comps, entry)

@@ -188,7 +188,8 @@ def compile_step(
     if "flops" not in costs:  # XLA:GPU gives no cost analysis: the FLOPs are counted from its HLO
         notes.append(
             f"{target.compiler} gives no cost analysis: FLOPs counted from its program's HLO (matmuls 2*M*N*K, "
-            "elementwise ops one per element, loop bodies times their trips)"
+            "elementwise ops one per element, reductions their reducer's per element reduced, transcendentals "
+            "apart, as XLA's cost analysis counts them; loop bodies times their trips)"
         )
     optimal = costs.get("optimal_seconds")
     # XLA:TPU's own estimate: negative on every v5e compile measured, plausible on v5p (FACTS.md).
