@@ -14,8 +14,9 @@ cases, and every collective it needs is recorded with why:
 - a lookup in a table split over its rows is a masked local lookup and an all-reduce.
 
 Per-device FLOPs count 2*M*N*K per matmul and one per element of other ops, divided by
-how the iteration space is split. What it does not model (an unknown primitive) is listed
-in the result's notes, never silently dropped.
+how the iteration space is split, as XLA's cost analysis counts them (transcendental functions
+apart, a reduction one per element reduced, an all-reduce one per element). What it does not
+model (an unknown primitive) is listed in the result's notes, never silently dropped.
 """
 
 from __future__ import annotations
@@ -157,11 +158,12 @@ class Compiler:
     windowed: int | None = None
     split_k: splitk.SplitK | None = None
     gathers_reduce: int | None = None
+    scatters_whole: bool = False
 
 
 _REASSOCIATES = splitk.ADDS  # the ops XLA:GPU and XLA:TPU add partial sums with before reducing them
 COMPILERS = {
-    "cpu": Compiler(COMPILER_NAMES["cpu"], dense_ragged=True, whole_top_k=True),
+    "cpu": Compiler(COMPILER_NAMES["cpu"], dense_ragged=True, whole_top_k=True, scatters_whole=True),
     "cuda": Compiler(  # H100 (and H200: the same SMs) unless a chip's book says otherwise
         COMPILER_NAMES["cuda"],
         sums=_REASSOCIATES,
@@ -268,10 +270,20 @@ class _Ctx:
         return n
 
     def add(
-        self, kind: str, axes: tuple[str, ...], nbytes: int, mult: int, why: str, moves: str = "", label: bool = False
+        self,
+        kind: str,
+        axes: tuple[str, ...],
+        nbytes: int,
+        mult: int,
+        why: str,
+        moves: str = "",
+        label: bool = False,
+        itemsize: int = 4,
     ) -> None:
         """One collective; ``label``: ``moves`` names the param only for the ledger (a scanned
-        layer's slice of it, see ``_Propagator.scan``): its launches are counted as they are."""
+        layer's slice of it, see ``_Propagator.scan``): its launches are counted as they are.
+        An all-reduce adds one flop per element of its result, as XLA's cost analysis counts it (a
+        reduce-scatter none; XLA:CPU's is an all-reduce of the whole: ``Compiler.scatters_whole``)."""
         if axes and nbytes and self.split(tuple(axes)) > 1:  # over axes of size 1 nothing moves
             # A collective reads its buffer and writes its result (``nbytes``: an all-gather's
             # result, a reduce-scatter's input; the other side is 1/n of it).
@@ -280,6 +292,8 @@ class _Ctx:
                 if n == self.split(tuple(self.mesh)):  # over the whole slice: a padded shard all-reduced
                     kind = "all-reduce"
             self.hbm += (nbytes + nbytes // n if kind in ("all-gather", "reduce-scatter") else 2 * nbytes) * mult
+            if kind == "all-reduce" or (kind == "reduce-scatter" and self.book.scatters_whole):
+                self.flops += nbytes / itemsize * mult
             self.launches += mult
             self.comm.append(Communication(kind, tuple(axes), nbytes * mult, mult, why, self.source, moves))
             if label and moves:
@@ -465,10 +479,10 @@ class _Propagator:
                 ring = self.ctx.local(v) * (n + 1) // n
                 self.ctx.add("collective-permute", tuple(scatter), ring, mult, why, label, only)
             else:
-                self.ctx.add("reduce-scatter", tuple(scatter), self.ctx.local(v), mult, why, label, only)
+                self.ctx.add("reduce-scatter", tuple(scatter), self.ctx.local(v), mult, why, label, only, v.itemsize)
         out = Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims))
         if rest:
-            self.ctx.add("all-reduce", rest, self.ctx.local(out), mult, why, label, only)
+            self.ctx.add("all-reduce", rest, self.ctx.local(out), mult, why, label, only, out.itemsize)
         if moves and mult == 1 and (scatter or rest) and self.depth == 1:
             self.ctx.reduced += self.ctx.local(out)
             self.ctx.reducing = True
@@ -1087,9 +1101,12 @@ class _Propagator:
         return all(set(h) <= set(d) for h, d in zip(_norm(hint, len(first)), first, strict=True))
 
     def _flops(self, n: float, mult: int, name: str) -> None:
-        self.ctx.flops += n * mult
+        """``n`` flops of ``name`` (times ``mult``). A transcendental function's count apart: XLA's
+        cost analysis counts exp, log, power, sqrt, tanh, logistic, ... as no flops."""
         if name in TRANSCENDENTAL:
             self.ctx.transcendentals += n * mult
+        else:
+            self.ctx.flops += n * mult
 
     def elementwise(self, eqn: Any, ins: list[Val], mult: int) -> Val:
         out_aval = eqn.outvars[0].aval
@@ -1599,14 +1616,15 @@ class _Propagator:
         kept = [i for i in range(len(v.shape)) if i not in axes]
         reduced = tuple(x for i in axes for x in v.dims[i])
         name = eqn.primitive.name
-        self._flops(self.ctx.local(v) / v.itemsize, mult, name)
         out = Val(tuple(out_aval.shape), itemsize(out_aval), tuple(v.dims[i] for i in kept))
+        # XLA's cost analysis: one per element reduced (the operand's elements less the result's)
+        self._flops(self.ctx.local(v) / v.itemsize - self.ctx.local(out) / out.itemsize, mult, name)
         if name == "reduce_sum":
             return replace(out, partial=v.partial | frozenset(reduced))
         if v.partial:  # max / min of a pending sum: the sum is done first
             self.resolve(eqn.invars[0], v, None, mult, name)
         if reduced:  # max / min / argmax over a split dim: a small all-reduce of the result
-            self.ctx.add("all-reduce", reduced, self.ctx.local(out), mult, name)
+            self.ctx.add("all-reduce", reduced, self.ctx.local(out), mult, name, itemsize=out.itemsize)
         return out
 
     def reshape(self, var: Any, v: Val, shape: tuple[int, ...], mult: int) -> Val:
