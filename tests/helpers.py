@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,22 @@ def installed(module: str) -> bool:
 
 HAS_TPU = installed("libtpu")  # XLA:TPU, offline
 HAS_GPU = installed("jax_plugins.xla_cuda12")  # XLA:GPU, offline ('shardplan[gpu]')
+
+
+def once_per_run(name: str, make):
+    """``make()``'s result, made once per test run and shared by every xdist worker (pickled in the
+    run's folder, tests/conftest.py, under a lock per name), where a module-scoped fixture is made
+    again in each worker that runs one of its tests."""
+    import fcntl
+    import pickle
+
+    folder = Path(os.environ["SHARDPLAN_TEST_RUN"]) / "once"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{name}.pickle"
+    with open(folder / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return pickle.loads(path.read_bytes())
+        value = make()
+        path.write_bytes(pickle.dumps(value))
+        return value

@@ -17,7 +17,7 @@ from shardplan.core import search
 from shardplan.lang.fmt import format_text
 from shardplan.tools import cli
 from tests import reference
-from tests.helpers import ROOT
+from tests.helpers import ROOT, once_per_run
 
 RENAMED = ROOT / "tests" / "fixtures" / "renamed_models.py"
 ENGINE = ROOT / "tests" / "fixtures" / "engine_models.py"
@@ -29,8 +29,8 @@ TIGHT = 1700 * 2**10  # the tower replicated peaks at 11.8 MiB, data parallel at
 
 @pytest.fixture(scope="module")
 def tight():
-    return shardplan.suggest(model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, devices=8,
-                             device_memory=TIGHT, confirm=1)
+    return once_per_run("suggest-tower-tight", lambda: shardplan.suggest(
+        model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, devices=8, device_memory=TIGHT, confirm=1))
 
 
 def _roles(model: str, step: str):
