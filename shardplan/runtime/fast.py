@@ -139,6 +139,9 @@ class Compiler:
       activation (2026-12-05): a 1-D mesh over 64 (4x4x4, 2x4x8), 128 and 256 chips all-reduces, over
       8-32 chips it gathers, and so does an axis of 128 of 256 chips; v5e and v6e gather at 64 and
       256 chips. None: gathered.
+    - ``scatters_whole``: a reduce-scatter is an all-reduce of the whole followed by each device's
+      slice (XLA:CPU emits no reduce-scatter for GSPMD): its FLOPs are the all-reduce's, one per
+      element of the whole, as XLA's cost analysis counts an all-reduce (a reduce-scatter: none).
     - ``split_k``: the GPU a matmul's contraction is split for (``runtime/splitk.py``: XLA:GPU cuts
       the contraction of a matmul with few output tiles into chunks, computes their partial results
       in float32 side by side and adds them up: a workspace of the result times the chunks is alive
