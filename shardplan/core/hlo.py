@@ -572,10 +572,9 @@ _ELEMENTWISE_FLOP = {
     "convert",
     "reduce-precision",
 }
-# Ops XLA's cost analysis counts as their reducer's flops once per element reduced
-# (HandleReduce: the operand's elements less the result's; HandleScatter: the updates'
-# elements) or once per element of their result (HandleAllReduce: "we assume 2 replicas").
+# An all-reduce: one flop per element of its result (HandleAllReduce: "we assume 2 replicas").
 _ALL_REDUCE = {"all-reduce", "all-reduce-start"}
+# A reduce, scatter or reduce-window's reducer (its flops per element reduced: ``_instr_flops``).
 _TO_APPLY = re.compile(r"\bto_apply=%([\w.\-]+)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
@@ -694,7 +693,7 @@ def _instr_flops(
             updates = defs.get(ins.operands[-1])
             total += per * _shape_bytes(updates.shape)[2] if updates else 0
     elif ins.op in _ALL_REDUCE:
-        total += sum(math.prod(int(d) for d in dims.split(",") if d) for _, dims in _ARRAY.findall(ins.shape))
+        total += sum(math.prod(_dims_of(array)) for array in _shape_bytes(ins.shape)[1])
     if ins.op in ("fusion", "call", "conditional"):
         for callee in _CALLS.findall(ins.line):
             if callee in comps and callee not in stack:
@@ -713,8 +712,8 @@ def loop_flops(hlo_text: str, entry_only: bool = False, whole: bool = False) -> 
     """FLOPs that XLA's cost analysis leaves out: it counts a ``while`` body once, but the body
     runs once per iteration. Returns each body's own FLOPs x (its runs per step - 1) summed over
     loops, a body nested in another loop running trip x the outer body's runs (counted as the cost
-    analysis counts: :func:`_instr_flops`). ``whole``: the
-    program's own count instead (:func:`program_flops`)."""
+    analysis counts: :func:`_instr_flops`). ``whole``: the program's own count instead
+    (:func:`program_flops`)."""
     comps, entry = _computations(hlo_text)
     runs = _runs(comps, entry)
     memo: dict[str, float] = {}
@@ -816,7 +815,7 @@ def _control_flow(comps: dict[str, list[_Instr]], entry: str) -> list[str]:
                 for b in _BRANCHES.findall(ins.line):
                     callees += _OPERAND.findall(b)
             elif ins.op == "call":
-                callees = re.findall(r"\bto_apply=%([\w.\-]+)", ins.line)
+                callees = _TO_APPLY.findall(ins.line)
             stack += [c for c in callees if c in comps]
     return out
 
