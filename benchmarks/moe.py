@@ -60,7 +60,7 @@ def bench_steps(quick: bool) -> list[dict]:
     for plan, dispatch in cases:
         cfg = _config(quick, dispatch)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", shardplan.ShardMapFallbackWarning)  # dropless: whole operands, said
+            warnings.simplefilter("ignore", shardplan.ShardMapFallbackWarning)  # counted below, a target
             setups = [_setup(plan, "auto", cfg, batch), _setup(plan, "shard_map", cfg, batch),
                       _setup("dp.splan", "auto", cfg, batch)]
             t_auto, t_sm, t_dp = _time_steps(setups, steps, repeat)

@@ -39,9 +39,8 @@ def test_every_moe_plan_trains_as_on_one_device(plan_name, factory, backend):
     model, optimizer, placement = shardplan.init_sharded(plan, getattr(models, factory), tx)
     assert model.blocks[0].moe.w_in[...].sharding.spec[0] == "expert"  # each expert on one slice
     with warnings.catch_warnings():
-        # shard_map runs the capacity path on local shards (a fallback is an error here); the
-        # dropless path's sort and grouped matmuls run on whole operands, and it says so
-        warnings.simplefilter("error" if factory == "moe_tiny" else "ignore", shardplan.ShardMapFallbackWarning)
+        # shard_map runs both dispatch paths on local shards: a fallback is an error here
+        warnings.simplefilter("error", shardplan.ShardMapFallbackWarning)
         step = shardplan.train_step(placement, example.moe_lm_loss, model, optimizer, backend=backend)
         losses = [float(step(model, optimizer, b)) for b in batches]
     reference.assert_trains_alike(losses, reference.params_of(model), ref_losses, ref_params)
@@ -103,6 +102,24 @@ def test_shard_map_dispatches_tokens_with_all_to_alls_and_compiles_what_it_recor
     assert len(lines) == 2, a2a
     # no gather of the tokens forward: what is gathered over `expert` is smaller than the buffers
     assert sum(c.bytes for c in record.issued if c.kind == "all-gather") < sum(c.bytes for c in a2a)
+
+
+def test_shard_map_runs_the_dropless_path_on_each_devices_experts():
+    """On the dropless path the shard_map backend runs each grouped matmul on the devices that
+    hold its experts, on their rows of the sorted tokens: no fallback, no expert weight gathered
+    (the only gathers are the expert ids for the global sort), nothing summed between the two
+    grouped matmuls; XLA's compiled program has exactly the collectives it recorded."""
+    from tests.test_shard_map import compiled_vs_predicted
+
+    got, want, record = compiled_vs_predicted("moe_ep.splan", "moe_tiny_dropless", example.moe_lm_loss)
+    assert got == want
+    assert record.fallbacks == []
+    gathers = [c for c in record.issued if c.kind == "all-gather"]
+    assert gathers and {c.op for c in gathers} == {"sort"}, gathers
+    # models.py's `h = jax.nn.gelu(jax.lax.ragged_dot(...))`: the gelu runs on each device's rows
+    line = next(c.source for c in record.issued if c.op == "ragged_dot_general").rsplit(":", 1)[1]
+    between = [c for c in record.issued if c.source.endswith(":" + line) and c.op != "ragged_dot_general"]
+    assert between == [], between
 
 
 def _one_device_greedy(factory):

@@ -18,9 +18,10 @@ def _spec(dims):
     return P(*[None if not d else d[0] if len(d) == 1 else tuple(d) for d in dims])
 
 
-def partitioned(fn, args, in_dims):
+def partitioned(fn, args, in_dims, out_hints=None):
     """``fn(*args)`` partitioned: (outputs gathered whole, their layouts before, the record,
-    collectives issued before the outputs were gathered)."""
+    collectives issued before the outputs were gathered); ``out_hints``: the layouts the outputs
+    are wanted in (a gradient's param layout)."""
     closed = jax.make_jaxpr(fn)(*args)
     mesh = jax.make_mesh(tuple(MESH.values()), tuple(MESH), axis_types=(jax.sharding.AxisType.Auto,) * len(MESH))
     record = partition.Record()
@@ -33,7 +34,7 @@ def partitioned(fn, args, in_dims):
             partition.V(x, tuple(a.shape), a.dtype, tuple(tuple(d) for d in dims), act=True)
             for x, a, dims in zip(xs, args, in_dims, strict=True)
         ]
-        outs = part.run(closed.jaxpr, list(closed.consts), vals)
+        outs = part.run(closed.jaxpr, list(closed.consts), vals, out_hints)
         layouts[:] = [(o.dims, o.partial) for o in outs]
         before[:] = list(record.issued)
         return [part.whole(o).x for o in outs]
@@ -50,10 +51,10 @@ def partitioned(fn, args, in_dims):
     return got, layouts, record, before
 
 
-def check(fn, args, in_dims, dims=None, issued=()):
+def check(fn, args, in_dims, dims=None, issued=(), out_hints=None):
     """Equal to one device; no fallback; the first output's layout ``dims`` (when given); the
     collectives issued by the op itself, by kind, ``issued``."""
-    got, layouts, record, before = partitioned(fn, args, in_dims)
+    got, layouts, record, before = partitioned(fn, args, in_dims, out_hints)
     want = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
@@ -204,6 +205,50 @@ def test_top_k_over_a_split_dim_falls_back_and_is_recorded():
     got, _, record, _ = partitioned(lambda x: jax.lax.top_k(x, 3)[0], [x], [((), ("data",))])
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(jax.lax.top_k(x, 3)[0]))
     assert [(f.op, f.bytes) for f in record.fallbacks] == [("top_k", 6 * 8 * 4)]
+
+
+# -- grouped matmuls (jax.lax.ragged_dot: experts stacked by group) ------------------------------
+SIZES = jnp.asarray([3, 5, 0, 6], jnp.int32)  # 14 of 16 rows grouped (the rest: no group), one empty
+
+
+def test_grouped_matmul_with_its_groups_split_runs_each_devices_groups_and_leaves_a_pending_sum():
+    """The experts' weights split over ``data`` by group: each device multiplies the rows of its
+    own groups (zero elsewhere), a pending sum over ``data``; nothing moves for the matmul."""
+    layouts, _ = check(jax.lax.ragged_dot, [f32(16, 6), f32(4, 6, 5), SIZES],
+                       [((), ()), (("data",), (), ()), ((),)], dims=((), ()))
+    assert layouts[0][1] == frozenset({"data"})
+
+
+def test_grouped_matmul_keeps_the_weights_output_split_and_sums_a_split_contraction():
+    """Experts over ``data``, the weights' output dim over ``model`` (expert x tensor parallel):
+    the result split over ``model``; a contraction split on the weight (expert + FSDP) is taken by
+    the whole tokens at no cost and summed."""
+    check(jax.lax.ragged_dot, [f32(16, 6), f32(4, 6, 10), SIZES],
+          [((), ()), (("data",), (), ("model",)), ((),)], dims=((), ("model",)))
+    layouts, _ = check(jax.lax.ragged_dot, [f32(16, 6), f32(4, 6, 5), SIZES],
+                       [((), ()), (("data",), ("model",), ()), ((),)], dims=((), ()))
+    assert layouts[0][1] == frozenset({"data", "model"})
+
+
+def test_grouped_matmuls_gradients_come_out_in_the_params_layout_with_nothing_gathered():
+    """The backward pass of a grouped matmul (the tokens' gradient, a grouped matmul by the
+    transposed weights; the weights' gradient, one contracting the ragged rows): with the weights'
+    gradient wanted split by group over ``data``, each device computes its own groups'; no fallback
+    and nothing moves: the tanh runs on each device's own rows (the forward result is not summed),
+    the tokens' gradient is pending over the groups' axis and the weights' output split."""
+
+    def grads(x, w, s):
+        return jax.grad(lambda x, w: jnp.sum(jnp.tanh(jax.lax.ragged_dot(x, w, s))), argnums=(0, 1))(x, w)
+
+    wd = (("data",), (), ("model",))
+    closed = jax.make_jaxpr(grads)(f32(16, 6), f32(4, 6, 10), SIZES)
+    assert sum(e.primitive.name == "ragged_dot_general" for e in closed.jaxpr.eqns) == 3
+    _, layouts, _, before = partitioned(grads, [f32(16, 6), f32(4, 6, 10), SIZES], [((), ()), wd, ((),)],
+                                        out_hints=[None, wd])
+    assert layouts[1] == (wd, frozenset()), layouts
+    assert layouts[0] == (((), ()), frozenset({"data", "model"})), layouts
+    assert before == [], before
+    check(grads, [f32(16, 6), f32(4, 6, 10), SIZES], [((), ()), wd, ((),)], out_hints=[None, wd])
 
 
 # -- comparisons and scatters -----------------------------------------------------------------

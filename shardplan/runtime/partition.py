@@ -82,7 +82,6 @@ _FALLBACKS = named(kinds=("collective", "kernel")) - {"ppermute"} | {
     "scatter_mul",
     "rng_bit_generator",
     "threefry2x32",
-    "ragged_dot_general",  # a grouped matmul: on whole operands (docs/backends.md, experts)
 }
 
 
@@ -118,6 +117,27 @@ class Record:
         return out
 
 
+@dataclass(frozen=True, eq=False)
+class Rows:
+    """Along ``dim``, the rows of this device's groups (``[start, start + count)`` of the tokens
+    sorted by group, the groups split over ``axes`` by the group sizes ``sizes``) are exact, the
+    others are not (zero out of a grouped matmul, anything after an elementwise op): a pending sum
+    over ``axes`` once those rows are zeroed. Ops that read only this device's rows (elementwise
+    ops, grouped matmuls over the same groups) run on it as it is; any other op gets it zeroed
+    outside its rows and summed, as a pending sum is."""
+
+    # The group sizes' ``V``: rows of one grouping are the same rows. (``Any``: the emitted module's
+    # copy of this file has no postponed annotations, and V comes after.)
+    sizes: Any
+    axes: tuple[str, ...]
+    dim: int
+    start: Any  # traced scalars (None in a dry run)
+    count: Any
+
+    def fits(self, v: Any, sizes: Any, axes: tuple[str, ...], dim: int) -> bool:
+        return self.sizes is sizes and self.axes == axes and self.dim == dim and not v.dims[dim]
+
+
 @dataclass
 class V:
     """A value in the per-device program: the local array (None in a dry run) and its layout."""
@@ -133,6 +153,8 @@ class V:
     # and elementwise ops of those): ``make(dims)`` builds its local block in any layout, so it takes
     # the layout its reader wants at no cost, as XLA does (a dry run's returns None).
     make: Callable[[Dims], Any] | None = None
+    # A grouped matmul's result with its groups split (see ``Rows``): exact on this device's rows.
+    rows: Rows | None = None
 
 
 def _t(dims) -> Dims:
@@ -225,6 +247,7 @@ class Partitioner:
     def resolve(self, v: V, target: Dims | None = None, keep: frozenset[str] = frozenset()) -> V:
         """``v`` with its pending sums done (except ``keep``): ``psum_scatter`` over a partial
         axis that ``target`` adds next to a dimension, ``psum`` over the rest."""
+        v = self.unown(v)
         if v.shared:
             keep = frozenset()
             hit = self._cached(("resolve-shared", id(v)))
@@ -251,22 +274,65 @@ class Partitioner:
                 while (
                     len(dims[i]) < len(t)
                     and list(t[: len(dims[i])]) == dims[i]
-                    and t[len(dims[i])] in todo
                     and v.shape[i] % self.n((*dims[i], t[len(dims[i])])) == 0
                     and all(t[len(dims[i])] not in d for d in dims)
+                    and (t[len(dims[i])] in todo or any(a in todo for a in t[len(dims[i]) + 1 :]))
                 ):
                     a = t[len(dims[i])]
-                    self.issue("reduce-scatter", (a,), self.nbytes(v.shape, dims, v.dtype), moves=self.moves(v))
-                    if not self.dry:
-                        x = jax.lax.psum_scatter(x, a, scatter_dimension=i, tiled=True)
+                    if a in todo:
+                        self.issue("reduce-scatter", (a,), self.nbytes(v.shape, dims, v.dtype), moves=self.moves(v))
+                        if not self.dry:
+                            x = jax.lax.psum_scatter(x, a, scatter_dimension=i, tiled=True)
+                        todo = todo - {a}
+                    elif a not in v.partial:
+                        # Replicated over ``a`` (no sum pending over it): its block is sliced here,
+                        # free, so the sum over the axis after it scatters (a value whole over
+                        # ``data`` and pending over ``expert``, wanted split over both).
+                        if not self.dry:
+                            size = x.shape[i] // self.mesh[a]
+                            x = jax.lax.dynamic_slice_in_dim(x, self.index((a,)) * size, size, axis=i)
+                    else:
+                        break
                     dims[i].append(a)
-                    todo = todo - {a}
         if todo:
             rest = tuple(a for a in self.mesh if a in todo)
             self.issue("all-reduce", rest, self.nbytes(v.shape, dims, v.dtype), moves=self.moves(v))
             if not self.dry:
                 x = jax.lax.psum(x, rest)
         return V(x, v.shape, v.dtype, _t(dims), frozenset(v.partial & keep), v.act)
+
+    def unown(self, v: V) -> V:
+        """``v`` with rows other than its own zeroed (see ``Rows``): a plain pending sum."""
+        rows = v.rows
+        if rows is None:
+            return v
+        hit = self._cached(("unown", id(v)))
+        if hit is not None:
+            return hit
+        x = v.x
+        if not self.dry:
+            at = jax.lax.broadcasted_iota(jnp.int32, x.shape, rows.dim)
+            x = jnp.where((at >= rows.start) & (at < rows.start + rows.count), x, jnp.zeros((), x.dtype))
+        out = V(x, v.shape, v.dtype, v.dims, v.partial, v.act)
+        self.caches[-1][("unown", id(v))] = (v, out)
+        return out
+
+    def bare(self, v: V, axes: tuple[str, ...] = ()) -> V:
+        """``v``'s local array as it is, its rows' pending sum (over ``axes``, by default its
+        rows') set aside: for ops that read only this device's rows (``owned`` puts it back)."""
+        axes = axes or (v.rows.axes if v.rows is not None else ())
+        if not axes:
+            return v
+        hit = self._cached(("bare", id(v)))
+        if hit is not None:
+            return hit
+        out = V(v.x, v.shape, v.dtype, v.dims, v.partial - set(axes), v.act)
+        self.caches[-1][("bare", id(v))] = (v, out)
+        return out
+
+    @staticmethod
+    def owned(v: V, rows: Rows) -> V:
+        return V(v.x, v.shape, v.dtype, v.dims, v.partial | set(rows.axes), v.act, rows=rows)
 
     def to(self, v: V, target: Dims, keep_partial: bool = False) -> V:
         """``v`` laid out as ``target``: pending sums reduced (scattered where the target splits),
@@ -363,7 +429,7 @@ class Partitioner:
             outs = self.eqn(eqn, ins)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 if not isinstance(var, jcore.DropVar):
-                    if val.partial and uses.get(var, 0) > 1:
+                    if val.partial and val.rows is None and uses.get(var, 0) > 1:
                         # A pending sum read by several ops: reduced once (into the layout its
                         # first reader wants), not per reader.
                         val = V(val.x, val.shape, val.dtype, val.dims, val.partial, val.act, shared=True)
@@ -413,13 +479,15 @@ class Partitioner:
         if name in _INLINE:
             return self.inline(eqn, ins)
         if name in _REMAT:
-            return self.remat(eqn, ins)
+            return self.remat(eqn, [self.unown(v) for v in ins])
         if name == "scan":
-            return self.scan(eqn, ins)
+            return self.scan(eqn, [self.unown(v) for v in ins])
         if name == "shard_map":
-            return self.shard_map(eqn, ins)
+            return self.shard_map(eqn, [self.unown(v) for v in ins])
         if name in _ELEMENTWISE and all(len(v.shape) in (0, len(eqn.outvars[0].aval.shape)) for v in ins):
             return self.elementwise(eqn, ins)
+        if name != "ragged_dot_general":  # the ops that read only a grouped matmul's own rows
+            ins = [self.unown(v) for v in ins]
         if name != "sharding_constraint":  # rules that carry a pending sum on: not a shared one
             ins = [self.resolve(v) if v.shared and v.partial else v for v in ins]
         if name in _RESHARDS:
@@ -594,6 +662,31 @@ class Partitioner:
 
     # -- elementwise -----------------------------------------------------------------------
     def elementwise(self, eqn: Any, ins: list[V]) -> list[V]:
+        """Elementwise ops; on a grouped matmul's own rows (``Rows``) where every other operand is
+        exact on them (no pending sum over the groups' axes, those rows not split): the rows kept."""
+        held = [v.rows for v in ins if v.rows is not None]
+        if not held:
+            return self._elementwise(eqn, ins)
+        r = held[0]
+        rank = len(eqn.outvars[0].aval.shape)
+        # Another operand pending over the groups' axes (a lookup of the routing weights) is
+        # summed first where it is no larger than the rows' value.
+        size = max(self.nbytes(v.shape, v.dims, v.dtype) for v in ins if v.rows is not None)
+        ins = [
+            self.resolve(v)
+            if v.rows is None and v.partial & set(r.axes) and self.nbytes(v.shape, v.dims, v.dtype) <= size
+            else v
+            for v in ins
+        ]
+        if all(
+            (v.rows is not None and v.rows.fits(v, r.sizes, r.axes, r.dim))
+            or (v.rows is None and not v.partial & set(r.axes) and (len(v.shape) < rank or not v.dims[r.dim]))
+            for v in ins
+        ):
+            return [self.owned(o, r) for o in self._elementwise(eqn, [self.bare(v) for v in ins])]
+        return self._elementwise(eqn, [self.unown(v) for v in ins])
+
+    def _elementwise(self, eqn: Any, ins: list[V]) -> list[V]:
         name = eqn.primitive.name
         shape = tuple(eqn.outvars[0].aval.shape)
         act = any(v.act for v in ins)
@@ -1024,6 +1117,140 @@ class Partitioner:
             else self.bind(eqn, [l2.x, r2.x])
         )
         return self.out(eqn, [out_dims], [frozenset(partial)], act=lhs.act or rhs.act, xs=xs)
+
+    # -- grouped matmul (jax.lax.ragged_dot: experts stacked by group, tokens sorted by group) --
+    def op_ragged_dot_general(self, eqn: Any, ins: list[V]) -> list[V] | None:
+        """A grouped matmul with its groups split over axes ``G`` (an expert axis): each device
+        runs its own groups on the rows they own (rows ``[start, start + its sizes)`` of the
+        sorted tokens, rolled to the front: jax's grouped matmul has no group offset), locally.
+
+        Forward (the weights' group dim split, the ragged rows a free dim): rows outside the
+        device's groups come out zero, so the result is a pending sum over ``G``. Weight
+        gradient (the ragged rows contracted, the result's group dim split as its param wants):
+        each device's groups, nothing pending. The ragged rows and the group sizes are whole
+        (the sort that made them is global); contracting dims follow the matmul's rule."""
+        lhs, rhs, sizes = ins
+        nums = eqn.params["ragged_dot_dimension_numbers"]
+        (lc, rc), (lb, rb) = nums.dot_dimension_numbers
+        if lb or rb or len(nums.lhs_ragged_dimensions) != 1 or len(nums.rhs_group_dimensions) > 1:
+            return None
+        (r,) = nums.lhs_ragged_dimensions
+        grouping = sizes
+        sizes = self.whole(self.resolve(sizes))
+        g = sizes.shape[0]
+        ldims, rdims = [list(d) for d in lhs.dims], [list(d) for d in rhs.dims]
+        lfree = [i for i in range(len(lhs.shape)) if i not in lc]
+        forward = bool(nums.rhs_group_dimensions)
+        if forward:  # lhs (..., m, ..., k), rhs (g, k, n): out (lhs free dims, rhs free dims)
+            (gd,) = nums.rhs_group_dimensions
+            rfree = [j for j in range(len(rhs.shape)) if j not in rc and j != gd]
+            group = tuple(rdims[gd])
+            ragged_pairs: list[tuple[int, int]] = []
+        else:  # ragged rows contracted: out (g, lhs free dims, rhs free dims)
+            rfree = [j for j in range(len(rhs.shape)) if j not in rc]
+            hint = self.hints.get(eqn.outvars[0])
+            group = tuple(hint[0]) if hint is not None and hint[0] and g % self.n(hint[0]) == 0 else ()
+            ragged_pairs = [(r, rc[lc.index(r)])]
+            want = list(hint[1:]) if hint is not None else None
+        # Operands exact on this device's rows of this grouping (an earlier grouped matmul's result
+        # and what elementwise ops made of it) are read as they are: only those rows are read.
+        # (zeroed elsewhere: a row no group takes must add nothing, whatever it held)
+        rrow = ragged_pairs[0][1] if ragged_pairs else -1
+        lhs, rhs = (
+            self.bare(self.unown(v), v.rows.axes) if v.rows and v.rows.fits(v, grouping, group, dim) else self.unown(v)
+            for v, dim in ((lhs, r), (rhs, rrow))
+        )
+        if lhs.partial and rhs.partial:
+            rhs = self.resolve(rhs)
+        ldims, rdims = [list(d) for d in lhs.dims], [list(d) for d in rhs.dims]
+        if not forward and want is not None:
+            # The gradient's layout where an operand's dim is whole and its axes idle (a free
+            # slice); where they split something already, the result moves afterwards instead.
+            for k, i in enumerate([*lfree, *[-1 - j for j in rfree]]):
+                dim = ldims[i] if i >= 0 else rdims[-1 - i]
+                if want[k] and not dim and not set(want[k]) & ({x for d in (*ldims, *rdims) for x in d} | set(group)):
+                    dim[:] = list(want[k])
+        # The ragged rows whole; the group axes nowhere else.
+        for i, j in ragged_pairs:
+            ldims[i], rdims[j] = [], []
+        ldims[r] = []
+        for dims in (ldims, rdims):
+            for k in range(len(dims)):
+                if not (forward and dims is rdims and k == gd):
+                    dims[k] = [a for a in dims[k] if a not in group]
+        # Contracting dims split alike: local, and a pending sum. Split unlike: the cheapest of
+        # both whole (the split sides gathered) and one side taking the other's split (its own
+        # split of the dim, and of other dims over those axes, gathered; the result's sum
+        # pending): an FSDP expert weight is gathered where the tokens are larger.
+        out_elems = math.prod(lhs.shape[i] for i in lfree) * math.prod(rhs.shape[j] for j in rfree)
+        out_bytes = out_elems * np.dtype(eqn.outvars[0].aval.dtype).itemsize // self.n(group)
+        for i, j in zip(lc, rc, strict=True):
+            a, b = ldims[i], rdims[j]
+            if a == b:
+                continue
+            lb_, rb_ = self.nbytes(lhs.shape, _t(ldims), lhs.dtype), self.nbytes(rhs.shape, _t(rdims), rhs.dtype)
+
+            def taking(dims, k, want, nbytes, closed):
+                """What laying ``dims``' dim ``k`` out as ``want`` costs (None: it cannot)."""
+                if set(want) & closed:
+                    return None
+                moved = set(dims[k]) | {x for m, d in enumerate(dims) if m != k for x in d if x in want}
+                return nbytes * self.n(tuple(moved)) if moved else 0
+
+            options = [((lb_ * self.n(tuple(a)) if a else 0) + (rb_ * self.n(tuple(b)) if b else 0), 0)]
+            take_l = taking(ldims, i, b, lb_, set(lhs.partial))
+            if take_l is not None:
+                options.append((take_l + out_bytes, 1))
+            take_r = taking(rdims, j, a, rb_, set(rhs.partial) | set(group))
+            if take_r is not None:
+                options.append((take_r + out_bytes, 2))
+            choice = min(options)[1]
+            if choice == 0:
+                ldims[i], rdims[j] = [], []
+            else:
+                dims, k, split = (ldims, i, b) if choice == 1 else (rdims, j, a)
+                for m in range(len(dims)):
+                    dims[m] = list(split) if m == k else [x for x in dims[m] if x not in split]
+        contract = {a for i in lc for a in ldims[i]}
+        # A free axis on both sides: the weight's side gives it up.
+        lf = {a for i in lfree for a in ldims[i]}
+        for j in rfree:
+            rdims[j] = [a for a in rdims[j] if a not in lf and a not in contract]
+        for i in lfree:
+            ldims[i] = [a for a in ldims[i] if a not in contract]
+        lt, rt = _t(ldims), _t(rdims)
+        lsplit = {a for d in lt for a in d} | set(group)
+        rsplit = {a for d in rt for a in d} | set(group)
+        if lhs.partial & rsplit:
+            lhs = self.resolve(lhs)
+        if rhs.partial & lsplit:
+            rhs = self.resolve(rhs)
+        l2 = self.to(lhs, lt, keep_partial=True)
+        r2 = self.to(rhs, rt, keep_partial=True)
+        xs: list | None = None
+        start: Any = None
+        count: Any = None
+        if not self.dry:
+            lx, rx, local_sizes = l2.x, r2.x, sizes.x
+            if group:
+                n = g // self.n(group)
+                first = self.index(group) * n
+                local_sizes = jax.lax.dynamic_slice_in_dim(sizes.x, first, n)
+                start = jnp.sum(jnp.where(jnp.arange(g) < first, sizes.x, 0))
+                count = jnp.sum(local_sizes)
+                lx = jnp.roll(lx, -start, axis=r)
+                if not forward:
+                    rx = jnp.roll(rx, -start, axis=rrow)
+            xs = self.bind(eqn, [lx, rx, local_sizes])
+            if forward and group and xs is not None:
+                xs = [jnp.roll(xs[0], start, axis=lfree.index(r))]
+        out_free = [lt[i] for i in lfree] + [rt[j] for j in rfree]
+        out_dims = out_free if forward else [group, *out_free]
+        partial = l2.partial | r2.partial | contract
+        (out,) = self.out(eqn, [out_dims], [frozenset(partial)], act=lhs.act or rhs.act, xs=xs)
+        if forward and group:  # this device's rows: its groups' tokens (zero elsewhere)
+            out = self.owned(out, Rows(grouping, group, lfree.index(r), start, count))
+        return [out]
 
     # -- constraints ------------------------------------------------------------------------
     def op_sharding_constraint(self, eqn: Any, ins: list[V]) -> list[V]:
