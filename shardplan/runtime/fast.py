@@ -127,8 +127,16 @@ class Compiler:
       and backward pass; a gathered one is cast and gathered around each use).
     - ``dense_ragged``: a grouped matmul (``ragged_dot_general``) runs as jax's dense decomposition
       (``primitives.ragged_dense``: every group's masked copy of the tokens times its weights, the
-      groups' count times the useful FLOPs), as jax lowers it for XLA:CPU; elsewhere it is the
-      compiler's own grouped matmul, not modelled yet (replicated, said in the step's notes).
+      groups' count times the useful FLOPs), as jax lowers it for XLA:CPU.
+    - ``whole_ragged``: elsewhere, the compiler's own grouped matmul runs on whole operands (the
+      experts' weights gathered, the tokens' pending sums reduced) and its result is whole
+      (measured 2026-12-05 on a grouped layer of our own and the example MoE, experts split over
+      ``expert``: XLA:GPU and XLA:TPU gather each weight once, forward and backward alike). Its
+      FLOPs as the compiler counts them: "dense", every group over every row (XLA:GPU rewrites it
+      into dense matmuls: the groups' count times the useful FLOPs); "kernel", the useful FLOPs
+      where the rows are grouped (XLA:TPU's grouped-matmul kernel: each row times its group's
+      weights) and dense where the rows are contracted (a weight gradient). None: not modelled
+      (replicated, said in the step's notes).
     - ``whole_top_k``: a ``top_k`` runs on its whole operand whatever its split (XLA:CPU's top-k is
       a library call the partitioner does not split: the operand is gathered, the result sliced
       back; measured, a (64, 32, 8) operand split over its batch: all-gathered on XLA:CPU, local
@@ -150,6 +158,7 @@ class Compiler:
 
     name: str
     dense_ragged: bool = False
+    whole_ragged: str | None = None
     whole_top_k: bool = False
     sums: frozenset[str] = frozenset()
     matmul_itemsize: int | None = None
@@ -171,6 +180,7 @@ COMPILERS = {
         COMPILER_NAMES["cuda"],
         sums=_REASSOCIATES,
         recomputes=True,
+        whole_ragged="dense",
         split_k=splitk.for_gpu(GPUS["h100"].sms, GPUS["h100"].compute_capability),
     ),
     "tpu": Compiler(
@@ -183,6 +193,7 @@ COMPILERS = {
         duplicates=True,
         tile=(8, 128),
         windowed=8192,
+        whole_ragged="kernel",
     ),
 }
 COMPILERS["tpu-v6e"] = replace(COMPILERS["tpu"], windowed=16384)
@@ -2009,6 +2020,56 @@ class _Propagator:
         kept = (*v.dims[:-1], ())
         return [Val(tuple(o.aval.shape), itemsize(o.aval), kept) for o in eqn.outvars]
 
+    def grouped(self, eqn: Any, ins: list[Val], mult: int) -> list[Val] | None:
+        """A grouped matmul (``ragged_dot_general``): jax's dense decomposition walked in place where
+        the compiler runs that (``Compiler.dense_ragged``), else the compiler's own with the group
+        dim and the ragged rows whole (the experts' weights gathered over their group split, the
+        tokens' pending sums reduced) and the other dims as a matmul's: a contraction the weights
+        split is taken by the tokens (a pending sum), the weights' free dims keep their split (so
+        does the result); FLOPs as that compiler counts them (``whole_ragged``)."""
+        book = self.ctx.book
+        if book.dense_ragged:
+            return self.inline(eqn, ins, mult)
+        if book.whole_ragged is None:
+            return None
+        nums = eqn.params["ragged_dot_dimension_numbers"]
+        (lc, rc), (lb, rb) = nums.dot_dimension_numbers
+        if lb or rb or len(nums.lhs_ragged_dimensions) != 1:
+            return None
+        (r,) = nums.lhs_ragged_dimensions
+        lhs, rhs = ins[0], ins[1]
+        gd = set(nums.rhs_group_dimensions)
+        rhs_dims = [() if j in gd else d for j, d in enumerate(rhs.dims)]
+        pairs = dict(zip(lc, rc, strict=True))
+        if r in pairs:  # the ragged rows contracted (a weight gradient): whole on both sides
+            rhs_dims[pairs[r]] = ()
+        taken = {a for d in rhs_dims for a in d}
+        lhs_dims = [
+            () if i == r else tuple(rhs_dims[pairs[i]]) if i in pairs else tuple(a for a in d if a not in taken)
+            for i, d in enumerate(lhs.dims)
+        ]
+        for x, v, want in ((eqn.invars[0], lhs, lhs_dims), (eqn.invars[1], rhs, rhs_dims)):
+            if v.dims != tuple(want) or v.partial:
+                self.to_layout(x, v, tuple(want), mult, "ragged_dot_general")
+        if ins[2].axes or ins[2].partial:
+            self.to_layout(eqn.invars[2], ins[2], ((),) * len(ins[2].shape), mult, "ragged_dot_general")
+        lfree = [i for i in range(len(lhs.shape)) if i not in pairs]
+        rfree = [j for j in range(len(rhs.shape)) if j not in rc and j not in gd]
+        out = eqn.outvars[0].aval
+        out_dims = [lhs_dims[i] for i in lfree] + [rhs_dims[j] for j in rfree]
+        if not gd:
+            out_dims = [(), *out_dims]
+        summed = {a for i in pairs for a in lhs_dims[i]}
+        groups = math.prod(eqn.invars[2].aval.shape[-1:])
+        # 2 x result x contraction: for grouped rows the useful FLOPs (times the groups where each
+        # runs over every row), for a contraction over the ragged rows every group over every row.
+        result = Val(tuple(out.shape), itemsize(out), _norm(tuple(out_dims), len(out.shape)), frozenset(summed))
+        local = self.ctx.local(result) / result.itemsize
+        k = math.prod(lhs.shape[i] for i in lc) / self.ctx.split(tuple(summed))
+        dense = gd and book.whole_ragged == "dense"
+        self._flops(2 * local * k * (groups if dense else 1), mult, "ragged_dot_general")
+        return [result]
+
     def along(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         """An op along a dim whose result depends on the whole dim, that dim split (measured on
         single ops): a scan (cumsum and kin) gathers it (its result sliced back, free); a sort
@@ -2689,7 +2750,7 @@ _RULES: dict[str, Callable[..., list[Val] | None]] = {
     **dict.fromkeys(ELEMENTWISE, _one(_P.elementwise)),
     **dict.fromkeys(named(traits=("call",)), _P.inline),
     "scan": _P.scan,
-    "ragged_dot_general": _P.inline,  # its dense decomposition (``_Propagator.body``)
+    "ragged_dot_general": _P.grouped,
     "pallas_call": _P.kernel,
     **dict.fromkeys(FUSED_ATTENTION, _P.fused_attention),
     "shard_map": _P.shard_map,
