@@ -54,8 +54,7 @@ def bench_steps(quick: bool) -> list[dict]:
     from benchmarks.run import _time_steps
 
     steps, repeat, batch = (1, 1, 16) if quick else (10, 5, 32)
-    cases = [("moe_ep.splan", "capacity")] if quick else [(p, "capacity") for p in PLANS] + [("moe_ep.splan",
-                                                                                              "dropless")]
+    cases = [("moe_ep.splan", "capacity")] if quick else [(p, d) for d in ("capacity", "dropless") for p in PLANS]
     rows = []
     for plan, dispatch in cases:
         cfg = _config(quick, dispatch)
