@@ -122,6 +122,43 @@ def test_shard_map_runs_the_dropless_path_on_each_devices_experts():
     assert between == [], between
 
 
+def test_a_dropless_moe_of_our_own_trains_on_local_shards_as_on_one_device():
+    """A routed layer nobody tuned the partitioner for (tests/fixtures/engine_models.py's
+    sorted_experts: top-1 routing, SiLU between the grouped matmuls, its own names) under expert
+    parallelism on the shard_map backend: no op on whole operands, the loss and params equal to
+    plain NNX on one device, and the compiled program's collectives the ones recorded."""
+    import importlib.util
+
+    from shardplan.core import hlo as collectives
+
+    path = PLANS.parent / "tests" / "fixtures" / "engine_models.py"
+    spec = importlib.util.spec_from_file_location("engine_models_moe", path)
+    engine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine)
+    tx = optax.adamw(1e-2, eps=1e-5)
+    batches = _batches()
+    ref_losses, ref_params = reference.train(engine.sorted_experts, tx, engine.lm_loss, batches)
+    plan = shardplan.load(PLANS.parent / "tests" / "fixtures" / "experts_ep.splan")
+    model, optimizer, placement = shardplan.init_sharded(plan, engine.sorted_experts, tx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", shardplan.ShardMapFallbackWarning)
+        step = shardplan.train_step(placement, engine.lm_loss, model, optimizer, backend="shard_map")
+        placed = step.place(batches[0])
+        compiled = step.lower(model, optimizer, batches[0]).compile()
+        losses = [float(step(model, optimizer, b)) for b in batches]
+    reference.assert_trains_alike(losses, reference.params_of(model), ref_losses, ref_params)
+    record = step.fn.record(placed)
+    assert record.fallbacks == []
+    got: dict = {}
+    for op in collectives.with_axes(collectives.parse(compiled.as_text()), placement.mesh_shape):
+        got[(op.kind, op.axes)] = got.get((op.kind, op.axes), 0) + op.bytes_per_step
+    want: dict = {}
+    for c in record.issued:
+        want[(c.kind, c.axes)] = want.get((c.kind, c.axes), 0) + c.bytes
+    assert got == want
+    assert not any(c.kind == "all-gather" and c.op == "ragged_dot_general" for c in record.issued)
+
+
 def _one_device_greedy(factory):
     """Unsharded, cache-free, unpadded: plain NNX on one device, each sequence alone."""
     import jax
