@@ -128,10 +128,12 @@ class Compiler:
     - ``dense_ragged``: a grouped matmul (``ragged_dot_general``) runs as jax's dense decomposition
       (``primitives.ragged_dense``: every group's masked copy of the tokens times its weights, the
       groups' count times the useful FLOPs), as jax lowers it for XLA:CPU.
-    - ``whole_ragged``: elsewhere, the compiler's own grouped matmul runs on whole operands (the
-      experts' weights gathered, the tokens' pending sums reduced) and its result is whole
-      (measured 2026-12-05 on a grouped layer of our own and the example MoE, experts split over
-      ``expert``: XLA:GPU and XLA:TPU gather each weight once, forward and backward alike). Its
+    - ``whole_ragged``: elsewhere, the compiler's own grouped matmul runs with the group dim and
+      the ragged rows whole (the experts' weights gathered over their group split, the tokens'
+      pending sums reduced), its other dims as a matmul's (the weights' free splits kept, a
+      contraction they split taken by the tokens: measured 2026-12-05 on a grouped layer of our
+      own and the example MoE's three expert plans: XLA:GPU and XLA:TPU gather each weight once,
+      forward and backward alike, and keep a tensor-parallel column split). Its
       FLOPs as the compiler counts them: "dense", every group over every row (XLA:GPU rewrites it
       into dense matmuls: the groups' count times the useful FLOPs); "kernel", the useful FLOPs
       where the rows are grouped (XLA:TPU's grouped-matmul kernel: each row times its group's

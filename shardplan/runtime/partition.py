@@ -1138,13 +1138,12 @@ class Partitioner:
         grouping = sizes
         sizes = self.whole(self.resolve(sizes))
         g = sizes.shape[0]
-        ldims, rdims = [list(d) for d in lhs.dims], [list(d) for d in rhs.dims]
         lfree = [i for i in range(len(lhs.shape)) if i not in lc]
         forward = bool(nums.rhs_group_dimensions)
         if forward:  # lhs (..., m, ..., k), rhs (g, k, n): out (lhs free dims, rhs free dims)
             (gd,) = nums.rhs_group_dimensions
             rfree = [j for j in range(len(rhs.shape)) if j not in rc and j != gd]
-            group = tuple(rdims[gd])
+            group = tuple(rhs.dims[gd])
             ragged_pairs: list[tuple[int, int]] = []
         else:  # ragged rows contracted: out (g, lhs free dims, rhs free dims)
             rfree = [j for j in range(len(rhs.shape)) if j not in rc]
@@ -1166,10 +1165,10 @@ class Partitioner:
         if not forward and want is not None:
             # The gradient's layout where an operand's dim is whole and its axes idle (a free
             # slice); where they split something already, the result moves afterwards instead.
-            for k, i in enumerate([*lfree, *[-1 - j for j in rfree]]):
-                dim = ldims[i] if i >= 0 else rdims[-1 - i]
-                if want[k] and not dim and not set(want[k]) & ({x for d in (*ldims, *rdims) for x in d} | set(group)):
-                    dim[:] = list(want[k])
+            free = [ldims[i] for i in lfree] + [rdims[j] for j in rfree]  # the result's dims after the group's
+            for dim, wanted in zip(free, want, strict=True):
+                if wanted and not dim and not set(wanted) & ({x for d in (*ldims, *rdims) for x in d} | set(group)):
+                    dim[:] = list(wanted)
         # The ragged rows whole; the group axes nowhere else.
         for i, j in ragged_pairs:
             ldims[i], rdims[j] = [], []
@@ -1184,19 +1183,19 @@ class Partitioner:
         # pending): an FSDP expert weight is gathered where the tokens are larger.
         out_elems = math.prod(lhs.shape[i] for i in lfree) * math.prod(rhs.shape[j] for j in rfree)
         out_bytes = out_elems * np.dtype(eqn.outvars[0].aval.dtype).itemsize // self.n(group)
+
+        def taking(dims: list, k: int, split: list, nbytes: int, closed: set) -> int | None:
+            """What laying ``dims``' dim ``k`` out as ``split`` moves (None: it cannot)."""
+            if set(split) & closed:
+                return None
+            moved = set(dims[k]) | {x for m, d in enumerate(dims) if m != k for x in d if x in split}
+            return nbytes * self.n(tuple(moved)) if moved else 0
+
         for i, j in zip(lc, rc, strict=True):
             a, b = ldims[i], rdims[j]
             if a == b:
                 continue
             lb_, rb_ = self.nbytes(lhs.shape, _t(ldims), lhs.dtype), self.nbytes(rhs.shape, _t(rdims), rhs.dtype)
-
-            def taking(dims, k, want, nbytes, closed):
-                """What laying ``dims``' dim ``k`` out as ``want`` costs (None: it cannot)."""
-                if set(want) & closed:
-                    return None
-                moved = set(dims[k]) | {x for m, d in enumerate(dims) if m != k for x in d if x in want}
-                return nbytes * self.n(tuple(moved)) if moved else 0
-
             options = [((lb_ * self.n(tuple(a)) if a else 0) + (rb_ * self.n(tuple(b)) if b else 0), 0)]
             take_l = taking(ldims, i, b, lb_, set(lhs.partial))
             if take_l is not None:
