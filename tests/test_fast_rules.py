@@ -178,14 +178,8 @@ CASES = [
     # reductions
     ("reduce/sum over a split dim", lambda a: a.sum(0), (S(B, D),), (P("data", "model"),), P("model")),
     ("reduce/max over a split dim", lambda a: a.max(1), (S(B, D),), (P("data", "model"),), P("data")),
-    pytest.param(
-        "reduce/sum to a scalar over two axes",
-        lambda a: a.sum(),
-        (S(B, D),),
-        (P("data", "model"),),
-        P(),
-        marks=xfail("XLA all-reduces once per reduced dim (2 x 4 B), fast mode once over both axes (4 B)"),
-    ),
+    # XLA:CPU all-reduces once per reduced dim (2 x 4 B): Compiler.sums_per_dim
+    ("reduce/sum to a scalar over two axes", lambda a: a.sum(), (S(B, D),), (P("data", "model"),), P()),
     # reshape / transpose
     ("reshape/merge keeps the major split", lambda a: a.reshape(B * 4, 32), (S(B, 4, 32),), (P("data"),), P("data")),
     ("reshape/split", lambda a: a.reshape(B, 4, 32), (S(B, D),), (P("data", "model"),), P("data", "model")),
@@ -381,6 +375,14 @@ CASES = [
     # lie, the new param gathered once (not both of the division's operands)
     ("elementwise/split operands, whole result", lambda p, m, v: p - 0.1 * (m / (jnp.sqrt(v) + 1e-8)),
      (S(B, D), S(B, D), S(B, D)), (P(), P("data"), P("data")), P()),
+    # a weight gradient under sequence parallelism: the tokens over `data` on the batch and `model` on
+    # the sequence; XLA:CPU sums once per contracted dim, two all-reduces of the whole result
+    # (XLA:TPU and XLA:GPU fold them into one: Compiler.sums_per_dim)
+    ("dot_general/contraction split over two dims apart", lambda x, g: jnp.einsum("bsd,bsf->df", x, g),
+     (S(8, 16, D), S(8, 16, F)), (P("data", "model"), P("data", "model")), P()),
+    # the same axes on one dim: one all-reduce
+    ("dot_general/contraction split over two axes on one dim", lambda x, g: jnp.einsum("bsd,bsf->df", x, g),
+     (S(8, 16, D), S(8, 16, F)), (P(("data", "model")), P(("data", "model"))), P()),
 ]
 
 

@@ -152,6 +152,11 @@ class Compiler:
     - ``scatters_whole``: a reduce-scatter is an all-reduce of the whole followed by each device's
       slice (XLA:CPU emits no reduce-scatter for GSPMD): its FLOPs are the all-reduce's, one per
       element of the whole, as XLA's cost analysis counts an all-reduce (a reduce-scatter: none).
+    - ``sums_per_dim``: a matmul whose contraction is split over different axes on different dims
+      (tokens over `data` on the batch, over `seq` on the sequence: a weight gradient under
+      sequence parallelism) sums its result once per such dim, one all-reduce over each dim's axes
+      after the other (XLA:CPU, measured on single matmuls "bsd,bsf->df": two all-reduces of the
+      whole result; XLA:TPU and XLA:GPU fold them into one over all the axes).
     - ``split_k``: the GPU a matmul's contraction is split for (``runtime/splitk.py``: XLA:GPU cuts
       the contraction of a matmul with few output tiles into chunks, computes their partial results
       in float32 side by side and adds them up: a workspace of the result times the chunks is alive
@@ -173,11 +178,12 @@ class Compiler:
     split_k: splitk.SplitK | None = None
     gathers_reduce: int | None = None
     scatters_whole: bool = False
+    sums_per_dim: bool = False
 
 
 _REASSOCIATES = splitk.ADDS  # the ops XLA:GPU and XLA:TPU add partial sums with before reducing them
 COMPILERS = {
-    "cpu": Compiler(COMPILER_NAMES["cpu"], dense_ragged=True, whole_top_k=True, scatters_whole=True),
+    "cpu": Compiler(COMPILER_NAMES["cpu"], dense_ragged=True, whole_top_k=True, scatters_whole=True, sums_per_dim=True),
     "cuda": Compiler(  # H100 (and H200: the same SMs) unless a chip's book says otherwise
         COMPILER_NAMES["cuda"],
         sums=_REASSOCIATES,
@@ -394,7 +400,10 @@ class _Propagator:
         # that completes the sum is that op's (a gradient's all-reduce belongs to the model line whose
         # matmul's transpose made it, not to the optimizer's read of it).
         # where each pending sum was made: (primitive, source, elements a matmul contracted or 0)
-        self.sum_origin: dict[Any, tuple[str, str, int]] = {}
+        # a pending sum -> (the op that made it, its source, the elements it contracts, the axes
+        # each contracted dim is split over where several dims are: ``Compiler.sums_per_dim``)
+        self.sum_origin: dict[Any, tuple[str, str, int, tuple[frozenset[str], ...]]] = {}
+        self.sum_dims: dict[Any, tuple[frozenset[str], ...]] = {}  # a matmul's result -> those axes
         # A matmul's result all-reduced over these axes (see ``resolve``): read in a layout that splits
         # one of its split dims further over them, XLA gathers that dim first (``reshard``).
         self.dot_reduced: dict[Any, tuple[frozenset[str], int]] = {}  # -> (summed axes, batch dims)
@@ -497,8 +506,8 @@ class _Propagator:
             else:
                 self.ctx.add("reduce-scatter", tuple(scatter), self.ctx.local(v), mult, why, label, only, v.itemsize)
         out = Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims))
-        if rest:
-            self.ctx.add("all-reduce", rest, self.ctx.local(out), mult, why, label, only, out.itemsize)
+        for part in _per_dim(rest, origin[3] if origin is not None else ()):
+            self.ctx.add("all-reduce", part, self.ctx.local(out), mult, why, label, only, out.itemsize)
         if moves and mult == 1 and (scatter or rest) and self.depth == 1:
             self.ctx.reduced += self.ctx.local(out)
             self.ctx.reducing = True
@@ -948,7 +957,9 @@ class _Propagator:
                 continue
             inner = body.outvars[i] if body is not None and i < len(body.outvars) else None
             self.sum_origin[var] = (
-                self.sum_origin.get(inner) or carried or (eqn.primitive.name, self.ctx.source, _contracted(eqn))
+                self.sum_origin.get(inner)
+                or carried
+                or (eqn.primitive.name, self.ctx.source, _contracted(eqn), self.sum_dims.pop(var, ()))
             )
 
     def eqn(self, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
@@ -1443,6 +1454,9 @@ class _Propagator:
         out_dims = [lt[i] for i in lb] + [lt[i] for i in lfree] + [rt[j] for j in rfree]
         shape = tuple(out_aval.shape)
         out = Val(shape, itemsize(out_aval), tuple(out_dims), frozenset(partial))
+        summed = tuple(frozenset(lt[i]) for i in lc if lt[i])
+        if self.ctx.book.sums_per_dim and len(summed) > 1:
+            self.sum_dims[eqn.outvars[0]] = summed
         k = math.prod(lhs.shape[i] for i in lc)
         kshards = self.ctx.split(tuple(x for i in lc for x in lt[i]))
         self._flops(2 * (self.ctx.local(out) / out.itemsize) * (k / kshards), mult, "dot_general")
@@ -1645,12 +1659,16 @@ class _Propagator:
         out = Val(tuple(out_aval.shape), itemsize(out_aval), tuple(v.dims[i] for i in kept))
         # XLA's cost analysis: one per element reduced (the operand's elements less the result's)
         self._flops(self.ctx.local(v) / v.itemsize - self.ctx.local(out) / out.itemsize, mult, name)
+        # reduced dims split over different axes: XLA:CPU reduces over each dim's axes in turn
+        summed = tuple(frozenset(v.dims[i]) for i in axes if v.dims[i]) if self.ctx.book.sums_per_dim else ()
         if name == "reduce_sum":
+            if len(summed) > 1 and not v.partial:
+                self.sum_dims[eqn.outvars[0]] = summed
             return replace(out, partial=v.partial | frozenset(reduced))
         if v.partial:  # max / min of a pending sum: the sum is done first
             self.resolve(eqn.invars[0], v, None, mult, name)
-        if reduced:  # max / min / argmax over a split dim: a small all-reduce of the result
-            self.ctx.add("all-reduce", reduced, self.ctx.local(out), mult, name, itemsize=out.itemsize)
+        for part in _per_dim(reduced, summed):  # max / min / argmax over a split dim: a small all-reduce
+            self.ctx.add("all-reduce", part, self.ctx.local(out), mult, name, itemsize=out.itemsize)
         return out
 
     def reshape(self, var: Any, v: Val, shape: tuple[int, ...], mult: int) -> Val:
@@ -2354,6 +2372,18 @@ def _fused_outputs(jaxpr: Any, uses: dict[Any, int]) -> set[Any]:
                 if uses.get(v, 0) == 1 and consumer.get(v) in _FUSES_PRODUCER:
                     out.add(v)
     return out
+
+
+def _per_dim(axes: tuple[str, ...], dims: tuple[frozenset[str], ...]) -> list[tuple[str, ...]]:
+    """The all-reduces of a pending sum over ``axes``: one over all of them, or where the matmul
+    that made it summed over several contracted dims split apart (``dims``, the axes of each:
+    ``Compiler.sums_per_dim``), one per dim's axes, then one over any left."""
+    if not axes:
+        return []
+    parts = [tuple(a for a in axes if a in d) for d in dims]
+    parts = [p for p in parts if p]
+    left = tuple(a for a in axes if not any(a in p for p in parts))
+    return [*parts, left] if left else parts or [axes]
 
 
 def _contracted(eqn: Any) -> int:
