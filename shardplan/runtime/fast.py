@@ -404,6 +404,9 @@ class _Propagator:
         # each contracted dim is split over where several dims are: ``Compiler.sums_per_dim``)
         self.sum_origin: dict[Any, tuple[str, str, int, tuple[frozenset[str], ...]]] = {}
         self.sum_dims: dict[Any, tuple[frozenset[str], ...]] = {}  # a matmul's result -> those axes
+        # a matmul's pending sum -> the dim its operands' rows (an operand's leading dim) went to,
+        # None where they went nowhere (the experts' dim leads a dispatched buffer)
+        self.rows: dict[Any, int | None] = {}
         # A matmul's result all-reduced over these axes (see ``resolve``): read in a layout that splits
         # one of its split dims further over them, XLA gathers that dim first (``reshard``).
         self.dot_reduced: dict[Any, tuple[frozenset[str], int]] = {}  # -> (summed axes, batch dims)
@@ -461,7 +464,7 @@ class _Propagator:
         if not v.partial:
             return v
         if target is None and var not in self.hints and var not in self.wants:
-            target = _batch_scatter(v, self.ctx)
+            target = _batch_scatter(v, self.ctx, self.rows.get(self.root(var), 0))
         target = target if target is not None else self.hints.get(var, self.wants.get(var, v.dims))
         key = ("resolve", self.key(var), target)
         hit = self.ctx.cache.get(key)
@@ -949,6 +952,10 @@ class _Propagator:
             batch = self.dot_batch.get(self.root(eqn.invars[0]), 0)
             if batch and tuple(eqn.params["permutation"][:batch]) == tuple(range(batch)):
                 self.dot_batch[self.root(eqn.outvars[0])] = batch
+            if self.root(eqn.invars[0]) in self.rows:  # a matmul's rows follow the permutation
+                row = self.rows[self.root(eqn.invars[0])]
+                perm = tuple(eqn.params["permutation"])
+                self.rows[self.root(eqn.outvars[0])] = None if row is None else perm.index(row)
         carried = next((self.sum_origin[x] for x in eqn.invars if not hasattr(x, "val") and x in self.sum_origin), None)
         sub = self.body(eqn)
         body = getattr(sub, "jaxpr", sub)
@@ -1464,6 +1471,10 @@ class _Propagator:
             self._split_k(eqn, Val(lhs.shape, lhs.itemsize, lt), Val(rhs.shape, rhs.itemsize, rt), out, mult)
         if out.partial and lb:  # its leading dims are the batch dims (see ``resolve``)
             self.dot_batch[self.root(eqn.outvars[0])] = len(lb)
+        if out.partial:  # where its operands' rows went: an operand's leading dim, else none
+            first = lb[:1] or lfree[:1]
+            rows_kept = first == [0] if first else rfree[:1] == [0]
+            self.rows[self.root(eqn.outvars[0])] = 0 if rows_kept else None
         want = self.wants.get(eqn.outvars[0])
         if out.partial and want is not None and any(a in out.partial for d in want for a in d):
             # Its readers keep a split over a pending axis: reduce-scattered onto it here.
@@ -2633,15 +2644,18 @@ def _fuses(eqn: Any, pos: int) -> bool:
     )
 
 
-def _batch_scatter(v: Val, ctx: _Ctx) -> Dims:
-    """Where an activation's pending sum over a batch axis goes when no reader says: onto its leading
-    (batch) dim, where it is whole (measured: under a 2-D plan whose embedding width is split over
-    the batch axis, XLA reduce-scatters a projection's sum over `data` onto the batch rows)."""
+def _batch_scatter(v: Val, ctx: _Ctx, rows: int | None = 0) -> Dims:
+    """Where an activation's pending sum over a batch axis goes when no reader says: onto its rows
+    (a matmul's: the dim its operands' leading dims went to; else its leading dim), where they are
+    whole (measured: under a 2-D plan whose embedding width is split over the batch axis, XLA
+    reduce-scatters a projection's sum over `data` onto the batch rows; a GShard dispatch
+    "gsec,gsd->egcd" summed over the sequence's `data`, its groups split over `model`, is
+    all-reduced, not scattered onto the experts' dim)."""
     dims = [tuple(d) for d in v.dims]
-    if len(v.shape) >= 2 and not dims[0]:
+    if rows is not None and len(v.shape) >= 2 and rows < len(dims) and not dims[rows]:
         axes = tuple(a for a in ctx.batch_axes if a in v.partial and a not in v.axes)
-        if axes and v.shape[0] % ctx.split(axes) == 0:
-            dims[0] = axes
+        if axes and v.shape[rows] % ctx.split(axes) == 0:
+            dims[rows] = axes
     return tuple(dims)
 
 
