@@ -311,14 +311,14 @@ def test_fast_mode_for_a_tpu_target_computes_a_norms_output_again_in_the_matmuls
     ``llama_kilo`` (16 x 1,024 tokens, 8 v5e chips, libtpu 0.0.42.1, read 2026-12-05; its buffer
     assignment holds no norm output); fast mode 727.0 / 1,937.5 MiB (+3.0 / +8.1%), holding the
     norms' bf16 copies +13.7 / +16.5%. Fast mode alone: no compiler needed."""
-    from shardplan.runtime import fast as fast_mode
+    from shardplan.runtime.fast import memory as fast_memory
 
     wide = FIXTURES / "wide_models.py"
     kw = dict(model=f"{wide}:llama_kilo", step=STEP, batch=["tokens=int32[16,1024],labels=int32[16,1024]"])
     coster = shardplan.api.step_coster(kw["model"], kw["step"], kw["batch"])
     fast = coster.cost(PLANS / plan, devices=8, compiler="tpu").memory.peak
     assert fast == pytest.approx(compiled, rel=0.09)
-    monkeypatch.setattr(fast_mode, "_matmul", lambda eqn: False)  # the norms' outputs held
+    monkeypatch.setattr(fast_memory, "_matmul", lambda eqn: False)  # the norms' outputs held
     holding = shardplan.api.step_coster(kw["model"], kw["step"], kw["batch"]).cost(PLANS / plan, devices=8,
                                                                                   compiler="tpu").memory.peak
     assert holding > 1.12 * compiled

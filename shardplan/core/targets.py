@@ -28,7 +28,7 @@ JAX_VERSION = "0.10.2"  # the extras are pinned to the jax release shardplan is 
 
 
 # The compiler of each platform a target names (fast mode keeps a rule book per platform:
-# shardplan/runtime/fast.py, COMPILERS).
+# shardplan/runtime/fast/books.py, COMPILERS).
 COMPILER_NAMES = {"cpu": "XLA:CPU", "tpu": "XLA:TPU", "cuda": "XLA:GPU"}
 
 
@@ -46,7 +46,7 @@ class Target:
 
     @property
     def book(self) -> str:
-        """Fast mode's rule book for this target (shardplan/runtime/fast.py, ``COMPILERS``): the
+        """Fast mode's rule book for this target (shardplan/runtime/fast/books.py, ``COMPILERS``): the
         platform's, or a TPU generation's where its compiler chooses otherwise (``tpu-v5p``,
         ``tpu-v6e``)."""
         return self.chip if self.chip in BOOKS else self.platform

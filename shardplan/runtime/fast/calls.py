@@ -1,0 +1,220 @@
+"""Fast mode's rules for structure: calls (walked in place, as XLA inlines them), scans (the body
+per trip), shard_map regions, Pallas kernels, fused attention and collectives written by hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardplan.runtime.fast.relayout import resolve, to_layout
+from shardplan.runtime.fast.values import Val, _Boundary, _norm, _replicated, _spec_dims
+from shardplan.runtime.fast.walker import Walker
+from shardplan.runtime.kernels import fused_attention_cost, pallas_cost
+from shardplan.runtime.primitives import itemsize
+from shardplan.runtime.sharding import scan_counts
+
+# Collectives written inside shard_map, by the kind XLA names them.
+_MANUAL_COLLECTIVES = {
+    "psum": "all-reduce",
+    "psum_invariant": "all-reduce",
+    "psum2": "all-reduce",
+    "pmax": "all-reduce",
+    "pmin": "all-reduce",
+    "all_gather": "all-gather",
+    "all_gather_invariant": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+    "ppermute": "collective-permute",
+}
+
+
+def inline(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val] | None:
+    """A call XLA inlines: its body walked in place (None: no body)."""
+    sub = walk.body(eqn)
+    if sub is None:
+        return None
+    for inner_var, outer_var in zip(sub.invars, eqn.invars, strict=False):
+        if not hasattr(outer_var, "val"):
+            walk.origin[inner_var] = walk.root(outer_var)
+        if hasattr(outer_var, "val") or outer_var in walk.constant:
+            walk.constant.add(inner_var)
+        else:
+            walk.constant.discard(inner_var)
+    for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
+        if outer_var in walk.hints and not hasattr(inner_var, "val"):
+            walk.hints.setdefault(inner_var, walk.hints[outer_var])
+        if outer_var in walk.wants and not hasattr(inner_var, "val"):
+            walk.wants.setdefault(inner_var, walk.wants[outer_var])
+        if outer_var in walk.claimed and not hasattr(inner_var, "val"):
+            walk.claimed.setdefault(inner_var, walk.claimed[outer_var])
+        if outer_var in walk.back and not hasattr(inner_var, "val"):
+            walk.back.setdefault(inner_var, walk.back[outer_var])
+    outer_call, walk.call_source = walk.call_source, walk.ctx.source
+    outer = walk.frame
+    assert outer is not None  # equations run inside a jaxpr
+    for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
+        made = walk.made_beside(outer, outer_var)
+        if made is not None and not hasattr(inner_var, "val"):
+            walk.siblings[inner_var] = made
+    bound = [(i, o) for i, o in zip(sub.invars, eqn.invars, strict=False) if not hasattr(o, "val")]
+    boundary = _Boundary(
+        frozenset(i for i, o in bound if o in outer.stored),
+        {i: outer.soft[o] for i, o in zip(sub.outvars, eqn.outvars, strict=False) if o in outer.soft},
+        {} if walk.layouts_only else {i: walk.closure(outer, o) for i, o in bound if o not in outer.stored},
+    )
+    inner = walk.run(sub, dict(zip(sub.invars, ins, strict=False)), mult, boundary)
+    walk.inlined, walk.inlined_peak = eqn, walk.peak_without_outputs
+    body = walk.last_frame
+    assert body is not None
+    for i, o in zip(sub.outvars, eqn.outvars, strict=False):
+        if hasattr(i, "val"):
+            continue
+        if i in body.stored:
+            outer.stored.add(o)
+        elif o in outer.soft:  # fused in the body and in the caller's readers: one chain
+            outer.closures[o] = walk.closure(body, i)
+    walk.call_source = outer_call
+    for inner_var, outer_var in zip(sub.outvars, eqn.outvars, strict=False):
+        if not hasattr(inner_var, "val") and walk.root(inner_var) is not outer_var:
+            walk.origin[outer_var] = walk.root(inner_var)
+    return inner
+
+
+def kernel(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+    """A Pallas kernel (``kernels.pallas_cost``). XLA cannot split a custom call: outside
+    shard_map every device runs it on whole operands (gathered first) and holds the whole result."""
+    cost = pallas_cost(eqn)
+    why = f"kernel {cost.name}"
+    if any(v.axes or v.partial for v in ins):
+        walk.ctx.kernels.append(
+            f"kernel {cost.name} ({walk.ctx.source or 'step'}) runs outside shard_map on split operands: XLA "
+            "gathers them whole on every device (wrap the kernel in jax.shard_map to run it on each device's block)"
+        )
+    for x, v in zip(eqn.invars, ins, strict=True):
+        if v.axes or v.partial:
+            to_layout(walk, x, v, ((),) * len(v.shape), mult, why)
+    walk.ctx.flops += cost.flops * mult
+    walk.ctx.transcendentals += cost.transcendentals * mult
+    walk.ctx.hbm += (cost.read + cost.written) * mult
+    walk.ctx.kernels.extend(n for n in cost.notes if n not in walk.ctx.kernels)
+    return [_replicated(o.aval) for o in eqn.outvars]
+
+
+def fused_attention(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+    """cuDNN's flash attention (``kernels.fused_attention_cost``). jax partitions it over the
+    batch and the heads: operands keep those splits (a key/value head split only where its
+    query's is the same) and are gathered on the others; results take their operands' splits."""
+    bnth = str(eqn.params.get("layout", "0")) in ("1", "Layout.BNTH", "BNTH")
+    keep = (0, 1) if bnth else (0, 2)  # batch, heads
+    q = ins[0]
+    target_q = tuple(d if i in keep else () for i, d in enumerate(q.dims))
+    moved: list[Val] = []
+    for x, v in zip(eqn.invars, ins, strict=True):
+        if len(v.shape) == 4 and all(v.shape):
+            target = tuple(
+                target_q[i] if i in keep and v.shape[i] % walk.ctx.split(target_q[i]) == 0 else () for i in range(4)
+            )
+        elif len(v.shape) == 3 and all(v.shape):  # the softmax statistics (batch, heads, time)
+            target = (target_q[keep[0]], target_q[keep[1]], ())
+        else:  # empty placeholders (no bias, no sequence lengths)
+            target = ((),) * len(v.shape)
+        moved.append(to_layout(walk, x, v, _norm(target, len(v.shape)), mult, "cudnn attention"))
+    cost = fused_attention_cost(eqn)
+    # Per device: the split of the queries' batch and heads.
+    share = walk.ctx.split(tuple(a for i in keep for a in target_q[i]))
+    walk.ctx.flops += cost.flops / share * mult
+    walk.ctx.transcendentals += cost.transcendentals / share * mult
+    walk.ctx.hbm += (sum(walk.ctx.local(v) for v in moved) + cost.written / share) * mult
+    outs = []
+    for o in eqn.outvars:
+        shape = tuple(o.aval.shape)
+        src = next((v for v in moved if v.shape == shape and len(shape) == 4), None)
+        if src is not None:
+            dims = src.dims
+        elif len(shape) == 3:  # statistics
+            dims = (target_q[keep[0]], target_q[keep[1]], ())
+        else:
+            dims = ((),) * len(shape)
+        outs.append(Val(shape, itemsize(o.aval), _norm(dims, len(shape))))
+    return outs
+
+
+def shard_map(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+    """A ``jax.shard_map`` region: its operands set to ``in_specs`` over the manual axes (GSPMD's
+    reshards; their splits over the axes it leaves automatic are kept), its body run per
+    device on local blocks (the collectives in it are the user's own), its results laid out as
+    ``out_specs`` plus the body's automatic splits."""
+    body = eqn.params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    manual = set(eqn.params.get("newly_manual_axes") or eqn.params.get("manual_axes") or walk.ctx.mesh)
+    env: dict[Any, Val] = {}
+    for x, inner, v, spec in zip(eqn.invars, body.invars, ins, eqn.params["in_specs"], strict=True):
+        wanted = _spec_dims(spec, len(v.shape))
+        auto = tuple(tuple(a for a in d if a not in manual) for d in v.dims)
+        to_layout(walk, x, v, tuple(w + a for w, a in zip(wanted, auto, strict=True)), mult, "shard_map in_specs")
+        env[inner] = Val(tuple(inner.aval.shape), itemsize(inner.aval), auto)
+    results = walk.run(body, env, mult, _Boundary(frozenset(body.invars), {}, {}))
+    outs = []
+    for o, spec, r in zip(eqn.outvars, eqn.params["out_specs"], results, strict=True):
+        dims = _spec_dims(spec, len(o.aval.shape))
+        auto = tuple(tuple(a for a in d if a not in manual) for d in r.dims) if len(r.dims) == len(dims) else ()
+        if auto:
+            dims = tuple(d + a for d, a in zip(dims, auto, strict=True))
+        outs.append(Val(tuple(o.aval.shape), itemsize(o.aval), dims, frozenset(r.partial) - manual))
+    return outs
+
+
+def manual_collective(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+    """A collective the user wrote inside shard_map (``lax.psum``, ``all_gather``, ...), one
+    per operand."""
+    name = eqn.primitive.name
+    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if isinstance(a, str))
+    kind = _MANUAL_COLLECTIVES[name]
+    outs = []
+    for v, o in zip(ins, eqn.outvars, strict=True):
+        shape = tuple(o.aval.shape)
+        out = Val(shape, itemsize(o.aval), v.dims if shape == tuple(v.shape) else ((),) * len(shape))
+        walk.ctx.add(
+            kind,
+            axes,
+            walk.ctx.local(out) if kind == "all-gather" else walk.ctx.local(v),
+            mult,
+            f"shard_map {name}",
+        )
+        outs.append(out)
+    return outs
+
+
+def scan(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+    length = int(eqn.params["length"])
+    body = eqn.params["jaxpr"].jaxpr
+
+    nc, ncarry = scan_counts(eqn)
+    env: dict[Any, Val] = {}
+    # For the ledger's rows only: a layer's slice of a stacked param is the param its gathers
+    # move, the body's slice of a stacked gradient the param its sums update.
+    for var, outer in zip(body.invars, eqn.invars, strict=True):
+        name = "" if hasattr(outer, "val") else walk.names.get(walk.root(outer)) or walk.labels.get(outer, "")
+        if name:
+            walk.labels.setdefault(var, name)
+    for inner, outer in zip(body.outvars[ncarry:], eqn.outvars[ncarry:], strict=True):
+        param = walk.updates.get(outer) or walk.labels.get(outer)
+        if param and not hasattr(inner, "val"):
+            walk.labels.setdefault(inner, param)
+    for k, (var, v) in enumerate(zip(body.invars, ins, strict=True)):
+        if k < nc:
+            walk.invariant[var] = mult
+        if k >= nc + ncarry:  # scanned over: the body sees one slice (the leading dim dropped)
+            v = Val(v.shape[1:], v.itemsize, v.dims[1:], v.partial)
+        env[var] = v
+    outs = walk.run(body, env, mult * length)
+    result = list(outs[:ncarry])
+    for o, inner, v in zip(eqn.outvars[ncarry:], body.outvars[ncarry:], outs[ncarry:], strict=True):
+        # Stacked outputs; a pending sum wanted split (a layer's weight gradient under FSDP)
+        # is reduce-scattered in each iteration, so the stack is held split.
+        hint = walk.hints.get(o)
+        if v.partial and hint is not None and len(hint) == len(v.shape) + 1:
+            v = resolve(walk, inner, v, hint[1:], mult * length, "scan")
+        result.append(Val(tuple(o.aval.shape), v.itemsize, ((),) + v.dims, v.partial))
+    return result

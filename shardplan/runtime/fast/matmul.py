@@ -1,0 +1,428 @@
+"""Fast mode's rules for matmuls (``dot_general``) and grouped matmuls (``ragged_dot_general``):
+the operands' layouts XLA's dot partitioner picks, the pending sums it leaves, and the FLOPs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from shardplan.runtime import splitk
+from shardplan.runtime.fast.calls import inline
+from shardplan.runtime.fast.relayout import reshard, resolve, to_layout
+from shardplan.runtime.fast.values import Dims, Val, _is_float, _local_shape, _norm, _reads_narrow, _tuple
+from shardplan.runtime.fast.walker import Walker
+from shardplan.runtime.primitives import itemsize
+
+
+def _rhs_yields(lhs: Val, rhs: Val) -> bool:
+    """Where one axis splits a free dim of each matmul operand: whether the right-hand one gives
+    it up (XLA's propagation keeps the larger operand's split; ties: the left's)."""
+    return math.prod(rhs.shape) * rhs.itemsize <= math.prod(lhs.shape) * lhs.itemsize
+
+
+def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lx, rx = eqn.invars
+    lhs, rhs = ins
+    out_aval = eqn.outvars[0].aval
+    # One pending sum at a time: a partial operand times a whole one stays partial.
+    if lhs.partial and rhs.partial:
+        rhs = resolve(walk, rx, rhs, None, mult, "dot_general")
+    partial = set(lhs.partial | rhs.partial)
+    pending = set(partial)
+    lhs, rhs = replace(lhs, partial=frozenset()), replace(rhs, partial=frozenset())
+    lfree = [i for i in range(len(lhs.shape)) if i not in lc and i not in lb]
+    rfree = [i for i in range(len(rhs.shape)) if i not in rc and i not in rb]
+    ldims, rdims = [list(d) for d in lhs.dims], [list(d) for d in rhs.dims]
+    # Batch dims: both sides must agree; keep the more split one. Where they disagree, XLA
+    # partitions the matmul over the batch dims alone: both operands' contracting dims are
+    # gathered (measured: an expert weight's gradient, experts split on one side and tokens
+    # on the other, gathers both rather than summing a split over `data`).
+    # An axis splits one batch dim only: where each side splits a different batch dim over it
+    # (heads over an axis on one side, the same axis on the other's sequence), the first keeps it.
+    conflict = False
+    batch_axes: set[str] = set()
+    for i, j in zip(lb, rb, strict=True):
+        # One side's split extends the other's ((data, expert) against data) by axes the other
+        # operand splits a free dim over: where the extending side is the smaller operand and
+        # not a weight, XLA keeps the other's free split and the extending side's longest prefix
+        # free of it on the batch dim, the rest gathered off (measured on single matmuls
+        # "gsd,egcd->gsec": tokens over (data, expert) against experts' buffers over expert on e
+        # and data on g, 4x the tokens' bytes: the tokens gathered over expert; the buffers
+        # smaller than the tokens: the buffers moved. A weight's split stays: its gradient's
+        # layout is fixed, and the step's propagation carries it to the tokens).
+        prefix = None
+        for longer, shorter, other, free, x, mine, theirs in (
+            (ldims[i], rdims[j], rdims, rfree, lx, lhs, rhs),
+            (rdims[j], ldims[i], ldims, lfree, rx, rhs, lhs),
+        ):
+            taken = {a for k in free for a in other[k]}
+            if (
+                len(longer) > len(shorter)
+                and longer[: len(shorter)] == shorter
+                and taken & set(longer)
+                and walk.names.get(walk.root(x)) is None
+                and math.prod(mine.shape) * mine.itemsize < math.prod(theirs.shape) * theirs.itemsize
+            ):
+                prefix = list(itertools.takewhile(lambda a, t=taken: a not in t, longer))  # type: ignore[misc]
+                break
+        if prefix is not None and not batch_axes & set(prefix):
+            ldims[i], rdims[j] = list(prefix), list(prefix)
+        elif ldims[i] != rdims[j]:
+            options = sorted((ldims[i], rdims[j]), key=lambda d: -walk.ctx.split(tuple(d)))
+            keep = next((d for d in options if not batch_axes & set(d)), [])
+            ldims[i], rdims[j] = list(keep), list(keep)
+            conflict = True
+        batch_axes |= set(ldims[i])
+    if conflict:
+        for i, j in zip(lc, rc, strict=True):
+            ldims[i], rdims[j] = [], []
+        # an axis the batch dims now take leaves the operands' other dims (gathered there)
+        taken_b = {a for i in lb for a in ldims[i]}
+        for k in range(len(ldims)):
+            if k not in lb:
+                ldims[k] = [a for a in ldims[k] if a not in taken_b]
+        for k in range(len(rdims)):
+            if k not in rb:
+                rdims[k] = [a for a in rdims[k] if a not in taken_b]
+    # Contracting dims: split the same way on both sides -> local, then a pending sum.
+    for i, j in zip(lc, rc, strict=True):
+        a, b = ldims[i], rdims[j]
+        if a == b:
+            partial |= set(a)
+            continue
+        # One side split on the contraction: gather it there, or slice the other side and sum
+        # the partial results (GSPMD weighs the bytes; so do we).
+        if (moved := _contraction_moves(walk, lhs, rhs, i, j, ldims, rdims, lb, lfree, rfree)) is not None:
+            # One side whole on the dim, or split over different axes free on it, and the
+            # result's pending sum cheaper than gathering the other side: that side is gathered
+            # whole on the dim (XLA's dot partitioner replicates it there; a whole side or a
+            # split the other extends is only sliced) and sliced as the other is; the matmul
+            # stays split (measured: a row-parallel weight split over `data` meets hidden states
+            # split over `model` on the contraction: XLA gathers the weight and all-reduces the
+            # result; a replicated weight meets them: XLA gathers the states, whose bytes are
+            # fewer than the result's).
+            if moved == "rhs":
+                if b != a[: len(b)]:
+                    rhs = _gathered_on(walk, rx, rhs, j, eqn, mult)
+                rdims[j] = list(a)
+            else:
+                if a != b[: len(a)]:
+                    lhs = _gathered_on(walk, lx, lhs, i, eqn, mult)
+                ldims[i] = list(b)
+            partial |= set(ldims[i])
+        else:
+            # Conflict (the axis also splits the other operand elsewhere): gather the cheaper side.
+            ltotal = walk.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims)))
+            rtotal = walk.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims)))
+            if ltotal * walk.ctx.split(tuple(a)) <= rtotal * walk.ctx.split(tuple(b)):
+                ldims[i] = [x for x in a if x in b]
+            else:
+                rdims[j] = [x for x in b if x in a]
+            common = [x for x in ldims[i] if x in rdims[j]]
+            ldims[i], rdims[j] = list(common), list(common)
+            partial |= set(common)
+    # Free dims: an axis may split only one operand's free dims and not the contraction.
+    contract_axes = {x for i in lc for x in ldims[i]} | {x for i in lb for x in ldims[i]}
+    for i in lfree:
+        ldims[i] = [x for x in ldims[i] if x not in contract_axes]
+    used = {x for i in lfree for x in ldims[i]} | contract_axes
+    for j in rfree:
+        clash = [x for x in rdims[j] if x in used]
+        if clash:
+            # The same axis splits a free dim of each side: XLA's propagation keeps the split of
+            # the larger operand (its whole size) and gathers the other (measured: under sequence
+            # parallelism a layer's weights are gathered, the sequence stays split).
+            if _rhs_yields(lhs, rhs):
+                rdims[j] = [x for x in rdims[j] if x not in used]
+            else:
+                for i in lfree:
+                    ldims[i] = [x for x in ldims[i] if x not in clash]
+    claimed = walk.claimed.get(eqn.outvars[0])
+    if claimed is None and lb and eqn.outvars[0] in walk.back:  # a plain matmul keeps its pending sum
+        claimed = walk.back_claim(
+            eqn.outvars[0],
+            tuple([tuple(ldims[i]) for i in lb] + [tuple(ldims[i]) for i in lfree] + [tuple(rdims[j]) for j in rfree]),
+        )
+    if claimed is not None and not lb and partial & {a for d in claimed for a in d}:
+        # A plain matmul whose contraction both sides split over an axis the constraint wants on
+        # the result: the sum stays (reduce-scattered, or all-reduced beside an idle axis that
+        # stands in: ``_idle_split``), the operands are not gathered (measured on single matmuls)
+        claimed = None
+    if claimed is not None and not pending and len(claimed) == len(lb) + len(lfree) + len(rfree):
+        # A constraint's layout given to the matmul's result (Shardy's apply-sharding-constraints):
+        # XLA's partitioner then lays the operands out to produce it, each batch and free dim
+        # split as the result is (measured: tokens split over data x expert, dispatched to
+        # experts split over expert, are gathered over expert first, not moved after).
+        taken = {a for d in claimed for a in d}
+        for k, (i, j) in enumerate(zip(lb, rb, strict=True)):
+            ldims[i], rdims[j] = list(claimed[k]), list(claimed[k])
+        for p, i in enumerate(lfree):
+            ldims[i] = list(claimed[len(lb) + p])
+        for q, j in enumerate(rfree):
+            rdims[j] = list(claimed[len(lb) + len(lfree) + q])
+        partial = set()
+        for i, j in zip(lc, rc, strict=True):
+            if ldims[i] != rdims[j] or any(a in taken for a in ldims[i]):
+                ldims[i], rdims[j] = [], []
+            partial |= set(ldims[i])
+    wanted = walk.wants.get(eqn.outvars[0], walk.hints.get(eqn.outvars[0]))
+    if wanted is not None:
+        stand_ins = _idle_split(
+            walk, _norm(wanted, len(out_aval.shape)), tuple(out_aval.shape), ldims, rdims, lb, rb, lfree, rfree, partial
+        )
+        if stand_ins:
+            walk.stand_ins[walk.root(eqn.outvars[0])] = stand_ins
+    lt, rt = _tuple(ldims), _tuple(rdims)
+    narrow = walk.ctx.book.matmul_itemsize
+    if narrow and _reads_narrow(eqn):
+        # Cast before it moves (the default precision computes in a narrower type); gathered
+        # again for a later matmul where the compiler does (``Compiler.gather_cse``).
+        for x, v, t in ((lx, lhs, lt), (rx, rhs, rt)):
+            if v.itemsize == 4 and _is_float(x):
+                _cast_gather(walk, eqn, x, v, t, mult, narrow)
+            else:
+                reshard(walk, x, v, t, mult, "dot_general")
+    else:
+        reshard(walk, lx, lhs, lt, mult, "dot_general")
+        reshard(walk, rx, rhs, rt, mult, "dot_general")
+    out_dims = [lt[i] for i in lb] + [lt[i] for i in lfree] + [rt[j] for j in rfree]
+    shape = tuple(out_aval.shape)
+    out = Val(shape, itemsize(out_aval), tuple(out_dims), frozenset(partial))
+    summed = tuple(frozenset(lt[i]) for i in lc if lt[i])
+    if walk.ctx.book.sums_per_dim and len(summed) > 1:
+        walk.sum_dims[eqn.outvars[0]] = summed
+    k = math.prod(lhs.shape[i] for i in lc)
+    kshards = walk.ctx.split(tuple(x for i in lc for x in lt[i]))
+    walk.count_flops(2 * (walk.ctx.local(out) / out.itemsize) * (k / kshards), mult, "dot_general")
+    if walk.ctx.book.split_k is not None:
+        _split_k(walk, eqn, Val(lhs.shape, lhs.itemsize, lt), Val(rhs.shape, rhs.itemsize, rt), out, mult)
+    if out.partial and lb:  # its leading dims are the batch dims (see ``resolve``)
+        walk.dot_batch[walk.root(eqn.outvars[0])] = len(lb)
+    if out.partial:  # where its operands' rows went: an operand's leading dim, else none
+        first = lb[:1] or lfree[:1]
+        rows_kept = first == [0] if first else rfree[:1] == [0]
+        walk.rows[walk.root(eqn.outvars[0])] = 0 if rows_kept else None
+    want = walk.wants.get(eqn.outvars[0])
+    if out.partial and want is not None and any(a in out.partial for d in want for a in d):
+        # Its readers keep a split over a pending axis: reduce-scattered onto it here.
+        return resolve(walk, eqn.outvars[0], out, want, mult, "dot_general", contracted=k)
+    return out
+
+
+def _idle_split(
+    walk,
+    want: Dims,
+    shape: tuple[int, ...],
+    ldims: list[list[str]],
+    rdims: list[list[str]],
+    lb: Sequence[int],
+    rb: Sequence[int],
+    lfree: list[int],
+    rfree: list[int],
+    partial: set[str],
+) -> dict[str, str]:
+    """A matmul's result dim that its readers want split further, over axes neither operand
+    nor the pending sum uses, is computed split so: the operand that holds the dim is sliced
+    there (no collective), the matmul does that share of the work and a pending sum is reduced
+    on that share (XLA's dot partitioner lays the result out as wanted; measured on single
+    matmuls ``a @ b`` with ``a`` over ``data`` and the result wanted over ``(data, model)`` or
+    ``model`` on its columns, ``model`` idle: a quarter or half of the FLOPs, the all-reduce of
+    the half). Where the readers want it split over an axis the sum is over, an idle axis of
+    the same size stands in for it: the result computed split over the idle axis, all-reduced
+    over the summed one and permuted into place (measured: the result wanted over ``(data,
+    expert)``, summed over ``expert``, ``model`` idle: an all-reduce and a collective-permute of
+    the quarter, where a reduce-scatter of the half was predicted). Updates ``ldims`` /
+    ``rdims`` in place; returns the stand-ins (idle axis -> summed axis)."""
+    used = {a for d in (*ldims, *rdims) for a in d} | partial
+    named = {a for d in want for a in d}
+    dims: list[tuple[list[str], ...]] = [(ldims[i], rdims[j]) for i, j in zip(lb, rb, strict=True)]
+    dims += [(ldims[i],) for i in lfree] + [(rdims[j],) for j in rfree]
+    stand_ins: dict[str, str] = {}
+    for p, sides in enumerate(dims):
+        cur, w = sides[0], list(want[p])
+        if w[: len(cur)] != cur:
+            continue
+        extra: list[str] = []
+        for a in w[len(cur) :]:
+            if a in partial:
+                idle = next(
+                    (m for m, n in walk.ctx.mesh.items() if n == walk.ctx.mesh[a] and m not in used | named),
+                    None,
+                )
+                if idle is None:
+                    break
+                stand_ins[idle] = a
+                used.add(idle)
+                a = idle
+            elif a in used or walk.ctx.mesh.get(a, 1) == 1:
+                break
+            extra.append(a)
+        while extra and shape[p] % walk.ctx.split((*cur, *extra)):
+            stand_ins.pop(extra.pop(), None)
+        for side in sides:
+            side.extend(extra)
+        used.update(extra)
+    return stand_ins
+
+
+def _split_k(walk: Walker, eqn: Any, lhs: Val, rhs: Val, out: Val, mult: int) -> None:
+    """XLA:GPU's split of the local matmul's contraction (``Compiler.split_k``): the float32
+    partial results' workspace alive while they are added up (on top of the result), the
+    additions and the padded contraction's products counted as FLOPs."""
+    gpu = walk.ctx.book.split_k
+    assert gpu is not None
+    lc = eqn.params["dimension_numbers"][0][0]
+    lb = eqn.params["dimension_numbers"][1][0]
+    if not lc or 0 in lhs.shape or not all(_is_float(x) for x in eqn.invars):  # XLA:GPU splits no integer matmul
+        return
+    # Its dims merged as XLA:GPU canonicalises a matmul: batch, free and contracting dims each one
+    # (measured: "mhd,hdn->mn" splits as a contraction of h x d).
+    ls, rs = _local_shape(lhs, walk.ctx), _local_shape(rhs, walk.ctx)
+    b = math.prod(ls[i] for i in lb)
+    k = math.prod(ls[i] for i in lc)
+    m = math.prod(ls) // (b * k)
+    n = math.prod(rs) // (b * k)
+    bits = (lhs.itemsize * 8, rhs.itemsize * 8, out.itemsize * 8)
+    side, wider = walk.dot_merged(eqn)
+    if wider > 1 and (
+        math.prod(ls) * lhs.itemsize + math.prod(rs) * rhs.itemsize + b * m * n * out.itemsize <= splitk.MERGE_BYTES
+    ):
+        # merged with the matmuls that share an operand with it: split as the wider matmul
+        m, n = (m, round(n * wider)) if side == 0 else (round(m * wider), n)
+        split = splitk.choose(gpu, b, m, n, k, bits)
+        m, n = (m, round(n / wider)) if side == 0 else (round(m / wider), n)
+    else:
+        split = splitk.choose(gpu, b, m, n, k, bits)
+    if split == 1:
+        return
+    partials = b * split * m * n
+    if out.partial and eqn.outvars[0] not in walk.summed_by_adds():
+        # summed over devices first: the partials added up before the collective
+        walk.peak = max(walk.peak, partials * 4)
+        adds = partials * wider
+    elif out.partial:  # added to another partial sum first: held until that addition adds them up
+        walk.widened[eqn.outvars[0]] = partials * 4
+        adds = partials * wider
+    else:  # the addition fused into every reader: the partials held as long as the result
+        walk.widened[eqn.outvars[0]] = partials * 4
+        adds = partials * wider * walk.kernel_reads(eqn.outvars[0])
+    walk.count_flops(adds + 2 * b * m * n * (splitk.padded(k, split, bits) - k), mult, "dot_general")
+
+
+def _contraction_moves(
+    walk, lhs: Val, rhs: Val, i: int, j: int, ldims: list, rdims: list, lb: Any, lfree: list, rfree: list
+) -> str | None:
+    """Which operand (``"lhs"``/``"rhs"``) takes the other's split on contracting dims ``i``/``j``
+    split over different axes, or None (both gathered there). An operand may take the other's
+    axes where they split none of its other dims; it does where the result's pending sum costs
+    less than gathering the other operand on the contraction (GSPMD weighs the two)."""
+    a, b = ldims[i], rdims[j]
+    used_l = {x for k, d in enumerate(ldims) if k != i for x in d}
+    used_r = {x for k, d in enumerate(rdims) if k != j for x in d}
+    ltotal = walk.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims))) * walk.ctx.split(tuple(a))
+    rtotal = walk.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims))) * walk.ctx.split(tuple(b))
+    shape = tuple(lhs.shape[k] for k in (*lb, *lfree)) + tuple(rhs.shape[k] for k in rfree)
+    mine = [tuple(ldims[k]) for k in (*lb, *lfree)]
+    theirs = [tuple(rdims[k]) for k in rfree]
+    taken = {x for d in mine for x in d}
+    if any(x in taken for d in theirs for x in d):  # a free dim of each side over one axis: see ``dot``
+        if _rhs_yields(lhs, rhs):
+            theirs = [tuple(x for x in d if x not in taken) for d in theirs]
+        else:
+            clash = {x for d in theirs for x in d}
+            mine = [tuple(x for x in d if x not in clash) for d in mine]
+    dims = tuple(mine) + tuple(theirs)
+    if not any(dims):
+        # a result split nowhere: XLA gathers the contraction whatever the sizes (measured:
+        # 64x1024 @ 1024x16 split over `model` on the 1024 gathers 256 KiB, not a 4 KiB sum)
+        return None
+    out = walk.ctx.local(Val(shape, max(lhs.itemsize, rhs.itemsize), dims))
+    options = []
+    if a and not set(a) & used_r and (not b or out <= ltotal):
+        options.append((rtotal if b else 0, "rhs"))  # a whole side is sliced for free
+    if b and not set(b) & used_l and (not a or out <= rtotal):
+        options.append((ltotal if a else 0, "lhs"))
+    return min(options)[1] if options else None
+
+
+def _gathered_on(walk: Walker, x: Any, v: Val, dim: int, eqn: Any, mult: int) -> Val:
+    """``v`` gathered whole on ``dim`` for a matmul (cast first where the compiler narrows)."""
+    target = tuple(() if k == dim else d for k, d in enumerate(v.dims))
+    narrow = walk.ctx.book.matmul_itemsize
+    if narrow and eqn.params.get("precision") in (None, (None, None)) and v.itemsize == 4 and _is_float(x):
+        return replace(_cast_gather(walk, eqn, x, v, target, mult, narrow), itemsize=v.itemsize)
+    return reshard(walk, x, v, target, mult, "dot_general")
+
+
+def _cast_gather(walk: Walker, eqn: Any, x: Any, v: Val, target: Dims, mult: int, narrow: int) -> Val:
+    """``v`` cast to ``narrow`` bytes per element and moved to ``target`` for the matmul ``eqn``:
+    one gather per matmul, or the gather an earlier matmul made where the compiler merges them
+    (``Compiler.gather_cse``, ``walk.shares``), held from its first reader to its last."""
+    share = walk.shares.get((id(eqn), walk.root(x)))
+    tag = (narrow, walk.backward) if share is None else (narrow, "shared", share.group)
+    moved = reshard(walk, x, replace(v, itemsize=narrow), target, mult, "dot_general", tag)
+    if share is not None and share.first != share.last:
+        key = ("held gather", walk.root(x), share.group)
+        if share.first and moved.dims != v.dims:
+            n = walk.ctx.held_gathers[key] = walk.ctx.held(moved)
+            walk.ctx.gathered_now += n
+            walk.ctx.gathered_peak = max(walk.ctx.gathered_peak, walk.ctx.gathered_now)
+        elif share.last:
+            walk.ctx.gathered_now -= walk.ctx.held_gathers.pop(key, 0)
+    return moved
+
+
+def grouped(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val] | None:
+    """A grouped matmul (``ragged_dot_general``): jax's dense decomposition walked in place where
+    the compiler runs that (``Compiler.dense_ragged``), else the compiler's own with the group
+    dim and the ragged rows whole (the experts' weights gathered over their group split, the
+    tokens' pending sums reduced) and the other dims as a matmul's: a contraction the weights
+    split is taken by the tokens (a pending sum), the weights' free dims keep their split (so
+    does the result); FLOPs as that compiler counts them (``whole_ragged``)."""
+    book = walk.ctx.book
+    if book.dense_ragged:
+        return inline(walk, eqn, ins, mult)
+    if book.whole_ragged is None:
+        return None
+    nums = eqn.params["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = nums.dot_dimension_numbers
+    if lb or rb or len(nums.lhs_ragged_dimensions) != 1:
+        return None
+    (r,) = nums.lhs_ragged_dimensions
+    lhs, rhs = ins[0], ins[1]
+    gd = set(nums.rhs_group_dimensions)
+    rhs_dims = [() if j in gd else d for j, d in enumerate(rhs.dims)]
+    pairs = dict(zip(lc, rc, strict=True))
+    if r in pairs:  # the ragged rows contracted (a weight gradient): whole on both sides
+        rhs_dims[pairs[r]] = ()
+    taken = {a for d in rhs_dims for a in d}
+    lhs_dims = [
+        () if i == r else tuple(rhs_dims[pairs[i]]) if i in pairs else tuple(a for a in d if a not in taken)
+        for i, d in enumerate(lhs.dims)
+    ]
+    for x, v, want in ((eqn.invars[0], lhs, lhs_dims), (eqn.invars[1], rhs, rhs_dims)):
+        if v.dims != tuple(want) or v.partial:
+            to_layout(walk, x, v, tuple(want), mult, "ragged_dot_general")
+    if ins[2].axes or ins[2].partial:
+        to_layout(walk, eqn.invars[2], ins[2], ((),) * len(ins[2].shape), mult, "ragged_dot_general")
+    lfree = [i for i in range(len(lhs.shape)) if i not in pairs]
+    rfree = [j for j in range(len(rhs.shape)) if j not in rc and j not in gd]
+    out = eqn.outvars[0].aval
+    out_dims = [lhs_dims[i] for i in lfree] + [rhs_dims[j] for j in rfree]
+    if not gd:
+        out_dims = [(), *out_dims]
+    summed = {a for i in pairs for a in lhs_dims[i]}
+    groups = math.prod(eqn.invars[2].aval.shape[-1:])
+    # 2 x result x contraction: for grouped rows the useful FLOPs (times the groups where each
+    # runs over every row), for a contraction over the ragged rows every group over every row.
+    result = Val(tuple(out.shape), itemsize(out), _norm(tuple(out_dims), len(out.shape)), frozenset(summed))
+    local = walk.ctx.local(result) / result.itemsize
+    k = math.prod(lhs.shape[i] for i in lc) / walk.ctx.split(tuple(summed))
+    dense = gd and book.whole_ragged == "dense"
+    walk.count_flops(2 * local * k * (groups if dense else 1), mult, "ragged_dot_general")
+    return [result]

@@ -1,0 +1,203 @@
+"""Collectives that move values between layouts: a pending sum resolved (reduce-scatter,
+all-reduce, a windowed einsum's ring) and a value resharded (all-gather, all-to-all,
+collective-permute, free slices), each recorded in the walk's ledger.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardplan.runtime.fast.books import WINDOWED_MAX_DEVICES
+from shardplan.runtime.fast.values import Dims, Val, _batch_scatter, _norm, _per_dim, _tuple
+from shardplan.runtime.fast.walker import Walker
+
+
+# -- resharding ------------------------------------------------------------------------
+def resolve(walk, var: Any, v: Val, target: Dims | None, mult: int, why: str, contracted: int = 0) -> Val:
+    """``v`` with its pending sums done: reduce-scatter over partial axes the target
+    splits a dim on (when ``v`` leaves that dim whole), all-reduce over the rest.
+    ``contracted``: the elements the matmul that made ``v`` contracts (``Compiler.windowed``)."""
+    if not v.partial:
+        return v
+    if target is None and var not in walk.hints and var not in walk.wants:
+        target = _batch_scatter(v, walk.ctx, walk.rows.get(walk.root(var), 0))
+    target = target if target is not None else walk.hints.get(var, walk.wants.get(var, v.dims))
+    key = ("resolve", walk.key(var), target)
+    hit = walk.ctx.cache.get(key)
+    if hit is not None:
+        return hit
+    dims = [list(d) for d in v.dims]
+    origin = walk.sum_origin.get(var)
+    # A matmul's sum is scattered onto a dim (whole, or split further); onto a batch dim its
+    # operands split, XLA's dot partitioner all-reduces, gathers that dim and slices (measured:
+    # "gsec,egcd->gsd" with g over data, e over expert, the result wanted over (data, expert)).
+    batch = walk.dot_batch.get(walk.root(var), 0) if origin is not None and origin[0] == "dot_general" else 0
+    scatter: list[str] = []
+    # summed axes an idle axis stands in for (``matmul._idle_split``): all-reduced, then permuted
+    stands_for = set(walk.stand_ins.get(walk.root(var), {}).values())
+    for i, t in enumerate(_norm(target, len(v.shape))):
+        for a in t:
+            if (
+                a in v.partial
+                and a not in dims[i]
+                and not (i < batch and v.dims[i])
+                and a not in stands_for
+                and v.shape[i] % (walk.ctx.split((*dims[i], a))) == 0
+            ):
+                scatter.append(a)
+                dims[i].append(a)
+    rest = tuple(a for a in sorted(v.partial) if a not in scatter)
+    if batch and rest:
+        walk.dot_reduced[var] = (frozenset(rest), batch)
+    reader_source = walk.ctx.source
+    if origin is not None:  # the sum is the op's that made it, at its line
+        why, walk.ctx.source = origin[0], origin[1] or reader_source
+        contracted = contracted or origin[2]
+    moves = walk.updates.get(var) or walk.updates.get(walk.root(var), "")  # a gradient: its param
+    label = moves or walk.labels.get(var) or walk.labels.get(walk.root(var), "")
+    only = bool(label) and not moves  # named for the ledger alone
+    if scatter:
+        n = walk.ctx.split(tuple(scatter))
+        windowed = walk.ctx.book.windowed
+        if windowed and contracted > windowed and n <= WINDOWED_MAX_DEVICES:  # a ring inside the matmul
+            ring = walk.ctx.local(v) * (n + 1) // n
+            walk.ctx.add("collective-permute", tuple(scatter), ring, mult, why, label, only)
+        else:
+            walk.ctx.add("reduce-scatter", tuple(scatter), walk.ctx.local(v), mult, why, label, only, v.itemsize)
+    out = Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims))
+    for part in _per_dim(rest, origin[3] if origin is not None else ()):
+        walk.ctx.add("all-reduce", part, walk.ctx.local(out), mult, why, label, only, out.itemsize)
+    if moves and mult == 1 and (scatter or rest) and walk.depth == 1:
+        walk.ctx.reduced += walk.ctx.local(out)
+        walk.ctx.reducing = True
+    walk.ctx.source = reader_source
+    walk.ctx.cache[key] = out
+    return out
+
+
+def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, tag: Any = None) -> Val:
+    """``v`` (no pending sums) laid out as ``target``: gathers, slices, all-to-alls. ``tag``:
+    what else tells this reshard from another of the same value to the same layout (a matmul
+    operand's cast and pass, where the compiler gathers again: :class:`Compiler`)."""
+    target = _norm(target, len(v.shape))
+    if v.dims == target:
+        return v
+    key = ("reshard", walk.key(var), target, tag)
+    hit = walk.ctx.cache.get(key)
+    if hit is not None:
+        return hit
+    want = {a: i for i, d in enumerate(target) for a in d}
+    dims = [list(d) for d in v.dims]
+    moves = walk.names.get(walk.root(var), "")
+    label = moves or walk.labels.get(walk.root(var), "")
+    only = bool(label) and not moves  # named for the ledger alone
+    mult = walk.invariant.get(walk.root(var), mult)
+    if any(any(want.get(a, i) != i for a in d) and any(a not in want for a in d) for i, d in enumerate(v.dims)):
+        # One dim's axes both moving to another dim and gathered (``(data, expert)`` on the
+        # tokens to ``expert`` on the experts): GSPMD has no reshard for that and replicates
+        # the value (an all-gather over every axis it is split on, "involuntary full
+        # rematerialization"), then slices it (measured).
+        whole = Val(v.shape, v.itemsize, ((),) * len(v.shape))
+        walk.ctx.add(
+            "all-gather",
+            tuple(a for a in walk.ctx.mesh if a in v.axes),
+            walk.ctx.local(whole),
+            mult,
+            why,
+            label,
+            only,
+        )
+        dims = [[] for _ in v.dims]
+    # An axis that moves to another dim: all-to-all of the local buffer.
+    for i, d in enumerate(v.dims):
+        for a in d:
+            j = want.get(a)
+            if j is not None and j != i and a in dims[i] and a not in dims[j]:
+                walk.ctx.add(
+                    "all-to-all",
+                    (a,),
+                    walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
+                    mult,
+                    why,
+                    label,
+                    only,
+                )
+                dims[i].remove(a)
+                dims[j].append(a)
+    # A matmul's all-reduced result whose split dim the target splits further over an axis it
+    # was summed over: XLA gathers the dim whole, then slices it (``resolve``). Where a mesh
+    # axis is idle (neither splitting the value nor summed), XLA splits the matmul's batch over
+    # it instead and permutes the summed result into place (``matmul._idle_split``'s stand-ins).
+    summed, batch = walk.dot_reduced.get(var, (frozenset(), 0))
+    origin = walk.sum_origin.get(var)
+    idle = bool(walk.stand_ins.get(walk.root(var))) or any(
+        n > 1 and a not in v.axes and a not in summed for a, n in walk.ctx.mesh.items()
+    )
+    for i, t in enumerate(target[:batch]):
+        if origin is not None and not idle and dims[i] and any(a in summed and a not in dims[i] for a in t):
+            undivided = [list(d) for d in dims]
+            undivided[i] = []
+            reader, walk.ctx.source = walk.ctx.source, origin[1] or walk.ctx.source  # the matmul's
+            nbytes = walk.ctx.local(Val(v.shape, v.itemsize, _tuple(undivided)))
+            walk.ctx.add("all-gather", tuple(dims[i]), nbytes, mult, origin[0], label, only)
+            walk.ctx.source = reader
+            dims[i] = []
+    # Axes replaced on a dim by others of the same size that split nothing else: the local part
+    # sent to the device that holds it in the target, a collective-permute (measured: a value
+    # over (data, model) to (data, expert), and over model to expert, on either dim).
+    held = {a for d in dims for a in d}
+    wanted_axes = {a for t in target for a in t}
+    for i, t in enumerate(target):
+        cur = dims[i]
+        k = next((n for n, (x, y) in enumerate(zip(cur, t, strict=False)) if x != y), min(len(cur), len(t)))
+        old, new = cur[k:], list(t[k:])
+        if (
+            old
+            and new
+            and walk.ctx.split(tuple(old)) == walk.ctx.split(tuple(new))
+            and not set(old) & wanted_axes
+            and not set(new) & held
+        ):
+            walk.ctx.add(
+                "collective-permute",
+                (*old, *new),
+                walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
+                mult,
+                why,
+                label,
+                only,
+            )
+            dims[i] = cur[:k] + new
+            held = {a for d in dims for a in d}
+    # Axes the target adds: a free local slice, taken before any gather (so a gather moves
+    # only the part the target keeps: measured, a broadcast split over `model` met by a value
+    # split over `data` is gathered over `model` in its `data` slice).
+    for i, t in enumerate(target):
+        for a in t:
+            if a not in dims[i] and all(a not in d for d in dims):
+                dims[i].append(a)
+    # Axes the target leaves out: all-gather (the gathered result's bytes), the last dim first
+    # (measured: (data, model) made whole gathers `model` on the small buffer, then `data`).
+    for i, cur in reversed(list(enumerate(list(dims)))):
+        drop = [a for a in cur if a not in target[i]]
+        if drop:
+            dims[i] = [a for a in cur if a in target[i]]
+            gathered = Val(v.shape, v.itemsize, _tuple(dims))
+            nbytes = walk.ctx.local(gathered)
+            walk.ctx.add("all-gather", tuple(drop), nbytes, mult, why, label, only)
+            if moves and walk.ctx.book.gather_cse is None:  # held to its last use (else: ``matmul._cast_gather``)
+                walk.ctx.gathered_now += nbytes
+                walk.ctx.gathered_peak = max(walk.ctx.gathered_peak, walk.ctx.gathered_now)
+    # What a gather freed for the target: a free local slice.
+    for i, t in enumerate(target):
+        for a in t:
+            if a not in dims[i] and all(a not in d for d in dims):
+                dims[i].append(a)
+    out = Val(v.shape, v.itemsize, _tuple(dims))
+    walk.ctx.cache[key] = out
+    return out
+
+
+def to_layout(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str) -> Val:
+    """``v`` set to a layout (a constraint, a reshard): its pending sums done onto it, then moved."""
+    return reshard(walk, var, resolve(walk, var, v, target, mult, why), target, mult, why)
