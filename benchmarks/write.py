@@ -79,7 +79,7 @@ def markdown(path: Path, res: dict, checks: list[dict], command: str) -> None:
         "embedding's width split (`data`) through every layer and moved activations: the auto step ran 2.2x "
         "(gpt_2d) and 2.7x (llama_scan_2d) slower (measured on 2026-11-30 before the plans pinned it). "
         "The shard_map backend partitions the step's computation itself "
-        "(`shardplan/runtime/partition.py`): matmuls run on local shards (Megatron column/row parallel "
+        "(`shardplan/runtime/partition/`): matmuls run on local shards (Megatron column/row parallel "
         "under the TP plans, with the activation's all-reduce after a row-parallel matmul), FSDP weights "
         "are gathered at the op that uses them, and its collectives equal the prediction "
         "(tests/test_shard_map.py). The scanned Llama under FSDP (`fsdp_any_rank`): peak per device "

@@ -1,4 +1,4 @@
-"""One test per local rule of the shard_map partitioner (shardplan/runtime/partition.py): a one-
+"""One test per local rule of the shard_map partitioner (shardplan/runtime/partition/): a one-
 or two-op function run through the partitioner under shard_map on 8 simulated devices, its
 output equal to the op on one device, the output's layout what the rule says, and no op run on
 whole operands (docs/backends.md's coverage table)."""
@@ -358,7 +358,7 @@ def test_coverage_table_names_every_rule():
 
     text = (Path(__file__).parent.parent / "docs" / "backends.md").read_text()
     table = text[text.index("### What runs locally") : text.index("### Fallbacks are loud")]
-    rules = {n[3:].replace("scatter_add", "scatter-add") for n in dir(partition.Partitioner) if n.startswith("op_")}
+    rules = {n.replace("scatter_add", "scatter-add") for n in partition.RULES.ops}
     missing = sorted(r for r in rules if f"`{r}`" not in table)
     assert missing == [], missing
 

@@ -4,7 +4,7 @@ The module imports only jax, flax, optax, numpy and the standard library, and sp
 spec out. It exposes ``make_mesh()``, ``place(model, optimizer, mesh)``,
 ``shard_batch(batch, mesh)`` and ``make_train_step(model, optimizer, loss_fn, mesh)`` ->
 ``step(model, optimizer, batch)``. For the shard_map backend that step is the runtime's
-partitioned one (a copy of ``shardplan/runtime/partition.py`` is appended), and
+partitioned one (a copy of ``shardplan/runtime/partition/`` is appended), and
 ``make_gather_whole_step`` spells the plan's param collectives out, one per line with why.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import re
 from importlib import resources
-from typing import Any
 
 from shardplan.core import backends
 from shardplan.core.leaves import Resolution
@@ -121,22 +120,34 @@ def emit(plan: Plan, params: Resolution, opt: Resolution, lowering: Lowering, ba
     return "\n".join(parts).rstrip() + "\n"
 
 
+# The partitioner's files, in the order its module's names are defined (``runtime/partition/``).
+PARTITIONER_FILES = ("values.py", "partitioner.py", "ops_layout.py", "ops_contract.py", "ops_lookup.py", "program.py")
+
+
 def _partitioner_source() -> str:
-    """shardplan's partitioner (``shardplan/runtime/partition.py``), copied in so the module stays
-    standalone; source lines of ops are not looked up there (reports only)."""
-    runtime = resources.files("shardplan.runtime")
+    """shardplan's partitioner (``shardplan/runtime/partition/``: its files in order, after the
+    ledger, the primitive catalogue and the sharding floor it imports), copied in so the module
+    stays standalone; source lines of ops are not looked up there (reports only)."""
     carried = re.compile(
-        r"^from shardplan\.(ledger|runtime\.sharding|runtime\.primitives) import (\([^)]*\)|[^\n]+)\n", re.M
+        r"^from shardplan\.(ledger|runtime\.sharding|runtime\.primitives|runtime\.partition\.\w+) import "
+        r"(\([^)]*\)|[^\n]+)\n",
+        re.M,
     )
 
-    def copied(name: str, where: Any = runtime) -> str:  # less what is copied above it
-        return carried.sub("", where.joinpath(name).read_text().replace("from __future__ import annotations\n", ""))
+    def copied(path: str, where: str = "shardplan.runtime") -> str:  # less what is copied above it
+        text = resources.files(where).joinpath(*path.split("/")).read_text()
+        return carried.sub("", text.replace("from __future__ import annotations\n", ""))
 
-    ledger = copied("ledger.py", resources.files("shardplan"))
-    catalogue, floor, text = copied("primitives.py"), copied("sharding.py"), copied("partition.py")
-    start = text.index("def _source(")
-    end = text.index("\nclass ", start)
-    text = text[:start] + 'def _source(eqn: Any) -> str:\n    return ""\n\n' + text[end:]
+    def part(name: str) -> str:
+        text = copied("partition/" + name)  # read as a file: the package is not imported
+        if "def _source(" in text:  # no source lines in the emitted module
+            start = text.index("def _source(")
+            end = text.index("\n\n\n", start)
+            text = text[:start] + 'def _source(eqn: Any) -> str:\n    return ""' + text[end:]
+        return f"\n\n# -- shardplan/runtime/partition/{name} " + "-" * (60 - len(name)) + "\n" + text
+
+    ledger = copied("ledger.py", "shardplan")
+    catalogue, floor = copied("primitives.py"), copied("sharding.py")
     return (
         "# -- the collective ledger: a copy of shardplan/ledger.py "
         + "-" * 36
@@ -150,8 +161,7 @@ def _partitioner_source() -> str:
         + "-" * 28
         + "\n"
         + floor
-        + "\n\n# -- the partitioner: a copy of shardplan/runtime/partition.py "
-        + "-" * 30
-        + "\n"
-        + text
+        + "\n\n# -- the partitioner: a copy of shardplan/runtime/partition/ "
+        + "-" * 32
+        + "".join(part(name) for name in PARTITIONER_FILES)
     )
