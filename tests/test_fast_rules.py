@@ -383,6 +383,28 @@ CASES = [
     # the same axes on one dim: one all-reduce
     ("dot_general/contraction split over two axes on one dim", lambda x, g: jnp.einsum("bsd,bsf->df", x, g),
      (S(8, 16, D), S(8, 16, F)), (P(("data", "model")), P(("data", "model"))), P()),
+    # cond: every branch partitioned with the operands' layouts (an FSDP weight gathered whole for the
+    # branch that multiplies by it, nothing moved by the one that scales)
+    ("cond/a branch gathers an fsdp weight",
+     lambda p, x, w: jax.lax.cond(p > 0, lambda x, w: x @ w, lambda x, w: jnp.tile(x, (1, 2)) * 2.0, x, w),
+     (S(), S(B, D), S(D, D * 2)), (P(), P("data"), P("data")), P("data")),
+    pytest.param("cond/a row-parallel branch",
+                 lambda p, x, w: jax.lax.cond(p > 0, lambda x, w: x @ w, lambda x, w: x[:, :D] * 2.0, x, w),
+                 (S(), S(B, F), S(F, D)), (P(), P("data", "model"), P("model")), P("data"),
+                 marks=xfail("XLA reduce-scatters the first branch's sum and gathers it after the conditional, and "
+                             "moves the second branch's slice with a collective-permute (8 + 8 + 4 KiB); fast mode "
+                             "all-reduces and gathers (8 + 16 KiB)")),
+    # while: a loop-invariant weight's gather hoisted out of the loop (once, not per trip)
+    ("while/an fsdp weight gathered once",
+     lambda x, w: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1],
+     (S(B, D), S(D, D)), (P("data"), P("data")), P("data")),
+    pytest.param("while/a row-parallel sum per trip",
+                 lambda x, w: jax.lax.while_loop(lambda c: c[0] < 5, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)),
+                                                 (0, x))[1],
+                 (S(B, D), S(D, D)), (P("data"), P("model")), P("data"),
+                 marks=xfail("XLA carries the state split over `model` as the next trip's matmul reads it: a "
+                             "reduce-scatter per trip (5 x 8 KiB) and one gather after the loop; fast mode keeps "
+                             "the carry's initial layout: an all-reduce per trip (5 x 8 KiB)")),
 ]
 
 
@@ -392,6 +414,35 @@ CASES = [
 def test_fast_rule_matches_xlas_collectives(name, fn, avals, in_specs, out_spec):
     xla, predicted = by_kind(fn, avals, in_specs, out_spec)
     assert predicted == xla
+
+
+def test_a_while_loop_is_costed_per_trip_where_its_trip_count_is_fixed_and_once_with_a_note_where_not():
+    """The body's collectives times the trips XLA's trip-count analysis finds (a counter from a literal,
+    stepped by a literal, against a literal bound), as in the compiled program; a bound read from an
+    input is one trip, as exact mode reads a loop of unknown trips, and the step's notes say so."""
+    from shardplan.runtime.sharding import while_trips
+
+    def loop(n, step=1):
+        return lambda x, w: jax.lax.while_loop(
+            lambda c: c[0] < n, lambda c: (c[0] + step, jnp.tanh(c[1] @ w)), (0, x))[1]
+
+    specs = (P("data"), P("model"))
+    for n, step, trips in ((5, 1, 5), (7, 2, 4)):
+        xla, predicted = by_kind(loop(n, step), (S(B, D), S(D, D)), specs, P("data"))
+        per_trip = B // 4 * D * 4  # the (16, 128) float32 sum of each trip's row-parallel matmul
+        assert sum(predicted.values()) == trips * per_trip
+        assert xla["reduce-scatter"] == trips * per_trip  # XLA scatters it (the xfail above)
+        eqn = jax.make_jaxpr(loop(n, step))(S(B, D), S(D, D)).eqns[-1]
+        assert while_trips(eqn) == trips
+    dynamic = lambda n, x, w: jax.lax.while_loop(  # noqa: E731
+        lambda c: c[0] < n, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1]
+    xla, predicted = by_kind(dynamic, (S(dtype=jnp.int32), S(B, D), S(D, D)), (P(),) + specs, P("data"))
+    assert sum(predicted.values()) == B // 4 * D * 4 == xla["reduce-scatter"]
+    avals = (S(dtype=jnp.int32), S(B, D), S(D, D))
+    ledger = fast.propagate_function(dynamic, avals, ((), (("data",), ()), ((), ("model",))), MESH)
+    assert len(ledger.loops) == 1 and "test_fast_rules.py" in ledger.loops[0]  # the step's notes name it
+    assert not fast.propagate_function(loop(5), avals[1:], ((("data",), ()), ((), ("model",))), MESH).loops
+    assert while_trips(jax.make_jaxpr(dynamic)(S(dtype=jnp.int32), S(B, D), S(D, D)).eqns[-1]) is None
 
 
 def test_a_sum_onto_a_further_split_batch_dim_with_an_idle_axis_is_permuted():

@@ -374,3 +374,65 @@ def test_unstack_along_a_whole_dim_keeps_the_other_splits_and_along_a_split_one_
     check(lambda a: jnp.unstack(a, axis=1)[3] + 1.0, [x], [((), ("data",), ("model",))], dims=((), ("model",)),
           issued=("all-gather",))
 
+
+
+def test_cond_runs_each_branch_on_local_blocks_with_the_index_whole():
+    """Both branches partitioned with the operands' layouts (a row-parallel matmul's sum and a
+    scale), the predicate computed from split data made whole so every device takes the same
+    branch; each branch's collectives recorded once (the compiled program holds both)."""
+    x, w = RNG.normal(size=(8, 16)).astype(np.float32), RNG.normal(size=(16, 4)).astype(np.float32)
+
+    def fn(x, w):
+        return jax.lax.cond(jnp.sum(x) > 0, lambda x, w: x @ w, lambda x, w: x[:, :4] * 2.0, x, w)
+
+    for sign in (1.0, -1.0):  # both branches taken
+        check(fn, (sign * np.abs(x), w), [(("data",), ("model",)), (("model",), ())],
+              issued=("all-reduce", "all-reduce", "all-gather"))
+    assert _compiled_equals_record(fn, (x, w), [(("data",), ("model",)), (("model",), ())])
+
+
+def _compiled_equals_record(fn, args, in_dims):
+    """The partitioned function's compiled collectives (per kind, bytes per step, read by exact
+    mode's HLO reader: loops times their trip counts) equal to what the partitioner recorded."""
+    from shardplan.core import hlo
+
+    closed = jax.make_jaxpr(fn)(*args)
+    mesh = jax.make_mesh(tuple(MESH.values()), tuple(MESH), axis_types=(jax.sharding.AxisType.Auto,) * len(MESH))
+    record = partition.Record()
+
+    def local(*xs):
+        part = partition.Partitioner(MESH, record, batch_axes=frozenset({"data"}))
+        vals = [partition.V(x, tuple(a.shape), a.dtype, d, act=True) for x, a, d in zip(xs, args, in_dims, strict=True)]
+        outs = [part.whole(o) for o in part.run(closed.jaxpr, list(closed.consts), vals)]
+        return [o.x for o in outs]
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=tuple(_spec(d) for d in in_dims),
+                      out_specs=[P()] * len(closed.jaxpr.outvars), check_vma=False)
+    compiled, recorded = {}, {}
+    for op in hlo.with_axes(hlo.parse(jax.jit(f).lower(*args).compile().as_text(), 8), MESH):
+        compiled[op.kind] = compiled.get(op.kind, 0) + op.bytes_per_step
+    for c in record.issued:
+        recorded[c.kind] = recorded.get(c.kind, 0) + c.bytes
+    assert compiled == recorded, (compiled, recorded)
+    return True
+
+
+def test_a_while_loop_runs_its_body_on_local_blocks_per_trip():
+    """A loop of fixed trips (a counter against a literal) and one whose bound is data: the body's
+    row-parallel sum issued and recorded per trip where the trips are fixed, once where not; the
+    carry split as the body keeps it; equal to one device."""
+    x, w = RNG.normal(size=(8, 16)).astype(np.float32), (RNG.normal(size=(16, 16)) / 4).astype(np.float32)
+
+    def fixed(x, w):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1]
+
+    def until(x, w):  # stops when the state's norm falls under a bound: trips known only at run time
+        body = lambda c: (c[0] + 1, c[1] * 0.5)  # noqa: E731
+        return jax.lax.while_loop(lambda c: jnp.sum(c[1] * c[1]) > 1.0, body, (0, x @ w))[1]
+
+    layouts, record = check(fixed, (x, w), [(("data",), ()), (("model",), ())], dims=(("data",), ()),
+                            issued=("all-reduce",))
+    assert [c.count for c in record.issued if c.kind == "all-reduce"][0] == 3
+    assert _compiled_equals_record(fixed, (x, w), [(("data",), ()), (("model",), ())])
+    check(until, (x, w), [(("data",), ()), (("model",), ())], dims=(("data",), ()),
+          issued=("all-reduce", "all-reduce"))

@@ -100,6 +100,44 @@ def scan_counts(eqn: Any) -> tuple[int, int]:
     return len(list(consts)), len(list(carry))
 
 
+def while_trips(eqn: Any) -> int | None:
+    """A ``while_loop``'s iterations where its jaxpr fixes them, as XLA's trip-count analysis finds
+    them: the condition is ``counter < N`` on a carried counter that starts at a literal and that
+    the body steps by a literal, N a literal or a carried value the body passes through from a
+    literal; else None."""
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_j, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+    init = eqn.invars[nc + nb :]
+    test = cond_j.eqns[0] if len(cond_j.eqns) == 1 else None
+    if test is None or test.primitive.name != "lt" or test.outvars[0] is not cond_j.outvars[0]:
+        return None
+    carried = {v: k for k, v in enumerate(cond_j.invars[nc:])}
+
+    def start(x: Any) -> int | None:  # a literal, or a carried value from one the body passes on
+        if hasattr(x, "val"):
+            return int(x.val)
+        k = carried.get(x)
+        if k is None or not hasattr(init[k], "val"):
+            return None
+        return int(init[k].val)
+
+    counter, bound = test.invars
+    k = carried.get(counter)
+    first, stop = start(counter), start(bound)
+    if k is None or first is None or stop is None:
+        return None
+    if not hasattr(bound, "val") and body.outvars[carried[bound]] is not body.invars[nb + carried[bound]]:
+        return None  # the bound changes in the loop
+    bump = next((e for e in body.eqns if body.outvars[k] in e.outvars), None)
+    mine = body.invars[nb + k]
+    if bump is None or bump.primitive.name != "add":
+        return None
+    a, b = bump.invars
+    step = int(b.val) if a is mine and hasattr(b, "val") else int(a.val) if b is mine and hasattr(a, "val") else 0
+    return max(0, -(-(stop - first) // step)) if step > 0 else None
+
+
 # What a param's update is followed back through: element-by-element ops and layout views.
 _SAME_ELEMENTS = ELEMENTWISE | named(kinds=("identity", "view")) - {"bitcast_convert_type"}
 

@@ -121,7 +121,15 @@ def emit(plan: Plan, params: Resolution, opt: Resolution, lowering: Lowering, ba
 
 
 # The partitioner's files, in the order its module's names are defined (``runtime/partition/``).
-PARTITIONER_FILES = ("values.py", "partitioner.py", "ops_layout.py", "ops_contract.py", "ops_lookup.py", "program.py")
+PARTITIONER_FILES = (
+    "values.py",
+    "partitioner.py",
+    "ops_layout.py",
+    "ops_contract.py",
+    "ops_lookup.py",
+    "ops_control.py",
+    "program.py",
+)
 
 
 def _partitioner_source() -> str:

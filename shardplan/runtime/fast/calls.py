@@ -11,7 +11,7 @@ from shardplan.runtime.fast.values import Val, _Boundary, _norm, _replicated, _s
 from shardplan.runtime.fast.walker import Walker
 from shardplan.runtime.kernels import fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import itemsize
-from shardplan.runtime.sharding import scan_counts
+from shardplan.runtime.sharding import scan_counts, while_trips
 
 # Collectives written inside shard_map, by the kind XLA names them.
 _MANUAL_COLLECTIVES = {
@@ -218,3 +218,60 @@ def scan(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
             v = resolve(walk, inner, v, hint[1:], mult * length, "scan")
         result.append(Val(tuple(o.aval.shape), v.itemsize, ((),) + v.dims, v.partial))
     return result
+
+
+def _branch_env(jaxpr: Any, ins: list[Val]) -> dict[Any, Val]:
+    """A branch's or loop body's environment: its operands' layouts, its constants whole."""
+    env: dict[Any, Val] = dict(zip(jaxpr.invars, ins, strict=True))
+    for c in jaxpr.constvars:
+        env[c] = _replicated(c.aval)
+    return env
+
+
+def cond(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+    """``lax.cond`` / ``lax.switch``: XLA partitions every branch with the operands' layouts, and the
+    program holds them all; which one runs depends on the data. Each branch is walked once (its
+    collectives and FLOPs counted, as exact mode reads the program: every branch once; the peak is
+    the largest branch's), its pending sums done at its end, and its results moved to the first
+    branch's layouts (the conditional's)."""
+    ops = ins[1:]  # the branch index first
+    first: list[Val] | None = None
+    for branch in eqn.params["branches"]:
+        jaxpr = branch.jaxpr
+        for inner, outer in zip(jaxpr.outvars, eqn.outvars, strict=True):
+            if outer in walk.hints and not hasattr(inner, "val"):
+                walk.hints.setdefault(inner, walk.hints[outer])
+        outs = walk.run(jaxpr, _branch_env(jaxpr, ops), mult)
+        done = []
+        for k, (var, v) in enumerate(zip(jaxpr.outvars, outs, strict=True)):
+            target = None if first is None else first[k].dims
+            if v.partial or (target is not None and v.dims != target):
+                v = to_layout(walk, var, v, v.dims if target is None else target, mult, "cond")
+            done.append(v)
+        first = first if first is not None else done
+    assert first is not None  # a conditional has a branch
+    return first
+
+
+def while_loop(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
+    """``lax.while_loop``: the body walked once per trip where the jaxpr fixes the trip count
+    (``sharding.while_trips``), else once, and said so in the step's notes; the condition once per trip
+    and once more. The carry keeps its initial layouts: the body's results are moved back to them
+    in each trip (pending sums done), reshards of the body's constants hoisted out of the loop (as
+    XLA does with a scan's)."""
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_j, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+    init = ins[nc + nb :]
+    trips = while_trips(eqn)
+    if trips is None:
+        walk.ctx.loops.append(walk.ctx.source)
+    runs = mult * (1 if trips is None else trips)
+    for var in body.invars[:nb]:
+        walk.invariant[var] = mult
+    outs = walk.run(body, _branch_env(body, list(ins[nc : nc + nb]) + list(init)), runs)
+    for var, v, start in zip(body.outvars, outs, init, strict=True):
+        if v.partial or v.dims != start.dims:
+            to_layout(walk, var, v, start.dims, runs, "while")
+    walk.run(cond_j, _branch_env(cond_j, list(ins[:nc]) + list(init)), runs + mult)
+    return [Val(v.shape, v.itemsize, v.dims) for v in init]

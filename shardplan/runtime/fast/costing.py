@@ -176,6 +176,11 @@ def cost(
         )
     notes += acts.notes()
     notes += ctx.kernels
+    if ctx.loops:
+        notes.append(
+            "while loops whose trip count the step does not fix, costed for one trip: "
+            + ", ".join(sorted(set(ctx.loops)))
+        )
     if ctx.unmodeled:
         notes.append(
             "not modelled (outputs taken as replicated, no communication counted): "
@@ -263,6 +268,7 @@ class Ledger:
     hbm_bytes: float
     temporaries: int
     unmodeled: tuple[str, ...]
+    loops: tuple[str, ...] = ()  # sources of while loops of unknown trip count (costed for one trip)
 
     def bytes_of(self, kind: str) -> int:
         return sum(c.bytes for c in self.communication if c.kind == kind)
@@ -302,4 +308,6 @@ def propagate_function(
         done = resolve(prop, var, v, target if target is not None else v.dims, 1, "out_shardings")
         if target is not None:
             reshard(prop, var, done, target, 1, "out_shardings")
-    return Ledger(merged(ctx.comm), ctx.flops, ctx.hbm, prop.peak, tuple(sorted(ctx.unmodeled)))
+    return Ledger(
+        merged(ctx.comm), ctx.flops, ctx.hbm, prop.peak, tuple(sorted(ctx.unmodeled)), tuple(sorted(set(ctx.loops)))
+    )

@@ -9,12 +9,14 @@ from typing import Any
 
 from shardplan.runtime.fast.calls import (
     _MANUAL_COLLECTIVES,
+    cond,
     fused_attention,
     inline,
     kernel,
     manual_collective,
     scan,
     shard_map,
+    while_loop,
 )
 from shardplan.runtime.fast.elementwise import (
     along,
@@ -50,6 +52,8 @@ _RULES: dict[str, Callable[..., list[Val] | None]] = {
     **dict.fromkeys(ELEMENTWISE, _one(elementwise)),
     **dict.fromkeys(named(traits=("call",)), inline),
     "scan": scan,
+    "cond": cond,
+    "while": while_loop,
     "ragged_dot_general": grouped,
     "pallas_call": kernel,
     **dict.fromkeys(FUSED_ATTENTION, fused_attention),
@@ -97,7 +101,7 @@ _RULES: dict[str, Callable[..., list[Val] | None]] = {
 # (XLA's program for them is not predicted). The coverage test (tests/test_primitives.py) holds
 # every catalogued primitive to a rule here or an entry in this set.
 _FALLBACKS = frozenset(
-    {"while", "cond", "optimization_barrier", "bitcast_convert_type", "scatter-mul", "scatter_mul"}
+    {"optimization_barrier", "bitcast_convert_type", "scatter-mul", "scatter_mul"}
     | {"sharding_cast", "mesh_cast"}  # other jax releases' names of reshard
     | set(_MANUAL_COLLECTIVES) - set(_RULES)
 )

@@ -61,6 +61,7 @@ class _Ctx:
     reducing: bool = False
     lookups: list[str] = field(default_factory=list)  # sources of lookups whose table and indices share an axis
     kernels: list[str] = field(default_factory=list)  # what the Pallas kernels' costs estimate
+    loops: list[str] = field(default_factory=list)  # sources of while loops whose trip count is not fixed
     source: str = ""  # 'file:line' in the user's code of the equation being propagated
 
     memo: dict[Any, int] = field(default_factory=dict)  # split and local sizes asked again and again

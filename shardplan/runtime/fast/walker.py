@@ -240,8 +240,8 @@ class Walker:
         more bytes than it holds (XLA's fusion weighs the same). Reshapes of stored values are
         views; a call's body counts for itself (see ``eqn``)."""
         name = eqn.primitive.name
-        if name in ("scan", "shard_map", "pallas_call") or name in FUSED_ATTENTION:  # results stored (a kernel
-            # counts its own traffic)
+        if name in ("scan", "while", "cond", "shard_map", "pallas_call") or name in FUSED_ATTENTION:
+            # results stored (a loop's or branch's body, a kernel, counts its own traffic)
             frame.stored.update(v for v in eqn.outvars if v not in virtual)
             return
         if self.body(eqn) is not None:

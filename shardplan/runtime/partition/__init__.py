@@ -31,13 +31,14 @@ Every collective issued is recorded (kind, axes, per-device bytes in the convent
 The package: ``partitioner`` (the interpreter: ``Partitioner``, its layouts, collectives and
 structure: calls, remat, scans, shard_map regions; the rule book ``RULES``), the local rules by
 concern, each registering itself in ``RULES`` (``ops_layout``: elementwise, shape and layout ops;
-``ops_contract``: reductions and matmuls; ``ops_lookup``: gathers and scatters), ``values`` (``V``,
+``ops_contract``: reductions and matmuls; ``ops_lookup``: gathers and scatters; ``ops_control``:
+cond and while loops), ``values`` (``V``,
 ``Rows``, the record and the partitioner's sets) and ``program`` (the per-device step:
 ``local_step``, ``predict``). ``shardplan lower`` copies these files into its module, in that order
 (``tools/emit.py``).
 """
 
-from shardplan.runtime.partition import ops_contract, ops_layout, ops_lookup  # noqa: F401  (they register their rules)
+from shardplan.runtime.partition import ops_contract, ops_control, ops_layout, ops_lookup  # noqa: F401  (their rules)
 from shardplan.runtime.partition.partitioner import RULES, Partitioner, rule_book
 from shardplan.runtime.partition.program import local_step, predict
 from shardplan.runtime.partition.values import Fallback, Record, Rows, V

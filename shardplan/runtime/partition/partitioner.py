@@ -453,6 +453,29 @@ class Partitioner:
             outs.append(V(r.x, tuple(var.aval.shape), r.dtype, dims, r.partial - manual, r.act))
         return outs
 
+    def carry_layouts(
+        self, closed: Any, consts: list[V], carry: list[V], rest: list[V]
+    ) -> tuple[list[Dims], list[bool]]:
+        """A loop's carry layouts (and whether each is an activation): a fixed point of the body run
+        dry (a carry changing layout is made less split; a carry made in the step, a jnp.zeros
+        buffer, starts in the layout the body gives it). ``closed``'s operands are ``consts``, the
+        carry, then ``rest`` (a scan's slices); its first results are the new carry."""
+        n = len(carry)
+        dims = [c.dims for c in carry]
+        free = [c.make is not None for c in carry]
+        acts = [c.act for c in carry]
+        dry = Partitioner(self.mesh, Record(), dry=True, batch_axes=self.batch_axes)
+        for _ in range(8):
+            vals = [V(None, c.shape, c.dtype, d, frozenset(), c.act) for c, d in zip(carry, dims, strict=True)]
+            outs = dry.run(closed.jaxpr, list(closed.consts), [*consts, *vals, *rest])
+            new = [o.dims if f else _common(d, o.dims) for d, o, f in zip(dims, outs[:n], free, strict=True)]
+            free = [False] * n
+            acts = [c.act or o.act for c, o in zip(carry, outs[:n], strict=True)]
+            if new == dims:
+                return dims, acts
+            dims = new
+        return [((),) * len(c.shape) for c in carry], acts
+
     def scan(self, eqn: Any, ins: list[V]) -> list[V]:
         p = eqn.params
         (nc, ncarry), closed, length = scan_counts(eqn), p["jaxpr"], p["length"]
@@ -465,22 +488,7 @@ class Partitioner:
         def sliced(v: V, x: Any = None) -> V:
             return V(x, v.shape[1:], v.dtype, v.dims[1:], v.partial, v.act)
 
-        # Carry layouts: a fixed point of the body (a carry changing layout is made less split).
-        # A carry made in the step (a jnp.zeros buffer) starts in the layout the body gives it.
-        dims = [c.dims for c in carry]
-        free = [c.make is not None for c in carry]
-        dry = Partitioner(self.mesh, Record(), dry=True, batch_axes=self.batch_axes)
-        for _ in range(8):
-            vals = [V(None, c.shape, c.dtype, d, frozenset(), c.act) for c, d in zip(carry, dims, strict=True)]
-            outs = dry.run(closed.jaxpr, list(closed.consts), [*consts, *vals, *[sliced(x) for x in xs]])
-            new = [o.dims if f else _common(d, o.dims) for d, o, f in zip(dims, outs[:ncarry], free, strict=True)]
-            free = [False] * ncarry
-            acts = [c.act or o.act for c, o in zip(carry, outs[:ncarry], strict=True)]
-            if new == dims:
-                break
-            dims = new
-        else:
-            dims = [((),) * len(c.shape) for c in carry]
+        dims, acts = self.carry_layouts(closed, consts, carry, [sliced(x) for x in xs])
         carry = [self.to(c, d) for c, d in zip(carry, dims, strict=True)]
         carry = [V(c.x, c.shape, c.dtype, c.dims, c.partial, a) for c, a in zip(carry, acts, strict=True)]
         ys_layout: list[V] = []

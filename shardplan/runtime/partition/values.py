@@ -47,8 +47,6 @@ _INLINE = named(traits=("call",)) - _REMAT
 # split, loops and branches it does not partition, and the rest below. The coverage test
 # (tests/test_primitives.py) holds every catalogued primitive to a rule or an entry here.
 _FALLBACKS = named(kinds=("collective", "kernel")) - {"ppermute"} | {
-    "while",
-    "cond",
     "expand_dims",
     "scatter-mul",
     "scatter_mul",
