@@ -256,6 +256,31 @@ def test_op_with_no_local_rule_falls_back_and_is_reported():
     np.testing.assert_allclose(losses, one, rtol=LOSS_RTOL)
 
 
+def test_a_step_with_a_cond_and_a_while_loop_runs_them_locally_and_trains_as_one_device():
+    """A loss with a data-dependent ``lax.cond`` and a ``lax.while_loop`` of run-time trips
+    (tests/fixtures/fast_models.py): the shard_map backend runs both on local blocks (no fallback)
+    and trains equal to plain NNX on one device, with both branches taken; fast mode models both
+    (nothing "not modelled" in its notes, the loop named as costed for one trip)."""
+    from tests.fixtures.fast_models import cond_while_loss
+
+    plan_text = ('mesh data = 4, model = 2\nbatch (data, _)\nparam "layers/0/kernel" (_, model)\n'
+                 'param "layers/1/kernel" (model, _)\ndefault replicated\n')
+    plan = shardplan.loads(plan_text)
+    model, optimizer, placement = shardplan.init_sharded(plan, models.mlp_small, tx())
+    rng = np.random.default_rng(0)
+    data = [{"x": (rng.normal(size=(16, 64)) + shift).astype(np.float32)} for shift in (3.0, -3.0, 3.0)]
+    step = shardplan.train_step(placement, cond_while_loss, model, optimizer, backend="shard_map")
+    losses = [float(step(model, optimizer, b)) for b in data]
+    assert step.fn.record(step.place(data[0])).fallbacks == []
+    one, _ = reference.train(models.mlp_small, tx(), cond_while_loss, data)  # plain NNX on one device
+    np.testing.assert_allclose(losses, one, rtol=LOSS_RTOL)
+    fast = shardplan.api.analyze(plan, mode="fast", model=f"{ROOT / 'examples' / 'models.py'}:mlp_small",
+                                 step=f"{ROOT / 'tests' / 'fixtures' / 'fast_models.py'}:cond_while_loss",
+                                 batch=["x=float32[16,64]"])
+    assert not any("not modelled" in n for n in fast.notes), fast.notes
+    assert any("while loops whose trip count" in n and "fast_models.py" in n for n in fast.notes), fast.notes
+
+
 def test_lowering_picks_collectives_by_axis_role():
     plan = shardplan.load(PLANS / "gpt_2d.splan")
     with nnx.use_eager_sharding(False):

@@ -87,6 +87,8 @@ CATALOGUE: Mapping[str, Prim] = MappingProxyType(
         **_rows("view", "reshape squeeze expand_dims transpose", "linear", "bitcast"),
         **_rows("broadcast", "broadcast_in_dim", "linear"),
         **_rows("creation", "iota"),
+        # an uninitialised buffer (a cond's placeholder for the residuals of the branch not taken)
+        **_rows("creation", "empty2"),
         **_rows("reduction", "reduce_sum", "linear"),
         **_rows("reduction", "reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor argmax argmin"),
         **_rows("contraction", "dot_general"),

@@ -62,7 +62,7 @@ _RULES: dict[str, Callable[..., list[Val] | None]] = {
     "name": lambda walk, eqn, ins, mult: [ins[0]],  # checkpoint_name: the value itself
     "pvary": lambda walk, eqn, ins, mult: list(ins),  # marks values as varying over axes: nothing moves
     **dict.fromkeys(
-        {"axis_index", "iota"} | _FREE | named(kinds=("random",)),
+        {"axis_index"} | named(kinds=("creation",)) | _FREE | named(kinds=("random",)),
         lambda walk, eqn, ins, mult: [_replicated(o.aval) for o in eqn.outvars],
     ),
     "dot_general": _one(dot),

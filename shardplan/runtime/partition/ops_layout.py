@@ -415,6 +415,13 @@ def op_sharding_constraint(part: Partitioner, eqn: Any, ins: list[V]) -> list[V]
     return [part.to(v, tgt)]
 
 
+def op_empty2(part: Partitioner, eqn: Any, ins: list[V]) -> list[V]:
+    """An uninitialised buffer (a cond's placeholder for the residuals of the branch not taken):
+    made whole on each device, nothing moved."""
+    xs = part.bind(eqn, [])
+    return part.out(eqn, [((),) * len(getattr(o.aval, "shape", ())) for o in eqn.outvars], xs=xs)
+
+
 def op_ppermute(part: Partitioner, eqn: Any, ins: list[V]) -> list[V]:
     """A permute the model wrote (inside a shard_map region): run on the local block as written."""
     (v,) = ins
@@ -428,6 +435,7 @@ def op_ppermute(part: Partitioner, eqn: Any, ins: list[V]) -> list[V]:
 RULES.ops.update(
     {
         "ppermute": op_ppermute,
+        "empty2": op_empty2,
         "broadcast_in_dim": op_broadcast_in_dim,
         "transpose": op_transpose,
         "squeeze": op_squeeze,
