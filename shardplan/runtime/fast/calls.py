@@ -4,10 +4,11 @@ per trip), shard_map regions, Pallas kernels, fused attention and collectives wr
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-from shardplan.runtime.fast.relayout import resolve, to_layout
-from shardplan.runtime.fast.values import Val, _Boundary, _norm, _replicated, _spec_dims
+from shardplan.runtime.fast.relayout import reshard, resolve, to_layout
+from shardplan.runtime.fast.values import Dims, Val, _Boundary, _norm, _replicated, _spec_dims
 from shardplan.runtime.fast.walker import Walker
 from shardplan.runtime.kernels import fused_attention_cost, pallas_cost
 from shardplan.runtime.primitives import itemsize
@@ -255,23 +256,60 @@ def cond(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
 
 def while_loop(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
     """``lax.while_loop``: the body walked once per trip where the jaxpr fixes the trip count
-    (``sharding.while_trips``), else once, and said so in the step's notes; the condition once per trip
-    and once more. The carry keeps its initial layouts: the body's results are moved back to them
-    in each trip (pending sums done), reshards of the body's constants hoisted out of the loop (as
-    XLA does with a scan's)."""
+    (``sharding.while_trips``), else once, and said so in the step's notes; the condition once per
+    trip and once more. The carry takes the layout the body first reads it in where that only
+    splits it further (:func:`_read_layouts`: XLA's propagation gives the loop's state the layout of
+    its readers, so a row-parallel matmul's sum is reduce-scattered onto the split its next trip
+    reads, and the state leaves the loop split), else its initial one: the initial value sliced to
+    it once, the body's results moved back to it in each trip (pending sums done), reshards of the
+    body's constants hoisted out of the loop (as XLA does with a scan's)."""
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cond_j, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
-    init = ins[nc + nb :]
     trips = while_trips(eqn)
     if trips is None:
         walk.ctx.loops.append(walk.ctx.source)
     runs = mult * (1 if trips is None else trips)
     for var in body.invars[:nb]:
         walk.invariant[var] = mult
-    outs = walk.run(body, _branch_env(body, list(ins[nc : nc + nb]) + list(init)), runs)
+    env = _branch_env(body, list(ins[nc:]))
+    reads = _read_layouts(walk, body, env, runs, body.invars[nb:])
+    init = [
+        v if read is None else reshard(walk, x, v, read, mult, "while")
+        for x, v, read in zip(eqn.invars[nc + nb :], ins[nc + nb :], reads, strict=True)
+    ]
+    for out_var, read in zip(body.outvars, reads, strict=True):
+        if read is not None and not hasattr(out_var, "val"):  # the next trip reads it so: made so
+            walk.hints.setdefault(out_var, read)
+    outs = walk.run(body, _branch_env(body, list(ins[nc : nc + nb]) + init), runs)
     for var, v, start in zip(body.outvars, outs, init, strict=True):
         if v.partial or v.dims != start.dims:
             to_layout(walk, var, v, start.dims, runs, "while")
-    walk.run(cond_j, _branch_env(cond_j, list(ins[:nc]) + list(init)), runs + mult)
+    walk.run(cond_j, _branch_env(cond_j, list(ins[:nc]) + init), runs + mult)
     return [Val(v.shape, v.itemsize, v.dims) for v in init]
+
+
+def _read_layouts(walk: Walker, body: Any, env: dict[Any, Val], runs: int, carried: list[Any]) -> list[Dims | None]:
+    """Per carried value of a loop body, the layout the body's equations read it in where that is
+    one layout that only adds splits to the one it has (a matmul slicing the state over the axis its
+    weight's rows are split on), else None: from a walk of the body on a scratch copy of the walker
+    (its collectives, traffic and layouts thrown away)."""
+    scratch = copy.copy(walk)
+    for name, value in vars(walk).items():
+        if isinstance(value, dict | set | list):
+            setattr(scratch, name, type(value)(value))
+    ctx = copy.copy(walk.ctx)
+    for name, value in vars(walk.ctx).items():
+        if isinstance(value, dict | set | list):
+            setattr(ctx, name, type(value)(value))
+    scratch.ctx = ctx
+    scratch.layouts_only = True
+    scratch.run(body, dict(env), runs)
+    out: list[Dims | None] = []
+    for var in carried:
+        start = env[var].dims
+        ident = id(scratch.root(var))
+        wanted = {k[2] for k in ctx.cache if k[0] == "reshard" and k[1][0] == ident and k[2] != start}
+        finer = [t for t in wanted if all(set(s) <= set(d) for s, d in zip(start, t, strict=True))]
+        out.append(finer[0] if len(wanted) == 1 and finer else None)
+    return out
