@@ -41,7 +41,7 @@ from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, named
 
 
 def _one(method: Callable[..., Any]) -> Callable[..., list[Val]]:
-    """A rule of one result from a walker method of one result."""
+    """A rule of one result from a rule function of one result (wrapped in a list)."""
     return lambda walk, eqn, ins, mult: [method(walk, eqn, ins, mult)]
 
 
