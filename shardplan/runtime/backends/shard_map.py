@@ -102,7 +102,7 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
 
     t0 = time.perf_counter()
     res = tracer.resolve(plan, mesh)
-    base = fast.cost(tracer.step(plan, mesh, res), plan, mesh, delta=False, res=res, compiler=compiler)
+    base = fast.cost(tracer.step(plan, mesh, res), plan, mesh, delta=False, res=res, compiler=compiler, how=False)
     params, inputs = res.params, res.inputs
     record = partition.predict(
         tracer.gradients(plan, mesh, res),
@@ -122,7 +122,7 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
         base,
         backend="shard_map",
         communication=fast.merge_communication(record.issued, params, params),
-        notes=tuple(notes) + tuple(n for n in base.notes if not n.startswith("fast mode:")),
+        notes=tuple(notes) + base.notes,
         seconds=time.perf_counter() - t0,
         constraint_delta=(),
         fallbacks=tuple((f.op, f.source, f.bytes) for f in record.fallbacks),

@@ -45,11 +45,14 @@ def cost(
     delta: bool = True,
     res: Resolution | None = None,
     compiler: str = "cpu",
+    how: bool = True,
 ) -> StepCost:
     """``plan``'s step cost on ``mesh`` over a step traced once (:func:`trace`), without tracing
     again: the plan's shardings resolved (``res``: already, by ``Tracer.resolve``) and propagated
     through the traced jaxpr. ``delta``: also what the step's constraints change (a second
-    propagation without them). ``compiler``: whose program (:data:`COMPILERS`).
+    propagation without them). ``compiler``: whose program (:data:`COMPILERS`). ``how``: the
+    notes begin with how the auto backend's step is costed (the shard_map backend, which says
+    its own, passes False).
 
     Raises:
         ValueError: ``traced`` was traced under other activation rules, mesh or axis types.
@@ -146,11 +149,13 @@ def cost(
             acc = backward.setdefault((c.kind, c.axes), [0, 0])
             acc[0] += c.bytes
             acc[1] += c.count
-    notes = [
-        "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns"
-        + (f", with {book.name}'s own choices (its casts, sums and gathers)" if compiler != "cpu" else "")
-        + "; XLA may choose other collectives (compare with --compile)"
-    ]
+    notes = []
+    if how:
+        notes.append(
+            "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns"
+            + (f", with {book.name}'s own choices (its casts, sums and gathers)" if compiler != "cpu" else "")
+            + "; XLA may choose other collectives (compare with --compile)"
+        )
     two_d = [
         d.path
         for d in params.decisions
