@@ -24,6 +24,7 @@ from shardplan.core import cost, lock, optimizers, reshard, shapecache
 from shardplan.core import explain as explain_mod
 from shardplan.core.leaves import Decision, Leaf, Node, Resolution, share
 from shardplan.core.lowering import Lowering
+from shardplan.core.notes import Note
 from shardplan.core.pipeline import with_pipeline
 from shardplan.core.plan import Plan
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD, resolve_inputs, resolve_leaves
@@ -59,7 +60,7 @@ class CheckResult:
     plan: Plan
     resolution: Resolution | None  # None: checked without a model
     leaves: ModelLeaves | None
-    notes: tuple[str, ...] = ()  # e.g. how a '*' axis was sized
+    notes: tuple[Note, ...] = ()  # e.g. how a '*' axis was sized
 
     @property
     def warnings(self) -> tuple[Diagnostic, ...]:
@@ -169,14 +170,17 @@ def check(
         if devices is not None:
             p.mesh_shape(devices)
         return CheckResult(p, None, None)
-    notes: list[str] = []
+    notes: list[Note] = []
     if devices is None and any(a.size is None for a in p.mesh):
         from shardplan.runtime.tree import device_count
 
         devices = device_count()
         notes.append(
-            f"mesh '*' of {p.files[0]} resolved with {devices} local device(s); pass --devices N "
-            "or --mesh to check another size"
+            Note(
+                "mesh-star-resolved",
+                f"mesh '*' of {p.files[0]} resolved with {devices} local device(s); pass --devices N "
+                "or --mesh to check another size",
+            )
         )
     if leaves is None:
         leaves = model_leaves(model=model, shapes=shapes, optimizer=optimizer, cache=cache)

@@ -20,6 +20,7 @@ from typing import Any
 from shardplan import api
 from shardplan.core import chips, optimizers, search, targets, timing
 from shardplan.core.format import fmt_bytes
+from shardplan.core.notes import Note
 from shardplan.core.stepcost import StepCost
 from shardplan.errors import ShardPlanError, as_error, error
 from shardplan.lang.fmt import format_text
@@ -66,7 +67,7 @@ class Suggestion:
     traces: int
     search_s: float  # fast-mode search
     confirm_s: float  # exact-mode confirmation
-    notes: tuple[str, ...]
+    notes: tuple[Note, ...]
     cost: StepCost  # the winner's (exact mode when confirmed)
 
     def to_json(self) -> dict:
@@ -84,7 +85,7 @@ class Suggestion:
             "traces": self.traces,
             "search_seconds": self.search_s,
             "confirm_seconds": self.confirm_s,
-            "notes": list(self.notes),
+            "notes": [n.to_json() for n in self.notes],
             "cost": self.cost.to_json(),
         }
 
@@ -309,7 +310,7 @@ def suggest(
     if not ranked[0].fits:
         raise _fits_nowhere(min(ranked, key=lambda r: r.peak), budget)
     fitting = _ties_broken([r for r in ranked if r.fits], lambda r: (r.seconds, r.cost.flops, r.peak, r.text))
-    notes: list[str] = []
+    notes: list[Note] = []
     t1 = time.perf_counter()
     confirmed: dict[str, tuple[float, int, StepCost]] = {}
     failed: list[str] = []
@@ -331,14 +332,22 @@ def suggest(
                 )
             except ShardPlanError as e:
                 failed.append(r.text)
-                notes.append(f"exact mode failed for {r.choice.describe(space)}: {str(e).splitlines()[0]}")
+                notes.append(
+                    Note(
+                        "suggest-exact-failed",
+                        f"exact mode failed for {r.choice.describe(space)}: {str(e).splitlines()[0]}",
+                    )
+                )
                 continue
             confirmed[r.text] = (timing.step_time(exact, plan, hw).serial_s, exact.memory.peak, exact)
         over = [r for r in tried if r.text in confirmed and confirmed[r.text][1] > budget]
         for r in over:
             notes.append(
-                f"{r.choice.describe(space)}: fast mode's peak {fmt_bytes(r.peak)} fits, the compiled program's "
-                f"{fmt_bytes(confirmed[r.text][1])} does not: left out"
+                Note(
+                    "suggest-over-budget",
+                    f"{r.choice.describe(space)}: fast mode's peak {fmt_bytes(r.peak)} fits, the compiled "
+                    f"program's {fmt_bytes(confirmed[r.text][1])} does not: left out",
+                )
             )
         if over:
             fitting = [r for r in fitting if r not in over]
@@ -353,14 +362,22 @@ def suggest(
             order = done + [r for r in tried if r.text not in confirmed]
             if order[0] is not fitting[0]:
                 notes.append(
-                    f"exact mode re-ranked the best {len(order)}: fast mode's first "
-                    f"({fitting[0].choice.describe(space)}) "
-                    f"compiles to {_ms(confirmed.get(fitting[0].text, (math.inf,))[0])}, "
-                    f"{order[0].choice.describe(space)} to {_ms(confirmed[order[0].text][0])}"
+                    Note(
+                        "suggest-reranked",
+                        f"exact mode re-ranked the best {len(order)}: fast mode's first "
+                        f"({fitting[0].choice.describe(space)}) "
+                        f"compiles to {_ms(confirmed.get(fitting[0].text, (math.inf,))[0])}, "
+                        f"{order[0].choice.describe(space)} to {_ms(confirmed[order[0].text][0])}",
+                    )
                 )
             fitting = order + [r for r in fitting if r not in tried]
     elif confirm:
-        notes.append(f"not confirmed in exact mode: {devices} devices are more than this machine simulates")
+        notes.append(
+            Note(
+                "suggest-unconfirmed",
+                f"not confirmed in exact mode: {devices} devices are more than this machine simulates",
+            )
+        )
     confirm_s = time.perf_counter() - t1
 
     winner = fitting[0]

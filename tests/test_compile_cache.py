@@ -11,7 +11,7 @@ KW = dict(model=f"{ROOT / 'examples' / 'models.py'}:gpt_tiny", step=f"{ROOT / 'e
 
 
 def _cached(cost) -> bool:
-    return any("compile cache" in n for n in cost.notes)
+    return any(n.code == "exact-cached" and "compile cache" in n.text for n in cost.notes)
 
 
 def _figures(cost) -> tuple:

@@ -79,7 +79,7 @@ def test_fast_mode_costs_the_dropless_path_as_xla_cpu_compiles_it():
               step=f"{PLANS.parent / 'examples' / 'train.py'}:moe_lm_loss",
               batch=["tokens=int32[16,16],labels=int32[16,16]"], devices=8)
     fast, exact = (shardplan.api.analyze(PLANS / "moe_ep.splan", mode=m, **kw) for m in ("fast", "exact"))
-    assert not any("not modelled" in n for n in fast.notes), fast.notes
+    assert not any(n.code == "fast-not-modelled" for n in fast.notes), fast.notes
     f, e = fast.bytes_by_kind(), exact.bytes_by_kind()
     assert f["all-reduce"] == pytest.approx(e["all-reduce"], rel=0.05)
     assert 0.5 * exact.flops <= fast.flops <= 2.0 * exact.flops  # 1.47x: the weight gradients' gathers

@@ -13,6 +13,7 @@ from typing import Literal
 
 from shardplan.core import hlo
 from shardplan.core.hlo import KINDS
+from shardplan.core.notes import Note
 from shardplan.ledger import Communication as Communication  # the collective ledger's row
 
 Mode = Literal["fast", "exact"]
@@ -79,7 +80,7 @@ class StepCost:
     communication: tuple[Communication, ...]
     transcendentals: float = 0.0
     seconds: float = 0.0  # how long the analysis took
-    notes: tuple[str, ...] = field(default=())
+    notes: tuple[Note, ...] = field(default=())
     constrained: tuple[Constrained, ...] = field(default=())  # fast mode: activations with a set layout
     logical_names: tuple[str, ...] = field(default=())  # names the model's activation constraints use
     # Fast mode, when activations are constrained: per (collective, mesh axes), the bytes per
@@ -138,7 +139,7 @@ class StepCost:
                 "collectives": [c.__dict__ for c in self.communication],
             },
             "analysis_seconds": self.seconds,
-            "notes": list(self.notes),
+            "notes": [n.to_json() for n in self.notes],
             "constrained_activations": [dict(c.__dict__, shape=list(c.shape)) for c in self.constrained],
             "logical_names": list(self.logical_names),
             "constraint_delta": [list(x) for x in self.constraint_delta],
@@ -164,7 +165,7 @@ class StepCost:
             comm,
             doc.get("transcendentals_per_device", 0.0),
             doc.get("analysis_seconds", 0.0),
-            tuple(doc.get("notes", ())),
+            tuple(Note.from_json(n) for n in doc.get("notes", ())),
             tuple(Constrained(**dict(c, shape=tuple(c["shape"]))) for c in doc.get("constrained_activations", ())),
             tuple(doc.get("logical_names", ())),
             tuple((k, a, int(n)) for k, a, n in doc.get("constraint_delta", ())),

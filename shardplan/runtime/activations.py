@@ -35,6 +35,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 from shardplan.core.format import fmt_shape
 from shardplan.core.hlo import LIBRARY_PATHS
+from shardplan.core.notes import Note
 from shardplan.core.plan import Plan, Rule
 from shardplan.errors import PlanApplyError, error
 from shardplan.runtime.specs import constrain, pspec
@@ -236,22 +237,28 @@ class Activations:
         self.used: set[str] = set()  # every logical name model code constrained with
         self.matched: dict[str, str] = {}  # module path -> origin of the act rule that matched it
 
-    def notes(self) -> list[str]:
+    def notes(self) -> list[Note]:
         """What the traces so far say about the plan's activation rules, for reports."""
         out = []
         if self.unknown:
             names = ", ".join(f"'{n}'" + (f" (at {w})" if w else "") for n, w in sorted(self.unknown.items()))
             out.append(
-                f"the model constrains activations with logical name(s) {names} that no axis rule maps: Flax keeps "
-                "those dims whole (replicated); add axis rules for them (axis NAME -> _ leaves a dim unsplit on "
-                "purpose)"
+                Note(
+                    "act-names-unmapped",
+                    f"the model constrains activations with logical name(s) {names} that no axis rule maps: Flax "
+                    "keeps those dims whole (replicated); add axis rules for them (axis NAME -> _ leaves a dim "
+                    "unsplit on purpose)",
+                )
             )
         idle = sorted(p for p in self.matched if p not in self.applied)
         if idle:
             out.append(
-                f"act rules matched module(s) {', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''} whose calls were "
-                "not constrained: they run inside an nnx transform (scan, vmap, remat), which calls copies of the "
-                "module; constrain inside such layers with logical names in the model instead"
+                Note(
+                    "act-rules-idle",
+                    f"act rules matched module(s) {', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''} whose calls "
+                    "were not constrained: they run inside an nnx transform (scan, vmap, remat), which calls copies "
+                    "of the module; constrain inside such layers with logical names in the model instead",
+                )
             )
         return out
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from shardplan.core import hlo, targets
 from shardplan.core.leaves import Resolution
+from shardplan.core.notes import Note
 from shardplan.core.stepcost import Communication, Memory, StepCost
 from shardplan.errors import as_error, error
 from shardplan.ledger import merged
@@ -174,36 +175,56 @@ def compile_step(
         loops *= float(costs["flops"]) / once if once > 0 else 1.0
     notes = (
         [
-            "all-reduces whose every use is a per-device slice are counted as the reduce-scatters an "
-            "accelerator runs (XLA:CPU emits no reduce-scatter for GSPMD)"
+            Note(
+                "exact-cpu-reduce-scatter",
+                "all-reduces whose every use is a per-device slice are counted as the reduce-scatters an "
+                "accelerator runs (XLA:CPU emits no reduce-scatter for GSPMD)",
+            )
         ]
         if target.platform == "cpu"
-        else [f"compiled offline by {target.compiler} for {target.name} ({mesh.devices.size} devices, none present)"]
+        else [
+            Note(
+                "exact-offline",
+                f"compiled offline by {target.compiler} for {target.name} ({mesh.devices.size} devices, none present)",
+            )
+        ]
     )
     if program.cached:
         notes.append(
-            f"the compiled program read from shardplan's compile cache ({compile_cache.cache_dir()}): the same "
-            f"program, target and compiler versions were compiled before (--no-cache compiles again)"
+            Note(
+                "exact-cached",
+                f"the compiled program read from shardplan's compile cache ({compile_cache.cache_dir()}): the same "
+                "program, target and compiler versions were compiled before (--no-cache compiles again)",
+            )
         )
     if "flops" not in costs:  # XLA:GPU gives no cost analysis: the FLOPs are counted from its HLO
         notes.append(
-            f"{target.compiler} gives no cost analysis: FLOPs counted from its program's HLO (matmuls 2*M*N*K, "
-            "elementwise ops one per element, reductions their reducer's per element reduced, transcendentals "
-            "apart, as XLA's cost analysis counts them; loop bodies times their trips)"
+            Note(
+                "exact-flops-from-hlo",
+                f"{target.compiler} gives no cost analysis: FLOPs counted from its program's HLO (matmuls 2*M*N*K, "
+                "elementwise ops one per element, reductions their reducer's per element reduced, transcendentals "
+                "apart, as XLA's cost analysis counts them; loop bodies times their trips)",
+            )
         )
     optimal = costs.get("optimal_seconds")
     # XLA:TPU's own estimate: negative on every v5e compile measured, plausible on v5p (FACTS.md).
     compiler_seconds = float(optimal) if optimal is not None and optimal > 0 and target.chip == "tpu-v5p" else None
     if loops and compiler_seconds is not None:  # its estimate, like its FLOPs, counts a loop body once
         notes.append(
-            f"{target.compiler}'s own estimate ({compiler_seconds * 1e3:,.1f} ms) counts each loop body once, as its "
-            "cost analysis does: not shown as the step's time"
+            Note(
+                "exact-estimate-loops",
+                f"{target.compiler}'s own estimate ({compiler_seconds * 1e3:,.1f} ms) counts each loop body once, as "
+                "its cost analysis does: not shown as the step's time",
+            )
         )
         compiler_seconds = None
     if loops:
         notes.append(
-            f"FLOPs include {loops / 1e9:,.3f} GFLOP of loop iterations XLA's cost analysis leaves out "
-            "(it counts a while body once), counted from the loop bodies' HLO"
+            Note(
+                "exact-loop-flops",
+                f"FLOPs include {loops / 1e9:,.3f} GFLOP of loop iterations XLA's cost analysis leaves out "
+                "(it counts a while body once), counted from the loop bodies' HLO",
+            )
         )
     notes += acts.notes()
     return StepCost(

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from shardplan.core.notes import Note
 from shardplan.runtime.primitives import ELEMENTWISE, REDUCTIONS, TRANSCENDENTAL, itemsize
 
 # Index maps are evaluated at every grid step; past this many steps the fetches are bounded
@@ -47,20 +48,26 @@ class KernelCost:
     transcendentals: float
     read: int
     written: int
-    notes: tuple[str, ...] = ()
+    notes: tuple[Note, ...] = ()
 
 
 def pallas_cost(eqn: Any) -> KernelCost:
     """The cost of the ``pallas_call`` equation ``eqn`` (see the module docstring)."""
     gm = eqn.params["grid_mapping"]
     name = str(eqn.params.get("name") or _body_name(eqn) or "pallas_call")
-    notes: list[str] = []
+    notes: list[Note] = []
     # A grid dim given as a traced value (a numpy integer too) is an operand of the call, leading
     # its operands: its size is known where that operand is a literal.
     bounds = iter(eqn.invars[: int(getattr(gm, "num_dynamic_grid_bounds", 0) or 0)])
     sizes = [size if (size := _static(g)) is not None else _literal(next(bounds, None)) for g in gm.grid]
     if any(g is None for g in sizes):  # a grid dim set at run time: counted as one step
-        notes.append(f"kernel {name}: a grid dimension set at run time is counted as 1 (a lower bound)")
+        notes.append(
+            Note(
+                "kernel-dynamic-grid",
+                f"kernel {name}: a grid dimension set at run time is counted as 1 (a lower bound)",
+                name,
+            )
+        )
     grid = tuple(1 if g is None else g for g in sizes)
     steps = math.prod(grid) if grid else 1
     pipelined = _pipelined(eqn.params.get("compiler_params"))
@@ -69,14 +76,25 @@ def pallas_cost(eqn: Any) -> KernelCost:
     for k, bm in enumerate(gm.block_mappings):
         nbytes, manual = _block_bytes(bm)
         if manual:
-            notes.append(f"kernel {name}: an operand it copies itself (memory_space=ANY) is counted as read once")
+            notes.append(
+                Note(
+                    "kernel-manual-copy",
+                    f"kernel {name}: an operand it copies itself (memory_space=ANY) is counted as read once",
+                    name,
+                )
+            )
             moved = nbytes
         else:
             fetches = _fetches(bm, grid) if pipelined else None
             if pipelined and fetches is None:
                 notes.append(
-                    f"kernel {name}: a block index map that cannot be evaluated ahead (one reading prefetched "
-                    "scalars, or a grid too large to walk) is counted as a copy at every grid step (an upper bound)"
+                    Note(
+                        "kernel-index-map",
+                        f"kernel {name}: a block index map that cannot be evaluated ahead (one reading prefetched "
+                        "scalars, or a grid too large to walk) is counted as a copy at every grid step (an upper "
+                        "bound)",
+                        name,
+                    )
                 )
             moved = nbytes * (fetches if fetches is not None else steps)
         if k < n_in:
@@ -94,8 +112,12 @@ def pallas_cost(eqn: Any) -> KernelCost:
         flops, trans = flops * steps, trans * steps
         if dynamic:
             notes.append(
-                f"kernel {name}: a loop whose trip count is set at run time is counted once per grid step "
-                "(its FLOPs are a lower bound; give the pallas_call a cost_estimate)"
+                Note(
+                    "kernel-dynamic-loop",
+                    f"kernel {name}: a loop whose trip count is set at run time is counted once per grid step "
+                    "(its FLOPs are a lower bound; give the pallas_call a cost_estimate)",
+                    name,
+                )
             )
     return KernelCost(name, flops, trans, read, written, tuple(dict.fromkeys(notes)))
 

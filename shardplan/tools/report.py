@@ -192,7 +192,7 @@ def print_step_cost(
             f"of {fmt_seconds(time.comm_s)} ({how})"
         )
     for n in cost.notes:
-        console.print(f"[dim]note: {escape(n)}[/]")
+        console.print(f"[dim]note: {escape(n.text)}[/]")
 
 
 def print_comparison(

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.core.leaves import records
 from shardplan.core.lowering import Collective, Lowering, lower
+from shardplan.core.notes import Note
 from shardplan.core.stepcost import StepCost
 from shardplan.errors import Diagnostic, PlanApplyError, ShardMapFallbackWarning, error
 from shardplan.runtime import partition, specs
@@ -112,12 +113,24 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
         paths=[d.path for d in params.decisions],
     )
     notes = [
-        "fast mode, shard_map backend: the collectives are the partitioned per-device code's own (a dry run "
-        "of shardplan's partitioner; the compiled step issues exactly these, tests/test_shard_map.py); FLOPs, "
-        "memory and memory traffic are the auto backend's propagation; the optimizer update runs on global arrays "
-        "outside shard_map, and collectives XLA adds there (a global-norm clip's all-reduce) are not listed"
+        Note(
+            "shard-map-how",
+            "fast mode, shard_map backend: the collectives are the partitioned per-device code's own (a dry run "
+            "of shardplan's partitioner; the compiled step issues exactly these, tests/test_shard_map.py); FLOPs, "
+            "memory and memory traffic are the auto backend's propagation; the optimizer update runs on global "
+            "arrays outside shard_map, and collectives XLA adds there (a global-norm clip's all-reduce) are not "
+            "listed",
+        )
     ]
-    notes += [f"fell back to whole operands: {f.op} at {f.source or '?'} ({f.why})" for f in record.fallbacks]
+    notes += [
+        Note(
+            "shard-map-fallback",
+            f"fell back to whole operands: {f.op} at {f.source or '?'} ({f.why})",
+            f.op,
+            f.source,
+        )
+        for f in record.fallbacks
+    ]
     return replace(
         base,
         backend="shard_map",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from shardplan.core.notes import Note
 from shardplan.runtime.fast.relayout import reshard, resolve, to_layout
 from shardplan.runtime.fast.values import Dims, Val, _Boundary, _norm, _replicated, _spec_dims
 from shardplan.runtime.fast.walker import Walker
@@ -88,8 +89,14 @@ def kernel(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
     why = f"kernel {cost.name}"
     if any(v.axes or v.partial for v in ins):
         walk.ctx.kernels.append(
-            f"kernel {cost.name} ({walk.ctx.source or 'step'}) runs outside shard_map on split operands: XLA "
-            "gathers them whole on every device (wrap the kernel in jax.shard_map to run it on each device's block)"
+            Note(
+                "kernel-outside-shard-map",
+                f"kernel {cost.name} ({walk.ctx.source or 'step'}) runs outside shard_map on split operands: XLA "
+                "gathers them whole on every device (wrap the kernel in jax.shard_map to run it on each device's "
+                "block)",
+                cost.name,
+                walk.ctx.source,
+            )
         )
     for x, v in zip(eqn.invars, ins, strict=True):
         if v.axes or v.partial:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardplan.core.leaves import records
+from shardplan.core.notes import Note
 from shardplan.core.stepcost import Communication, Constrained, Memory, StepCost
 from shardplan.core.timing import combined, combined_launches
 from shardplan.ledger import merged
@@ -149,12 +150,15 @@ def cost(
             acc = backward.setdefault((c.kind, c.axes), [0, 0])
             acc[0] += c.bytes
             acc[1] += c.count
-    notes = []
+    notes: list[Note] = []
     if how:
         notes.append(
-            "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns"
-            + (f", with {book.name}'s own choices (its casts, sums and gathers)" if compiler != "cpu" else "")
-            + "; XLA may choose other collectives (compare with --compile)"
+            Note(
+                "fast-how",
+                "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns"
+                + (f", with {book.name}'s own choices (its casts, sums and gathers)" if compiler != "cpu" else "")
+                + "; XLA may choose other collectives (compare with --compile)",
+            )
         )
     two_d = [
         d.path
@@ -163,33 +167,50 @@ def cost(
     ]
     if two_d and not prop.constrained:
         notes.append(
-            f"{len(two_d)} param(s) are split over a batch axis and another axis (e.g. {two_d[0]}) and the step "
-            "constrains no activation: where such a split meets the batch's, XLA may carry it into the "
-            "activations and move them (all-gathers, all-to-alls) in ways fast mode does not predict; pin the "
-            "residual stream (an act rule, or axis rules for the model's logical names, as plans/gpt_2d.splan "
-            "does) or use --compile for this plan's communication"
+            Note(
+                "fast-2d-params",
+                f"{len(two_d)} param(s) are split over a batch axis and another axis (e.g. {two_d[0]}) and the step "
+                "constrains no activation: where such a split meets the batch's, XLA may carry it into the "
+                "activations and move them (all-gathers, all-to-alls) in ways fast mode does not predict; pin the "
+                "residual stream (an act rule, or axis rules for the model's logical names, as plans/gpt_2d.splan "
+                "does) or use --compile for this plan's communication",
+            )
         )
     if ctx.lookups:
+        first = sorted(set(ctx.lookups))[0]
         notes.append(
-            f"lookups in a table split over an axis that also splits their indices ({sorted(set(ctx.lookups))[0]}): "
-            "fast mode counts one of XLA's ways (the indices gathered, the lookup where the table's width is split, "
-            "an all-to-all onto the batch split), but XLA's gather partitioner picks its way by a dry-run cost of "
-            "each, which depends on the mesh and the sizes (measured on a 256x128 table on data=4,model=2: 32 "
-            "sequences of 32 tokens looked up this way, 8 or 128 sequences another way; a 32000x8192 table on "
-            "data=32,model=8 regathered and the output all-gathered, 1 GiB per device; on data=2,model=4 the table "
-            "gathered): use --compile for this lookup's cost"
+            Note(
+                "fast-lookup-ways",
+                f"lookups in a table split over an axis that also splits their indices ({first}): "
+                "fast mode counts one of XLA's ways (the indices gathered, the lookup where the table's width is "
+                "split, an all-to-all onto the batch split), but XLA's gather partitioner picks its way by a dry-run "
+                "cost of each, which depends on the mesh and the sizes (measured on a 256x128 table on "
+                "data=4,model=2: 32 sequences of 32 tokens looked up this way, 8 or 128 sequences another way; a "
+                "32000x8192 table on data=32,model=8 regathered and the output all-gathered, 1 GiB per device; on "
+                "data=2,model=4 the table gathered): use --compile for this lookup's cost",
+                "gather",
+                first,
+            )
         )
     notes += acts.notes()
     notes += ctx.kernels
     if ctx.loops:
         notes.append(
-            "while loops whose trip count the step does not fix, costed for one trip: "
-            + ", ".join(sorted(set(ctx.loops)))
+            Note(
+                "fast-loop-trips",
+                "while loops whose trip count the step does not fix, costed for one trip: "
+                + ", ".join(sorted(set(ctx.loops))),
+                "while",
+            )
         )
     if ctx.unmodeled:
         notes.append(
-            "not modelled (outputs taken as replicated, no communication counted): "
-            + ", ".join(f"{k} x{n}" for k, n in sorted(ctx.unmodeled.items()))
+            Note(
+                "fast-not-modelled",
+                "not modelled (outputs taken as replicated, no communication counted): "
+                + ", ".join(f"{k} x{n}" for k, n in sorted(ctx.unmodeled.items())),
+                ", ".join(sorted(ctx.unmodeled)),
+            )
         )
     p_bytes, o_bytes, b_bytes = params.bytes_per_device(), opt.bytes_per_device(), inputs.bytes_per_device()
     if book.tile:  # the step's arguments laid out in the compiler's tiles too

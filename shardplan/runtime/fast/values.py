@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from shardplan.core.notes import Note
 from shardplan.core.stepcost import Communication
 from shardplan.runtime.fast.books import COMPILERS, Compiler
 from shardplan.runtime.primitives import itemsize
@@ -60,7 +61,7 @@ class _Ctx:
     reduced_from: int | None = None
     reducing: bool = False
     lookups: list[str] = field(default_factory=list)  # sources of lookups whose table and indices share an axis
-    kernels: list[str] = field(default_factory=list)  # what the Pallas kernels' costs estimate
+    kernels: list[Note] = field(default_factory=list)  # what the Pallas kernels' costs estimate
     loops: list[str] = field(default_factory=list)  # sources of while loops whose trip count is not fixed
     source: str = ""  # 'file:line' in the user's code of the equation being propagated
 
