@@ -92,27 +92,81 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
     label = moves or walk.labels.get(walk.root(var), "")
     only = bool(label) and not moves  # named for the ledger alone
     mult = walk.invariant.get(walk.root(var), mult)
-    if any(any(want.get(a, i) != i for a in d) and any(a not in want for a in d) for i, d in enumerate(v.dims)):
+    moving = [(i, want[a]) for i, d in enumerate(v.dims) for a in d if want.get(a, i) != i]
+    if any(any(want.get(a, i) != i for a in d) and any(a not in want for a in d) for i, d in enumerate(v.dims)) or any(
+        (i == k) != (j == m) for n, (i, j) in enumerate(moving) for k, m in moving[n + 1 :]
+    ):
         # One dim's axes both moving to another dim and gathered (``(data, expert)`` on the
-        # tokens to ``expert`` on the experts): GSPMD has no reshard for that and replicates
-        # the value (an all-gather over every axis it is split on, "involuntary full
-        # rematerialization"), then slices it (measured).
-        whole = Val(v.shape, v.itemsize, ((),) * len(v.shape))
+        # tokens to ``expert`` on the experts), or two axes moving from one dim to two, or from
+        # two dims to one: GSPMD has no reshard for that and replicates the value (an all-gather
+        # over every axis it is split on, "involuntary full rematerialization"), then slices it
+        # (measured; on single reshards over data=4, model=2: (data, model) on dim 0 to data on
+        # dim 1 and model on dim 2; model on dim 0 and data on dim 2 to (data, model) on dim 1).
+        # Each dim gathered whole in turn, the last first.
+        for i in reversed(range(len(dims))):
+            if dims[i]:
+                whole_dim, dims[i] = dims[i], []
+                walk.ctx.add(
+                    "all-gather",
+                    tuple(a for a in walk.ctx.mesh if a in whole_dim),
+                    walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
+                    mult,
+                    why,
+                    label,
+                    only,
+                )
+    elif not all(list(t[: len(d)]) == d for d, t in zip(dims, target, strict=True)) and all(
+        walk.ctx.split(tuple(t)) % walk.ctx.split(tuple(d)) == 0 for d, t in zip(dims, target, strict=True)
+    ):
+        # Every dim as split as before or further, but not by a free slice (the target's axes on a
+        # dim do not start with the value's): each device's block lies inside one block the value
+        # has, on some device; XLA sends it there, a collective-permute of the target's block
+        # (measured on single reshards over data=4, model=2: `model` to `data` on a dim, `model`
+        # to (data, model), (data, model) to (model, data), `model` on one dim to `data` there and
+        # `model` on the next).
+        whole = Val(v.shape, v.itemsize, target)
         walk.ctx.add(
-            "all-gather",
-            tuple(a for a in walk.ctx.mesh if a in v.axes),
+            "collective-permute",
+            tuple(a for a in walk.ctx.mesh if a in whole.axes),
             walk.ctx.local(whole),
             mult,
             why,
             label,
             only,
         )
-        dims = [[] for _ in v.dims]
-    # An axis that moves to another dim: all-to-all of the local buffer.
+        out = Val(v.shape, v.itemsize, target)
+        walk.ctx.cache[key] = out
+        return out
+    # A dim an all-to-all moves an axis onto: the axes the target adds there that no dim holds are
+    # sliced first, so the all-to-all moves the smaller block (measured on single reshards over
+    # data=4, model=2: `model` on dim 1 to (data, model) on dim 0 is a slice over data and an
+    # all-to-all of a quarter of the buffer; where the order comes out wrong, a permute follows).
+    onto = {want[a] for i, d in enumerate(dims) for a in d if want.get(a, i) != i}
+    for i in onto:
+        dims[i] += [a for a in target[i] if all(a not in d for d in dims)]
+    # ... and the axes the target leaves out there gathered first (measured: data on dim 0 and
+    # model on dim 1 to data on dim 1 gathers model, then moves data on the gathered block).
+    for i in sorted(onto):
+        drop = [a for a in dims[i] if a not in want]
+        if drop:
+            dims[i] = [a for a in dims[i] if a in want]
+            walk.ctx.add(
+                "all-gather",
+                tuple(drop),
+                walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
+                mult,
+                why,
+                label,
+                only,
+            )
+    # An axis that moves to another dim: all-to-all of the local buffer. Moving one that is not the
+    # last of its dim's axes leaves the blocks on other devices than the target's: a permute after.
+    scrambled = False
     for i, d in enumerate(v.dims):
         for a in d:
             j = want.get(a)
             if j is not None and j != i and a in dims[i] and a not in dims[j]:
+                scrambled = scrambled or dims[i][-1] != a
                 walk.ctx.add(
                     "all-to-all",
                     (a,),
@@ -171,17 +225,34 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
             held = {a for d in dims for a in d}
     # Axes the target adds: a free local slice, taken before any gather (so a gather moves
     # only the part the target keeps: measured, a broadcast split over `model` met by a value
-    # split over `data` is gathered over `model` in its `data` slice).
+    # split over `data` is gathered over `model` in its `data` slice); not on a dim that loses
+    # axes (below).
     for i, t in enumerate(target):
         for a in t:
-            if a not in dims[i] and all(a not in d for d in dims):
+            if a not in dims[i] and all(a not in d for d in dims) and all(x in t for x in dims[i]):
                 dims[i].append(a)
     # Axes the target leaves out: all-gather (the gathered result's bytes), the last dim first
     # (measured: (data, model) made whole gathers `model` on the small buffer, then `data`).
     for i, cur in reversed(list(enumerate(list(dims)))):
         drop = [a for a in cur if a not in target[i]]
         if drop:
-            dims[i] = [a for a in cur if a in target[i]]
+            kept = [a for a in cur if a in target[i]]
+            fresh = [a for a in target[i] if all(a not in d for d in dims)]
+            coarser = bool(not kept and fresh and walk.ctx.split(tuple(cur)) % walk.ctx.split(tuple(fresh)) == 0)
+            if kept != cur[: len(kept)] or coarser:
+                # A kept axis after a dropped one, or the dim coarser over other axes: the blocks
+                # are permuted first, then gathered in groups (measured on single reshards over
+                # data=4, model=2: (model, data) to data, and data to model on a dim).
+                walk.ctx.add(
+                    "collective-permute",
+                    tuple(a for a in walk.ctx.mesh if a in cur),
+                    walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
+                    mult,
+                    why,
+                    label,
+                    only,
+                )
+            dims[i] = fresh if coarser else kept
             gathered = Val(v.shape, v.itemsize, _tuple(dims))
             nbytes = walk.ctx.local(gathered)
             walk.ctx.add("all-gather", tuple(drop), nbytes, mult, why, label, only)
@@ -193,6 +264,21 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
         for a in t:
             if a not in dims[i] and all(a not in d for d in dims):
                 dims[i].append(a)
+    if (scrambled or _tuple(dims) != target) and all(sorted(d) == sorted(t) for d, t in zip(dims, target, strict=True)):
+        # The target's axes on every dim, in another order: the blocks sit on other devices, a
+        # collective-permute of the local block (measured: (data, model) to (model, data); an
+        # all-to-all that leaves (model, data) where (data, model) is wanted, then a permute).
+        done = Val(v.shape, v.itemsize, target)
+        walk.ctx.add(
+            "collective-permute",
+            tuple(a for a in walk.ctx.mesh if a in done.axes),
+            walk.ctx.local(done),
+            mult,
+            why,
+            label,
+            only,
+        )
+        dims = [list(t) for t in target]
     out = Val(v.shape, v.itemsize, _tuple(dims))
     walk.ctx.cache[key] = out
     return out
