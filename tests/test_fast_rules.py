@@ -6,6 +6,9 @@ exact mode uses) against what fast mode's propagator predicts for the same funct
 
 from __future__ import annotations
 
+import math
+import random
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -768,9 +771,8 @@ def test_a_dispatch_summed_over_the_sequence_is_all_reduced_not_scattered_onto_t
     ((8, 32, 16), P(("model", "data")), P("data")),  # a kept axis after a gathered one: permuted first
     ((8, 8), P("data"), P("model")),  # coarser over another axis: permuted, gathered in pairs
     ((32, 8), P("data", "model"), P(None, "data")),  # gathered where data goes, then all-to-all'd
-    pytest.param((16, 64), P("model", "data"), P(None, "model"), marks=xfail(
-        "XLA permutes the 512 B block and gathers 3,072 B; fast mode gathers data where model goes (2,048 B), "
-        "then moves model (2,048 B)")),
+    ((16, 64), P("model", "data"), P(None, "model")),  # fewer blocks, not by a suffix gather: permuted, gathered
+    ((64, 8), P(("data", "model")), P("model")),  # (block counts over data=4, model=2: 8 -> 2)
 ])
 def test_a_reshard_moves_what_xla_moves(shape, src, dst):
     """A value resharded from one layout to another (no op between: the input's and the output's
@@ -781,3 +783,54 @@ def test_a_reshard_moves_what_xla_moves(shape, src, dst):
     dropped and another of its size added on a dim is a permute, which fast mode gathers)."""
     xla, predicted = by_kind(lambda x: x * 2.0, (S(*shape),), (src,), dst)
     assert predicted == xla
+
+
+@pytest.mark.parametrize("shape, src, dst", [
+    ((32, 16), P(("model", "expert")), P("data", "model")),  # blocks 4x1 -> 2x2: one all-to-all, a permute
+    ((64, 32), P(None, ("model", "expert")), P("model", "data")),
+    ((16, 64, 32), P(("model", "expert"), "data"), P(None, "expert", ("model", "data"))),  # 4x2x1 -> 1x2x4
+    ((32, 16), P("expert", "data"), P("data")),  # 2x2 -> 2x1: permuted, then gathered
+    ((64, 32, 32), P(("expert", "model"), "data"), P("data", "model")),  # 4x2x1 -> 2x2x1
+])
+def test_a_reshard_over_axes_of_one_size_moves_block_counts(shape, src, dst):
+    """Over data=2, expert=2, model=2 XLA reshards by block counts per dim, not axis names: one dim's
+    blocks fewer by the factor another's are more is one all-to-all and, where the devices then hold
+    other blocks than the target's, a permute; fewer blocks on some dims and none more is a permute
+    and gathers (random layout pairs over this mesh: 25 of 77 missed before, 16 after)."""
+    xla, predicted = by_kind(lambda x: x * 2.0, (S(*shape),), (src,), dst, IDLE)
+    assert predicted == xla
+
+
+def _random_layout(rng, shape, mesh):
+    """A random layout of ``shape`` over ``mesh``: each dim whole or split over one or two axes an
+    axis at most once, each split dividing its dim."""
+    out, used = [], set()
+    for size in shape:
+        axes = ()
+        for _ in range(10):
+            pick = tuple(rng.sample(sorted(mesh), rng.choice([0, 0, 1, 1, 2])))
+            if not set(pick) & used and size % math.prod(mesh[a] for a in pick) == 0:
+                axes = pick
+                break
+        used |= set(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+@pytest.mark.parametrize("mesh, seed, most", [(MESH, 11, 4), (IDLE, 12, 9)], ids=["data4-model2", "three-axes"])
+def test_random_reshards_mostly_move_what_xla_moves(mesh, seed, most):
+    """Held out from the cases above: 24 random (shape, layout, layout) draws per mesh, rank 2-3,
+    dims 8-64, each reshard compiled; fast mode's bytes per kind equal XLA:CPU's on all but the
+    misses measured when these rules landed (2026-12-05, these seeds: 4 and 9 of 24; before them 10
+    and 14): a new miss fails, listed with its layouts. The misses left: XLA gathering whole where
+    fast mode slices then all-to-alls onto a layout that leaves devices holding copies, and
+    all-to-alls XLA runs on a block a slice made smaller."""
+    rng = random.Random(seed)
+    missed = []
+    for _ in range(24):
+        shape = tuple(rng.choice([8, 16, 32, 64]) for _ in range(rng.choice([2, 3])))
+        src, dst = _random_layout(rng, shape, mesh), _random_layout(rng, shape, mesh)
+        xla, predicted = by_kind(lambda x: x * 2.0, (S(*shape),), (src,), dst, mesh)
+        if predicted != xla:
+            missed.append((shape, src, dst, xla, predicted))
+    assert len(missed) <= most, missed
