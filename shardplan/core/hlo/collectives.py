@@ -66,8 +66,6 @@ class CollectiveOp:
 
 
 _ARG_PATH = re.compile(r"\['([^']*)'\]|\[(\d+)\]")
-
-
 _PASS_THROUGH = ("copy", "bitcast", "transpose", "reshape", "convert", "fusion", "get-tuple-element")
 
 

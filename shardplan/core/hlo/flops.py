@@ -47,14 +47,8 @@ _ALL_REDUCE = {"all-reduce", "all-reduce-start"}
 
 # A reduce, scatter or reduce-window's reducer (its flops per element reduced: ``_instr_flops``).
 _TO_APPLY = re.compile(r"\bto_apply=%([\w.\-]+)")
-
-
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
-
-
 _DIM_LABELS = re.compile(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)")
-
-
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 
 

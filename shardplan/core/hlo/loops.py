@@ -8,11 +8,7 @@ import re
 from shardplan.core.hlo.text import _BODY, _BRANCHES, _CALLEES, _OPERAND, _TRIP, _Instr
 
 _CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
-
-
 _CONSTANT = re.compile(r"constant\((\d+)\)")
-
-
 _INDEX = re.compile(r"\bindex=(\d+)")
 
 

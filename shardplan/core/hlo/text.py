@@ -8,8 +8,6 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
 _DTYPE_BYTES = {
     "pred": 1,
     "s8": 1,
@@ -37,38 +35,16 @@ _INSTR = re.compile(
 
 
 _COMP = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
-
-
 _ARRAY = re.compile(r"(\w+)\[([0-9,]*)\]")
-
-
 _OPERAND = re.compile(r"%([\w.\-]+)")
-
-
 _CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
-
-
 _PARAM_INDEX = re.compile(r"\bparameter\((\d+)\)")
-
-
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-
-
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
-
-
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
 _BODY = re.compile(r"\bbody=%([\w.\-]+)")
-
-
 _CALLEES = re.compile(r"\b(?:calls|to_apply|condition|true_computation|false_computation)=%([\w.\-]+)")
-
-
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-
-
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
 

@@ -93,6 +93,10 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
     label = moves or walk.labels.get(walk.root(var), "")
     only = bool(label) and not moves  # named for the ledger alone
     mult = walk.invariant.get(walk.root(var), mult)
+
+    def add(kind: str, axes: tuple[str, ...], nbytes: int) -> None:
+        walk.ctx.add(kind, axes, nbytes, mult, why, label, only)
+
     moving = [(i, want[a]) for i, d in enumerate(v.dims) for a in d if want.get(a, i) != i]
     before = [walk.ctx.split(tuple(d)) for d in dims]
     after = [walk.ctx.split(tuple(t)) for t in target]
@@ -115,7 +119,7 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
         (s_dim,), (g_dim,) = shrink, grow
         local = walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims)))
         moved = tuple(a for a in walk.ctx.mesh if a in target[g_dim] and a not in dims[g_dim])
-        walk.ctx.add("all-to-all", moved or tuple(target[g_dim]), local, mult, why, label, only)
+        add("all-to-all", moved or tuple(target[g_dim]), local)
         n = len(dims[s_dim]) - len(target[s_dim])
         direct = (
             n > 0
@@ -124,14 +128,10 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
             and all(list(target[k]) == dims[k] for k in range(len(dims)) if k not in (s_dim, g_dim))
         )
         if not direct:
-            walk.ctx.add(
+            add(
                 "collective-permute",
                 tuple(a for a in walk.ctx.mesh if a in v.axes or any(a in t for t in target)),
                 local,
-                mult,
-                why,
-                label,
-                only,
             )
         out = Val(v.shape, v.itemsize, target)
         walk.ctx.cache[key] = out
@@ -146,26 +146,18 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
         # blocks are permuted first (the local block), then gathered in groups to the target's
         # (measured on single reshards: over data=2, model=2, expert=2, (expert, data) on two dims
         # to data on the first; over data=4, model=2, data to model on a dim).
-        walk.ctx.add(
+        add(
             "collective-permute",
             tuple(a for a in walk.ctx.mesh if a in v.axes),
             walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
-            mult,
-            why,
-            label,
-            only,
         )
         for i in reversed(range(len(dims))):
             if before[i] != after[i]:
                 dims[i] = list(target[i])
-                walk.ctx.add(
+                add(
                     "all-gather",
                     tuple(a for a in walk.ctx.mesh if a in v.dims[i] and a not in target[i]) or tuple(v.dims[i]),
                     walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
-                    mult,
-                    why,
-                    label,
-                    only,
                 )
         out = Val(v.shape, v.itemsize, target)
         walk.ctx.cache[key] = out
@@ -183,14 +175,10 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
         for i in reversed(range(len(dims))):
             if dims[i]:
                 whole_dim, dims[i] = dims[i], []
-                walk.ctx.add(
+                add(
                     "all-gather",
                     tuple(a for a in walk.ctx.mesh if a in whole_dim),
                     walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
-                    mult,
-                    why,
-                    label,
-                    only,
                 )
     elif not all(list(t[: len(d)]) == d for d, t in zip(dims, target, strict=True)) and all(
         walk.ctx.split(tuple(t)) % walk.ctx.split(tuple(d)) == 0 for d, t in zip(dims, target, strict=True)
@@ -202,15 +190,7 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
         # to (data, model), (data, model) to (model, data), `model` on one dim to `data` there and
         # `model` on the next).
         whole = Val(v.shape, v.itemsize, target)
-        walk.ctx.add(
-            "collective-permute",
-            tuple(a for a in walk.ctx.mesh if a in whole.axes),
-            walk.ctx.local(whole),
-            mult,
-            why,
-            label,
-            only,
-        )
+        add("collective-permute", tuple(a for a in walk.ctx.mesh if a in whole.axes), walk.ctx.local(whole))
         out = Val(v.shape, v.itemsize, target)
         walk.ctx.cache[key] = out
         return out
@@ -227,15 +207,7 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
         drop = [a for a in dims[i] if a not in want]
         if drop:
             dims[i] = [a for a in dims[i] if a in want]
-            walk.ctx.add(
-                "all-gather",
-                tuple(drop),
-                walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
-                mult,
-                why,
-                label,
-                only,
-            )
+            add("all-gather", tuple(drop), walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))))
     # An axis that moves to another dim: all-to-all of the local buffer. Moving one that is not the
     # last of its dim's axes leaves the blocks on other devices than the target's: a permute after.
     scrambled = False
@@ -244,15 +216,7 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
             j = want.get(a)
             if j is not None and j != i and a in dims[i] and a not in dims[j]:
                 scrambled = scrambled or dims[i][-1] != a
-                walk.ctx.add(
-                    "all-to-all",
-                    (a,),
-                    walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
-                    mult,
-                    why,
-                    label,
-                    only,
-                )
+                add("all-to-all", (a,), walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))))
                 dims[i].remove(a)
                 dims[j].append(a)
     # A matmul's all-reduced result whose split dim the target splits further over an axis it
@@ -289,15 +253,7 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
             and not set(old) & wanted_axes
             and not set(new) & held
         ):
-            walk.ctx.add(
-                "collective-permute",
-                (*old, *new),
-                walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
-                mult,
-                why,
-                label,
-                only,
-            )
+            add("collective-permute", (*old, *new), walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))))
             dims[i] = cur[:k] + new
             held = {a for d in dims for a in d}
     # Axes the target adds: a free local slice, taken before any gather (so a gather moves
@@ -320,19 +276,15 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
                 # A kept axis after a dropped one, or the dim coarser over other axes: the blocks
                 # are permuted first, then gathered in groups (measured on single reshards over
                 # data=4, model=2: (model, data) to data, and data to model on a dim).
-                walk.ctx.add(
+                add(
                     "collective-permute",
                     tuple(a for a in walk.ctx.mesh if a in cur),
                     walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
-                    mult,
-                    why,
-                    label,
-                    only,
                 )
             dims[i] = fresh if coarser else kept
             gathered = Val(v.shape, v.itemsize, _tuple(dims))
             nbytes = walk.ctx.local(gathered)
-            walk.ctx.add("all-gather", tuple(drop), nbytes, mult, why, label, only)
+            add("all-gather", tuple(drop), nbytes)
             if moves and walk.ctx.book.gather_cse is None:  # held to its last use (else: ``matmul._cast_gather``)
                 walk.ctx.gathered_now += nbytes
                 walk.ctx.gathered_peak = max(walk.ctx.gathered_peak, walk.ctx.gathered_now)
@@ -346,15 +298,7 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
         # collective-permute of the local block (measured: (data, model) to (model, data); an
         # all-to-all that leaves (model, data) where (data, model) is wanted, then a permute).
         done = Val(v.shape, v.itemsize, target)
-        walk.ctx.add(
-            "collective-permute",
-            tuple(a for a in walk.ctx.mesh if a in done.axes),
-            walk.ctx.local(done),
-            mult,
-            why,
-            label,
-            only,
-        )
+        add("collective-permute", tuple(a for a in walk.ctx.mesh if a in done.axes), walk.ctx.local(done))
         dims = [list(t) for t in target]
     out = Val(v.shape, v.itemsize, _tuple(dims))
     walk.ctx.cache[key] = out
