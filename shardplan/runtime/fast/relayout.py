@@ -97,6 +97,12 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
     def add(kind: str, axes: tuple[str, ...], nbytes: int) -> None:
         walk.ctx.add(kind, axes, nbytes, mult, why, label, only)
 
+    def reached() -> Val:
+        """The value in the target layout, remembered for the next reshard of it there."""
+        out = Val(v.shape, v.itemsize, target)
+        walk.ctx.cache[key] = out
+        return out
+
     moving = [(i, want[a]) for i, d in enumerate(v.dims) for a in d if want.get(a, i) != i]
     before = [walk.ctx.split(tuple(d)) for d in dims]
     after = [walk.ctx.split(tuple(t)) for t in target]
@@ -133,9 +139,7 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
                 tuple(a for a in walk.ctx.mesh if a in v.axes or any(a in t for t in target)),
                 local,
             )
-        out = Val(v.shape, v.itemsize, target)
-        walk.ctx.cache[key] = out
-        return out
+        return reached()
     if (
         not grow
         and shrink
@@ -159,9 +163,7 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
                     tuple(a for a in walk.ctx.mesh if a in v.dims[i] and a not in target[i]) or tuple(v.dims[i]),
                     walk.ctx.local(Val(v.shape, v.itemsize, _tuple(dims))),
                 )
-        out = Val(v.shape, v.itemsize, target)
-        walk.ctx.cache[key] = out
-        return out
+        return reached()
     if any(any(want.get(a, i) != i for a in d) and any(a not in want for a in d) for i, d in enumerate(v.dims)) or any(
         (i == k) != (j == m) for n, (i, j) in enumerate(moving) for k, m in moving[n + 1 :]
     ):
@@ -191,9 +193,7 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
         # `model` on the next).
         whole = Val(v.shape, v.itemsize, target)
         add("collective-permute", tuple(a for a in walk.ctx.mesh if a in whole.axes), walk.ctx.local(whole))
-        out = Val(v.shape, v.itemsize, target)
-        walk.ctx.cache[key] = out
-        return out
+        return reached()
     # A dim an all-to-all moves an axis onto: the axes the target adds there that no dim holds are
     # sliced first, so the all-to-all moves the smaller block (measured on single reshards over
     # data=4, model=2: `model` on dim 1 to (data, model) on dim 0 is a slice over data and an
