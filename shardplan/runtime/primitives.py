@@ -144,14 +144,23 @@ REDUCTIONS = named(kinds=("reduction",))
 CALLS = named(traits=("call",))
 
 
+_ITEMSIZE: dict[Any, int] = {}  # dtype -> bytes per element: asked for every equation walked
+
+
 def itemsize(aval: Any) -> int:
     """Bytes per element of an abstract value (a PRNG key: 8)."""
+    dtype = aval.dtype
+    hit = _ITEMSIZE.get(dtype)
+    if hit is not None:
+        return hit
     import numpy as np
 
     try:
-        return int(np.dtype(aval.dtype).itemsize)
+        n = int(np.dtype(dtype).itemsize)
     except TypeError:  # PRNG key types
-        return 8
+        n = 8
+    _ITEMSIZE[dtype] = n
+    return n
 
 
 def ragged_dense(eqn: Any) -> Any:

@@ -5,8 +5,10 @@ for rule tests).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,6 +28,23 @@ from shardplan.runtime.sharding import update_paths
 from shardplan.runtime.tracing import Resolution, Trace, trace_key
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while a plan is propagated: the walk makes many small
+    short-lived objects, and each collection of the oldest generation walks every object the
+    traced step holds (measured on gpt_small, re-costing gpt_2d.splan: 63.7 ms best and 75.9 ms
+    mean with it on, 56.8 and 60.5 ms with it off). The next collection comes after the walk's
+    objects are freed: it finds few young ones, and what the walk left in cycles."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@_collector_paused()
 def step_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = True, compiler: str = "cpu") -> StepCost:
     """The auto backend's step cost in fast mode (the backend registry's entry): ``plan``
     resolved once and propagated through the step ``tracer`` (a ``tracing.Tracer``) traced once
@@ -38,6 +57,7 @@ def step_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
     return replace(got, seconds=time.perf_counter() - t0)
 
 
+@_collector_paused()
 def cost(
     traced: Trace,
     plan: Any,

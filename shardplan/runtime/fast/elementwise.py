@@ -67,6 +67,31 @@ def reshard_op(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val] |
     return [to_layout(walk, eqn.invars[0], ins[0], target, mult, "reshard")]
 
 
+def _alike(eqn: Any, ins: list[Val]) -> tuple[tuple[int, ...], int, Dims] | None:
+    """The result's shape, item size and layout where the operands of its rank (size-1 dims
+    broadcast carry no split) are laid out alike with no pending sum: the layout they share.
+    None where they differ, or none has the result's rank."""
+    aval = eqn.outvars[0].aval
+    shape = aval.shape
+    rank = len(shape)
+    if not rank:
+        return None
+    first: Dims | None = None
+    for v in ins:
+        if len(v.shape) != rank:
+            continue
+        if v.partial:
+            return None
+        dims = v.dims if v.shape == shape else tuple(d if v.shape[i] == shape[i] else () for i, d in enumerate(v.dims))
+        if first is None:
+            first = dims
+        elif dims != first:
+            return None
+    if first is None:
+        return None
+    return tuple(shape), itemsize(aval), _norm(first, rank)
+
+
 def _gathers_alike(walk: Walker, outvar: Any, full: list) -> bool:
     """Whether the layout a step output wants of ``outvar`` (``hints``) only gathers operands that
     are laid out alike with no pending sum: XLA computes the op where they lie and moves its
@@ -80,7 +105,31 @@ def _gathers_alike(walk: Walker, outvar: Any, full: list) -> bool:
     return all(set(h) <= set(d) for h, d in zip(_norm(hint, len(first)), first, strict=True))
 
 
+def quick(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val | None:
+    """Most elementwise equations: operands laid out alike and nothing asks the result for
+    another layout (or a step output's, which only gathers theirs: ``_gathers_alike``). Nothing
+    moves: the result in the operands' layout, its flops counted. None: ``elementwise``."""
+    outvar = eqn.outvars[0]
+    if outvar in walk.back or outvar in walk.claimed or outvar in walk.free:
+        return None
+    alike = _alike(eqn, ins)
+    if alike is None:
+        return None
+    hint = walk.hints.get(outvar)
+    if hint is not None and not all(
+        set(h) <= set(d) for h, d in zip(_norm(hint, len(alike[2])), alike[2], strict=True)
+    ):
+        return None
+    out = Val(alike[0], alike[1], alike[2])
+    walk.count_flops(walk.ctx.local(out) / out.itemsize, mult, eqn.primitive.name)
+    return out
+
+
 def elementwise(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
+    out = quick(walk, eqn, ins, mult)
+    if out is not None:
+        return out
+    outvar = eqn.outvars[0]
     out_aval = eqn.outvars[0].aval
     shape = tuple(out_aval.shape)
     name = eqn.primitive.name

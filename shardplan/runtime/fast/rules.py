@@ -24,6 +24,7 @@ from shardplan.runtime.fast.elementwise import (
     constraint,
     elementwise,
     layout_preserving,
+    quick,
     reduce,
     reshape,
     reshard_op,
@@ -112,4 +113,4 @@ def rule_book() -> tuple[frozenset[str], frozenset[str]]:
     return frozenset(_RULES) | ELEMENTWISE, _FALLBACKS
 
 
-RULE_BOOK = RuleBook(elementwise, _RULES, inline)  # a call of a primitive the catalogue does not name: inlined
+RULE_BOOK = RuleBook(elementwise, _RULES, inline, quick)  # a call of a primitive the catalogue does not name: inlined

@@ -48,6 +48,9 @@ class RuleBook:
     elementwise: Callable[[Walker, Any, list[Val], int], Val]
     rules: Mapping[str, Rule]
     call: Rule
+    # asked before ``elementwise`` in the run loop, without ``Walker.eqn``'s bookkeeping (its
+    # source line, its pass): the result where nothing moves and nothing is recorded, else None
+    quick: Callable[[Walker, Any, list[Val], int], Val | None] = lambda walk, eqn, ins, mult: None
 
 
 class Walker:
@@ -164,7 +167,12 @@ class Walker:
         self.runs += 1
         this_run = self.runs
         copies: dict[Any, int] = {}  # the narrow copies of the jaxpr's inputs its matmuls read
-        for eqn, literals, variables, dying, narrowing, copying in self._steps(jaxpr, last, keep):
+        steps = self._steps(jaxpr, last, keep)
+        if self.layouts_only:  # no memory observers: the layouts alone
+            self._layouts(steps, env, mult, this_run)
+            steps = []
+        quick = self.rules.quick
+        for eqn, literals, variables, dying, narrowing, copying, simple in steps:
             ins = [env[x] if lit is None else lit for x, lit in zip(eqn.invars, literals, strict=True)]
             for var in eqn.outvars:
                 self.defined[var] = this_run
@@ -175,7 +183,8 @@ class Walker:
                 self.constant.difference_update(eqn.outvars)
             outer_peak, self.peak = self.peak, 0
             self.virtual_outs = _NONE
-            outs = self.eqn(eqn, ins, mult)
+            out = quick(self, eqn, ins, mult) if simple else None
+            outs = [out] if out is not None else self.eqn(eqn, ins, mult)
             inner, self.peak = self.peak, outer_peak
             virtual = (
                 {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)} if self.virtual_outs else _NONE
@@ -231,6 +240,23 @@ class Walker:
         self.virtual_outs = {i for i, x in enumerate(jaxpr.outvars) if x in fused}
         self.depth -= 1
         return [self._read(env, x) for x in jaxpr.outvars]
+
+    def _layouts(self, steps: list[tuple], env: dict[Any, Val], mult: int, this_run: int) -> None:
+        """``run``'s loop for the layouts alone (``layouts_only``): each equation's rule, its
+        results' layouts bound, what the rules read of the run kept (definitions, constants)."""
+        quick = self.rules.quick
+        for eqn, literals, variables, *_, simple in steps:
+            ins = [env[x] if lit is None else lit for x, lit in zip(eqn.invars, literals, strict=True)]
+            for var in eqn.outvars:
+                self.defined[var] = this_run
+                self.origin.pop(var, None)
+            if all(x in self.constant for x in variables) and eqn.primitive.name != "scan":
+                self.constant.update(eqn.outvars)
+            else:
+                self.constant.difference_update(eqn.outvars)
+            out = quick(self, eqn, ins, mult) if simple else None
+            for var, val in zip(eqn.outvars, [out] if out is not None else self.eqn(eqn, ins, mult), strict=True):
+                env[var] = val
 
     def traffic(self, frame: _Frame, eqn: Any, outs: list[Val], virtual: set | frozenset, mult: int) -> None:
         """Memory traffic of one equation, as XLA's fusion leaves it (see ``_kernels``): a result
@@ -324,48 +350,57 @@ class Walker:
     def _claims(self, jaxpr: Any) -> None:
         """Shardy gives a fully closed sharding constraint's layout to the op computing its operand
         (its import pass ``apply-sharding-constraints``), unless the operand is an input or another
-        constraint reads it with another layout. See ``elementwise`` for what that changes."""
-
-        made = {o for eqn in jaxpr.eqns for o in eqn.outvars}
-        seen: dict[Any, Dims] = {}
-        clash: set[Any] = set()
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name != "sharding_constraint":
-                continue
-            x = eqn.invars[0]
-            spec = getattr(eqn.params.get("sharding"), "spec", None)
-            unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
-            if x not in made or spec is None or any(e is unconstrained for e in spec):
-                continue
-            target = constraint_target(eqn, ((),) * len(x.aval.shape))
-            if target is None:
-                continue
-            target = _norm(target, len(x.aval.shape))
-            if seen.get(x, target) != target:
-                clash.add(x)
-            seen[x] = target
-        for x, target in seen.items():
-            if x not in clash:
-                self.claimed.setdefault(x, target)
+        constraint reads it with another layout. See ``elementwise`` for what that changes. What
+        the constraints claim and what that claims back are the trace's alone (memoised: the
+        trace fixes the act rules and the mesh)."""
+        key = ("closed", id(jaxpr))
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not jaxpr:
+            hit = self.memo[key] = (jaxpr, _closed_constraints(jaxpr), _made(jaxpr))
+        _, closed, made = hit
+        for x, target in closed.items():
+            self.claimed.setdefault(x, target)
         # Seeds: this jaxpr's values laid out already (its constraints', a caller's); none, no walk.
         seeds = {}
-        for o in [o for eqn in jaxpr.eqns for o in eqn.outvars] + [o for o in jaxpr.outvars if not hasattr(o, "val")]:
+        for o in made:
             t = self.claimed.get(o, self.back.get(o))
             if t is not None:
                 seeds[o] = t
-        if seeds:
-            for x, target in _claims_back(jaxpr, seeds, self.ctx.split_dims).items():
-                if x not in self.claimed:
-                    self.back.setdefault(x, target)
+        if not seeds:
+            return
+        back_key = ("claims back", id(jaxpr), frozenset(seeds.items()))
+        back = self.memo.get(back_key)
+        if back is None or back[0] is not jaxpr:
+            back = self.memo[back_key] = (jaxpr, _claims_back(jaxpr, seeds, self.ctx.split_dims))
+        for x, target in back[1].items():
+            if x not in self.claimed:
+                self.back.setdefault(x, target)
 
     def _wants(self, jaxpr: Any) -> None:
         """Backward pass: the splits a value's readers want, from constrained activations back
         through elementwise and layout ops and matmuls (XLA's propagation runs both ways), so a
         pending sum is reduce-scattered onto a split its readers keep (the gradient of keys and
         values gathered over a split sequence). Only where a pending sum is resolved."""
-        _spread(jaxpr, self.wants, None if self.ignore_constraints else "seed")
+        self._spread(jaxpr, self.wants, None if self.ignore_constraints else "seed")
         if self.free:
-            _spread(jaxpr, self.free, "stop")
+            self._spread(jaxpr, self.free, "stop")
+
+    def _spread(self, jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None:
+        """:func:`claims._spread` into ``table``, memoised on what ``table`` holds of ``jaxpr``'s
+        values before (all the spread reads)."""
+        key_vars = self.memo.get(("values", id(jaxpr)))
+        if key_vars is None or key_vars[0] is not jaxpr:
+            values = tuple(dict.fromkeys([*jaxpr.invars, *jaxpr.constvars, *_made(jaxpr)]))
+            key_vars = self.memo[("values", id(jaxpr))] = (jaxpr, values)
+        before = frozenset((x, table[x]) for x in key_vars[1] if x in table)
+        key = ("spread", id(jaxpr), constraints, before)
+        hit = self.memo.get(key)
+        if hit is None or hit[0] is not jaxpr:
+            grown = dict(before)
+            _spread(jaxpr, grown, constraints)
+            hit = self.memo[key] = (jaxpr, tuple((x, d) for x, d in grown.items() if x not in dict(before)))
+        for x, dims in hit[1]:
+            table.setdefault(x, dims)
 
     def _structure(self, jaxpr: Any, boundary: _Boundary | None) -> tuple:
         """What a jaxpr's run needs that no plan changes: each value's last reader and reader count,
@@ -417,7 +452,8 @@ class Walker:
                 variables = tuple(x for x in eqn.invars if not hasattr(x, "val"))
                 dying = tuple(ends.get(k, ()))
                 copying = tuple(x for x in variables if x in inputs) if _reads_narrow(eqn) else ()
-                steps.append((eqn, literals, variables, dying, tuple(narrowing.get(k, ())), copying))
+                simple = eqn.primitive.name in ELEMENTWISE  # (``RuleBook.quick``)
+                steps.append((eqn, literals, variables, dying, tuple(narrowing.get(k, ())), copying, simple))
             hit = self.memo[key] = (jaxpr, steps)
         return hit[1]
 
@@ -436,10 +472,16 @@ class Walker:
 
     def source_of(self, eqn: Any) -> str:
         """:func:`eqn_source`, once per equation of a trace (``memo`` outlives one plan's costing)."""
+        return self._static(eqn)[1]
+
+    def _static(self, eqn: Any) -> tuple[Any, str, bool]:
+        """What the walk asks of an equation alone, once per trace: its source line, and whether it
+        is in the backward pass (a transpose's, by its name stack)."""
         hit = self.memo.get(id(eqn))
         if hit is None or hit[0] is not eqn:
-            hit = self.memo[id(eqn)] = (eqn, eqn_source(eqn))
-        return hit[1]
+            stack = str(getattr(eqn.source_info, "name_stack", ""))
+            hit = self.memo[id(eqn)] = (eqn, eqn_source(eqn), "transpose(" in stack)
+        return hit
 
     def _sum_origins(self, eqn: Any, outs: list[Val]) -> None:
         """Where each output's pending sum was made: carried through from an input that has one, from
@@ -473,19 +515,16 @@ class Walker:
         does not name is inlined; anything else is a declared fallback (``rules._FALLBACKS``) or not
         catalogued: replicated results, counted in the step's notes as not modelled."""
         name = eqn.primitive.name
-        self.ctx.source = self.source_of(eqn) or self.call_source
+        _, source, backward = self._static(eqn)
+        self.ctx.source = source or self.call_source
         if self.depth == 1:  # the step's own equations: the backward pass's are a transpose's
-            hit = self.memo.get(("backward", id(eqn)))
-            if hit is None or hit[0] is not eqn:
-                stack = str(getattr(eqn.source_info, "name_stack", ""))
-                hit = self.memo[("backward", id(eqn))] = (eqn, "transpose(" in stack)
-            self.ctx.backward = hit[1]
+            self.ctx.backward = backward
         if name in ELEMENTWISE:  # most equations (no elementwise primitive has a body)
             return [self.rules.elementwise(self, eqn, ins, mult)]
         rule = self.rules.rules.get(name)
         outer = self.backward
         if not outer and self.ctx.book.gather_cse is not None:
-            self.backward = "transpose(" in str(getattr(eqn.source_info, "name_stack", ""))
+            self.backward = backward
         try:
             got = rule(self, eqn, ins, mult) if rule is not None else None
             if got is None and rule is None and name not in ("scan", "while", "cond"):
@@ -554,3 +593,33 @@ class Walker:
         """The side a matmul shares with those XLA:GPU merges it with, and how much wider the merged
         matmul is (``splitk.merged``; 1.0 where it stays alone)."""
         return self._of_frame(splitk.merged).get(id(eqn), (0, 1.0))
+
+
+def _made(jaxpr: Any) -> tuple:
+    """The values ``jaxpr`` makes (its equations' results) and its outputs that are variables."""
+    made = [o for eqn in jaxpr.eqns for o in eqn.outvars]
+    return tuple(dict.fromkeys(made + [o for o in jaxpr.outvars if not hasattr(o, "val")]))
+
+
+def _closed_constraints(jaxpr: Any) -> dict[Any, Dims]:
+    """The values made in ``jaxpr`` that a fully closed sharding constraint reads, each with its
+    layout (values two such constraints read with different layouts left out)."""
+    made = {o for eqn in jaxpr.eqns for o in eqn.outvars}
+    seen: dict[Any, Dims] = {}
+    clash: set[Any] = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "sharding_constraint":
+            continue
+        x = eqn.invars[0]
+        spec = getattr(eqn.params.get("sharding"), "spec", None)
+        unconstrained = getattr(type(spec), "UNCONSTRAINED", object())
+        if x not in made or spec is None or any(e is unconstrained for e in spec):
+            continue
+        target = constraint_target(eqn, ((),) * len(x.aval.shape))
+        if target is None:
+            continue
+        target = _norm(target, len(x.aval.shape))
+        if seen.get(x, target) != target:
+            clash.add(x)
+        seen[x] = target
+    return {x: t for x, t in seen.items() if x not in clash}
