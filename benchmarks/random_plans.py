@@ -1,6 +1,6 @@
 """Fast mode against exact mode on plans nobody wrote (shardplan issue 29).
 
-    python -m benchmarks.random_plans [--pairs N] [--seed S] [--json OUT] [--target T]
+    python -m benchmarks.random_plans [--pairs N] [--seed S] [--json OUT] [--target T] [--layouts]
 
 Draws N (plan, model) pairs: a model from a pool (tests/fixtures/engine_models.py: a Llama-style
 decoder, a GShard-style top-2 MoE, a decoder that builds its KV cache in the step; the example
@@ -15,6 +15,10 @@ and FLOPs relative to exact mode. ``--target tpu-v5e:2x4`` (or ``h100:8``) measu
 that target against the program its compiler makes offline (the pool's models have dims under 128,
 which XLA:TPU pads to its tiles: read the peak column with that in mind).
 
+``--layouts`` also reads XLA's module after its sharding propagation (dumped by the compile) and
+lists, per pair, the largest values (source line, op, shape) that XLA lays out otherwise than
+fast mode: where XLA went another way (XLA:CPU only).
+
 The generator is pure and seeded: pair i of seed S is ``draw_pair(S, i)`` whatever N is.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import re
 import sys
@@ -258,6 +263,77 @@ def differences(fast, exact, top: int = 3) -> list[dict]:
     return rows[:top]
 
 
+# Values fast mode reads at each reader's layout (a broadcast is sliced for free where it is read),
+# which XLA gives one layout of their own: no layout of fast mode's to set beside XLA's.
+VIEWED = frozenset({"broadcast_in_dim", "iota"})
+LAYOUT_DUMP: list[Path] = []  # where the compiles dump XLA's propagated module (``--layouts``)
+
+
+def divergences(fast: Sequence[tuple], xla: Sequence, top: int = 3) -> list[dict]:
+    """The largest values (the first in XLA's program order among equals) that XLA lays out
+    otherwise than fast mode: per (source line, op, shape), the layouts each gives such values
+    (fast mode's without a pending sum: ``fast.costing.chosen``; XLA's:
+    ``core.hlo.shardings.layouts``)."""
+    mine: dict[tuple, set] = {}
+    for src, op, shape, dims in fast:
+        mine.setdefault((Path(src.rsplit(":", 1)[0]).name + ":" + src.rsplit(":", 1)[-1], op, tuple(shape)), set()).add(
+            tuple(tuple(d) for d in dims)
+        )
+    theirs: dict[tuple, set] = {}
+    order: list[tuple] = []
+    for c in xla:
+        if not c.source or not c.shape or c.dims is None or c.op in VIEWED:
+            continue
+        key = (Path(c.source.rsplit(":", 1)[0]).name + ":" + c.source.rsplit(":", 1)[-1], c.op, c.shape)
+        if key not in theirs:
+            order.append(key)
+        theirs.setdefault(key, set()).add(c.dims)
+    out = []
+    # the largest values first (a mask's or a norm's broadcast laid out otherwise moves little)
+    for key in sorted(order, key=lambda k: -math.prod(k[2])):
+        if key in mine and theirs[key] != mine[key]:
+            out.append(
+                {
+                    "source": key[0],
+                    "op": key[1],
+                    "shape": list(key[2]),
+                    "xla": _shown(theirs[key]),
+                    "fast": _shown(mine[key]),
+                }
+            )
+            if len(out) == top:
+                break
+    return out
+
+
+def _shown(layouts: set) -> list[str]:
+    """Layouts as a plan writes them: ``(data, _, (model, seq))``."""
+    one = lambda d: "_" if not d else d[0] if len(d) == 1 else "(" + ", ".join(d) + ")"
+    return sorted("(" + ", ".join(one(d) for d in x) + ")" for x in layouts)
+
+
+def _layouts(plan, model: str) -> list[dict]:
+    """Where XLA's propagated layouts and fast mode's part (:func:`divergences`), from the module
+    the last compile dumped into ``LAYOUT_DUMP``."""
+    import shardplan
+    from shardplan.core.hlo.shardings import layouts
+    from shardplan.runtime.fast.costing import chosen
+
+    dumped = sorted(
+        LAYOUT_DUMP[0].glob("*after_shardy-xla.before_spmd-partitioning.txt"), key=lambda f: f.stat().st_mtime
+    )
+    if not dumped:
+        return []
+    text = dumped[-1].read_text()
+    for f in dumped:  # one compile's module at a time
+        f.unlink()
+    ref, step = POOL[model]
+    sizes = plan.mesh_shape(DEVICES)
+    coster = shardplan.api.step_coster(model=ref, step=step, batch=BATCH_ARG)
+    mesh = [(a, int(n)) for a, n in sizes.items()]
+    return divergences(chosen(coster.tracer, plan, dict(sizes)), layouts(text, mesh))
+
+
 def measure(model: str, text: str, target: str = "cpu") -> dict:
     """Fast and exact mode on one pair, for ``target``'s compiler (fast mode told the target).
     Raises ShardPlanError from fast mode (an invalid draw); an exact-mode failure is recorded in
@@ -297,6 +373,8 @@ def measure(model: str, text: str, target: str = "cpu") -> dict:
         # exact mode's collectives by (kind, model line): enough to re-cost fast mode alone later
         exact_by_source=[[k, s, b, o[:120]] for (k, s), (b, o) in sorted(_by_source(exact).items())],
     )
+    if LAYOUT_DUMP and target == "cpu":
+        row["layouts"] = _layouts(plan, model)
     return row
 
 
@@ -356,6 +434,7 @@ def worst(rows: Sequence[dict], n: int = 10, comm_only: bool = False) -> list[di
                 "figures": figures,
                 "key_lines": key_lines(r["plan"]),
                 "differences": r["differences"],
+                "layouts": r.get("layouts", []),
             }
         )
     return out
@@ -522,6 +601,11 @@ def _worst_lines(rows: Sequence[dict]) -> list[str]:
                 f"    {d['kind']} at {where}: fast {d['fast']:,} B vs exact {d['exact']:,} B "
                 f"(fast op {d['fast_op'] or '-'}; exact op {d['exact_op'] or '-'})"
             )
+        for d in w.get("layouts", []):
+            lines.append(
+                f"    XLA lays out {d['op']} {tuple(d['shape'])} at {d['source']} as {' or '.join(d['xla'])}, "
+                f"fast mode as {' or '.join(d['fast'])}"
+            )
     return lines
 
 
@@ -567,8 +651,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
     p.add_argument("--json", help="write every figure here (after every pair)")
     p.add_argument("--report", metavar="JSON", help="measure nothing: summarize and print a saved run")
-    p.add_argument("--target", default="cpu", help="the compiler: cpu (default), or a target such as tpu-v5e:2x4 "
-                   "or h100:8 (exact mode compiles for it offline; fast mode is told it)")
+    p.add_argument(
+        "--target",
+        default="cpu",
+        help="the compiler: cpu (default), or a target such as tpu-v5e:2x4 "
+        "or h100:8 (exact mode compiles for it offline; fast mode is told it)",
+    )
+    p.add_argument(
+        "--layouts",
+        action="store_true",
+        help="list where XLA's propagated layouts and fast mode's "
+        "part (XLA:CPU; the compiles dump their propagated module, the compile cache is off)",
+    )
     args = p.parse_args(argv)
     if args.report:
         saved = json.loads(Path(args.report).read_text())
@@ -590,6 +684,16 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from shardplan.runtime.devices import simulate
 
+    if args.layouts:  # before jax starts: XLA reads its flags once
+        import os
+        import tempfile
+
+        LAYOUT_DUMP.append(Path(tempfile.mkdtemp(prefix="shardplan-layouts-")))
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_dump_to={LAYOUT_DUMP[0]} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=shardy-xla"
+        )
+        os.environ["SHARDPLAN_COMPILE_CACHE"] = "0"
     simulate(DEVICES)
     res = run_pairs(args.pairs, args.seed, args.json, log=lambda s: print(s, flush=True), target=args.target)
     print(report(res))

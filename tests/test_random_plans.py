@@ -10,6 +10,7 @@ test shows as xfail while any is unmet.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -124,3 +125,27 @@ def test_quick_benchmark_reports_each_target_honestly():
 # all-to-all 13.0%, peak 19.0%, FLOPs 24.5% (targets 10%, 10%, 10%, 15%, 2%); bounds a little above.
 RANDOM_KNOWN = {"comm/all-reduce": 0.25, "comm/all-gather": 0.50, "comm/all-to-all": 0.15, "peak": 0.22,
                 "flops": 0.28}
+
+
+def test_layouts_flag_lists_where_xla_lays_values_out_otherwise(tmp_path):
+    # One pair, its compile dumping XLA's propagated module (the flags must be set before jax
+    # starts: a child process). Each listed value is one XLA lays out otherwise than fast mode, at
+    # a line of the model's code.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = tmp_path / "run.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.random_plans", "--pairs", "1", "--seed", "0",
+                          "--layouts", "--json", str(out)], capture_output=True, text=True, env=env,
+                         cwd=rp.ROOT, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["layouts"], "pair 0 of seed 0: fast mode's layouts and XLA's part somewhere"
+    for d in row["layouts"]:
+        assert d["xla"] != d["fast"] and d["source"].startswith("models.py:")
+        assert all(x.startswith("(") and x.endswith(")") for x in d["xla"] + d["fast"])
+    first = row["layouts"][0]
+    assert f"XLA lays out {first['op']} {tuple(first['shape'])} at {first['source']}" in run.stdout

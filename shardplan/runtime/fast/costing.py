@@ -57,6 +57,18 @@ def step_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
     return replace(got, seconds=time.perf_counter() - t0)
 
 
+def chosen(
+    tracer: Any, plan: Any, mesh: dict[str, int], compiler: str = "cpu"
+) -> list[tuple[str, str, tuple[int, ...], Dims]]:
+    """Fast mode's layout of every value it computes (those without a pending sum), in program
+    order: (source line, primitive, shape, per-dim axes), to set beside XLA's
+    (``core.hlo.shardings.layouts``) where the two go different ways."""
+    res = tracer.resolve(plan, mesh)
+    seen: list = []
+    cost(tracer.step(plan, mesh, res), plan, mesh, delta=False, res=res, compiler=compiler, seen=seen)
+    return [(src, op, v.shape, v.dims) for src, op, outs in seen for v in outs if not v.partial]
+
+
 @_collector_paused()
 def cost(
     traced: Trace,
@@ -67,13 +79,15 @@ def cost(
     res: Resolution | None = None,
     compiler: str = "cpu",
     how: bool = True,
+    seen: list | None = None,
 ) -> StepCost:
     """``plan``'s step cost on ``mesh`` over a step traced once (:func:`trace`), without tracing
     again: the plan's shardings resolved (``res``: already, by ``Tracer.resolve``) and propagated
     through the traced jaxpr. ``delta``: also what the step's constraints change (a second
     propagation without them). ``compiler``: whose program (:data:`COMPILERS`). ``how``: the
     notes begin with how the auto backend's step is costed (the shard_map backend, which says
-    its own, passes False).
+    its own, passes False). ``seen``: filled with each equation's results as laid out
+    (``Walker.seen``; with ``delta``, the unconstrained pass's).
 
     Raises:
         ValueError: ``traced`` was traced under other activation rules, mesh or axis types.
@@ -114,6 +128,7 @@ def cost(
             env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
         prop = Walker(RULE_BOOK, ctx, names, ignore_constraints, free)
         prop.layouts_only = layouts_only
+        prop.seen = seen
         prop.memo = traced.memo
         # The step's outputs keep the plan's layout (the backend's out_shardings).
         for var, d in zip(jaxpr.outvars, out_specs, strict=False):

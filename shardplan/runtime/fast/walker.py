@@ -134,6 +134,9 @@ class Walker:
         # A scan's loop-invariant operands -> the runs outside the loop: XLA hoists their reshards out
         # of the while body (measured: a weight closed over by a scanned body is gathered once).
         self.invariant: dict[Any, int] = {}
+        # Where given, each equation's results as the last full pass laid them out, in program
+        # order: (its source line, its primitive, the results) (``costing.chosen``).
+        self.seen: list[tuple[str, str, list[Val]]] | None = None
 
     def root(self, var: Any) -> Any:
         while var in self.origin:
@@ -166,6 +169,8 @@ class Walker:
         outer_frame, self.frame = self.frame, frame
         self.runs += 1
         this_run = self.runs
+        if top and self.seen is not None:
+            self.seen.clear()  # (a second pass's layouts replace the first's)
         copies: dict[Any, int] = {}  # the narrow copies of the jaxpr's inputs its matmuls read
         steps = self._steps(jaxpr, last, keep)
         if self.layouts_only:  # no memory observers: the layouts alone
@@ -186,6 +191,8 @@ class Walker:
             out = quick(self, eqn, ins, mult) if simple else None
             outs = [out] if out is not None else self.eqn(eqn, ins, mult)
             inner, self.peak = self.peak, outer_peak
+            if self.seen is not None:
+                self.seen.append((self.source_of(eqn) or self.call_source, eqn.primitive.name, outs))
             virtual = (
                 {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)} if self.virtual_outs else _NONE
             )
