@@ -182,7 +182,7 @@ class Walker:
             for var in eqn.outvars:
                 self.defined[var] = this_run
                 self.origin.pop(var, None)
-            if all(x in self.constant for x in variables) and eqn.primitive.name != "scan":
+            if self.constant.issuperset(variables) and eqn.primitive.name != "scan":
                 self.constant.update(eqn.outvars)
             else:
                 self.constant.difference_update(eqn.outvars)
@@ -257,7 +257,7 @@ class Walker:
             for var in eqn.outvars:
                 self.defined[var] = this_run
                 self.origin.pop(var, None)
-            if all(x in self.constant for x in variables) and eqn.primitive.name != "scan":
+            if self.constant.issuperset(variables) and eqn.primitive.name != "scan":
                 self.constant.update(eqn.outvars)
             else:
                 self.constant.difference_update(eqn.outvars)
