@@ -196,8 +196,8 @@ class Walker:
             virtual = (
                 {eqn.outvars[i] for i in self.virtual_outs if i < len(eqn.outvars)} if self.virtual_outs else _NONE
             )
-            if not self.layouts_only:
-                self.traffic(frame, eqn, outs, virtual, mult)
+            self.traffic(frame, eqn, outs, virtual, mult)
+            if out is None:  # (the quick rule's results carry no pending sum)
                 self._sum_origins(eqn, outs)
             for var, val in zip(eqn.outvars, outs, strict=True):
                 env[var] = val
@@ -232,8 +232,7 @@ class Walker:
                 if x in held:
                     out_live -= held[x] if x in results else 0
                     live -= held.pop(x)
-            for x in dying:
-                if x in copies:  # the weight's last reader (the optimizer's update)
+                if copies and x in copies:  # the weight's last reader (the optimizer's update)
                     live -= copies.pop(x)
             for x in narrowing:  # read by default-precision matmuls alone from here: their narrow copy
                 if x in held:
