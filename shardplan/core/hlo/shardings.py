@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardplan.core.hlo.frames import _tables
-from shardplan.core.hlo.groups import _iota
+from shardplan.core.hlo.groups import _iota, _unravel
 from shardplan.core.hlo.text import _FRAME, _ints
 
 Dims = tuple[tuple[str, ...], ...]  # per dim: the mesh axes it is split over, major first
@@ -53,7 +53,7 @@ def dims(sharding: str, rank: int, mesh: Sequence[tuple[str, int]]) -> Dims | No
             out.append(())
             continue
         # the devices along dim k (every other tile index 0), as mesh coordinates
-        line = [_coords(ids[j * strides[k]], sizes) for j in range(tiles[k])]
+        line = [_unravel(ids[j * strides[k]], sizes) for j in range(tiles[k])]
         varying = [a for a in range(len(sizes)) if len({c[a] for c in line}) > 1]
         if math.prod(sizes[a] for a in varying) != tiles[k]:
             return None
@@ -68,14 +68,6 @@ def dims(sharding: str, rank: int, mesh: Sequence[tuple[str, int]]) -> Dims | No
                     return None
         out.append(tuple(mesh[a][0] for a in order))
     return tuple(out)
-
-
-def _coords(device: int, sizes: list[int]) -> tuple[int, ...]:
-    out = []
-    for s in reversed(sizes):
-        device, c = divmod(device, s)
-        out.append(c)
-    return tuple(reversed(out))
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,11 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
     hit = walk.ctx.cache.get(key)
     if hit is not None:
         return hit
+    if _sliced(v.dims, target) and var not in walk.dot_reduced:
+        # the target only splits further, each dim after the axes it has: a free local slice
+        # (remembered: a loop's carried state takes the layout its body reads it in, ``while_loop``)
+        out = walk.ctx.cache[key] = Val(v.shape, v.itemsize, target)
+        return out
     want = {a: i for i, d in enumerate(target) for a in d}
     dims = [list(d) for d in v.dims]
     moves = walk.names.get(walk.root(var), "")
@@ -303,6 +308,13 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
     out = Val(v.shape, v.itemsize, _tuple(dims))
     walk.ctx.cache[key] = out
     return out
+
+
+def _sliced(dims: Dims, target: Dims) -> bool:
+    """Whether ``target`` only adds axes after each dim's own, none of them splitting ``dims``
+    elsewhere: every device keeps a part of its block, nothing moves."""
+    held = {a for d in dims for a in d}
+    return all(t[: len(d)] == d and not held.intersection(t[len(d) :]) for d, t in zip(dims, target, strict=True))
 
 
 def to_layout(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str) -> Val:

@@ -178,14 +178,7 @@ class Walker:
             steps = []
         quick = self.rules.quick
         for eqn, literals, variables, dying, narrowing, copying, simple in steps:
-            ins = [env[x] if lit is None else lit for x, lit in zip(eqn.invars, literals, strict=True)]
-            for var in eqn.outvars:
-                self.defined[var] = this_run
-                self.origin.pop(var, None)
-            if self.constant.issuperset(variables) and eqn.primitive.name != "scan":
-                self.constant.update(eqn.outvars)
-            else:
-                self.constant.difference_update(eqn.outvars)
+            ins = self._enter(eqn, literals, variables, env, this_run)
             outer_peak, self.peak = self.peak, 0
             self.virtual_outs = _NONE
             out = quick(self, eqn, ins, mult) if simple else None
@@ -247,19 +240,24 @@ class Walker:
         self.depth -= 1
         return [self._read(env, x) for x in jaxpr.outvars]
 
+    def _enter(self, eqn: Any, literals: tuple, variables: tuple, env: dict[Any, Val], this_run: int) -> list[Val]:
+        """An equation's operands' layouts, its results defined in this run, and whether they are
+        computed from literals alone (``constant``; a scan's never: its body runs per trip)."""
+        for var in eqn.outvars:
+            self.defined[var] = this_run
+            self.origin.pop(var, None)
+        if self.constant.issuperset(variables) and eqn.primitive.name != "scan":
+            self.constant.update(eqn.outvars)
+        else:
+            self.constant.difference_update(eqn.outvars)
+        return [env[x] if lit is None else lit for x, lit in zip(eqn.invars, literals, strict=True)]
+
     def _layouts(self, steps: list[tuple], env: dict[Any, Val], mult: int, this_run: int) -> None:
         """``run``'s loop for the layouts alone (``layouts_only``): each equation's rule, its
         results' layouts bound, what the rules read of the run kept (definitions, constants)."""
         quick = self.rules.quick
         for eqn, literals, variables, *_, simple in steps:
-            ins = [env[x] if lit is None else lit for x, lit in zip(eqn.invars, literals, strict=True)]
-            for var in eqn.outvars:
-                self.defined[var] = this_run
-                self.origin.pop(var, None)
-            if self.constant.issuperset(variables) and eqn.primitive.name != "scan":
-                self.constant.update(eqn.outvars)
-            else:
-                self.constant.difference_update(eqn.outvars)
+            ins = self._enter(eqn, literals, variables, env, this_run)
             out = quick(self, eqn, ins, mult) if simple else None
             for var, val in zip(eqn.outvars, [out] if out is not None else self.eqn(eqn, ins, mult), strict=True):
                 env[var] = val
