@@ -126,9 +126,7 @@ def quick(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val | None:
 
 
 def elementwise(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
-    out = quick(walk, eqn, ins, mult)
-    if out is not None:
-        return out
+    """An elementwise equation the walker's ``quick`` rule did not answer (it asks that first)."""
     outvar = eqn.outvars[0]
     out_aval = eqn.outvars[0].aval
     shape = tuple(out_aval.shape)
