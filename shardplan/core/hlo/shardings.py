@@ -73,12 +73,14 @@ def dims(sharding: str, rank: int, mesh: Sequence[tuple[str, int]]) -> Dims | No
 @dataclass(frozen=True)
 class Chosen:
     """One instruction's result as XLA laid it out: its source line (the innermost frame outside
-    libraries), the op (``op_name``'s last part: the jax primitive), shape and layout."""
+    libraries), the op (``op_name``'s last part: the jax primitive), shape and layout, and the whole
+    ``op_name`` (jax's name stack: ``runtime.shardy`` names equations by their path there)."""
 
     source: str
     op: str
     shape: tuple[int, ...]
     dims: Dims | None
+    name: str = ""
 
 
 def layouts(hlo_text: str, mesh: Sequence[tuple[str, int]]) -> list[Chosen]:
@@ -97,6 +99,12 @@ def layouts(hlo_text: str, mesh: Sequence[tuple[str, int]]) -> list[Chosen]:
         source = frames.source(int(frame.group(1))) if frame else ""
         op = name.group(1).rsplit("/", 1)[-1] if name else m.group(2)
         out.append(
-            Chosen(source, op, shape, dims(sharding.group(1), len(shape), mesh) if sharding else ((),) * len(shape))
+            Chosen(
+                source,
+                op,
+                shape,
+                dims(sharding.group(1), len(shape), mesh) if sharding else ((),) * len(shape),
+                name.group(1) if name else "",
+            )
         )
     return out

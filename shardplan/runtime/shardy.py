@@ -1,0 +1,366 @@
+"""XLA's own layouts, offline: Shardy's propagation run from jaxlib over a traced step.
+
+XLA lays out every value of a step by Shardy's propagation before it partitions the step. jaxlib
+ships Shardy's passes, so the same propagation runs here, without compiling, without devices and
+at any mesh size (Shardy's mesh is axis names and sizes). Three stages, each pure:
+
+1. :func:`lowered`: the traced jaxpr lowered to StableHLO with every equation named by its path
+   (its index in its jaxpr, after the indices of the calls around it: ``e12/e3``), nested calls
+   inlined in place (XLA's call inliner does the same before Shardy runs). The arguments carry
+   whole layouts as placeholders; a plan's come in stage 3.
+2. :func:`imported`: the module as XLA's Shardy pass receives it. XLA converts the module to HLO
+   and back before Shardy imports it, and the graph changes on the way (reshapes, constants,
+   calls); the same converters run here (``mlir_module_to_xla_computation``,
+   ``hlo_to_stablehlo``). Then what XLA's round-trip import pipeline does, where jaxlib does not
+   register its passes: constants become ``sdy.constant`` (folding them is not propagation's
+   business), sharding custom calls become ``sdy.sharding_constraint``, a while loop's operands
+   that its body passes through unchanged are read from outside the loop and each such free
+   variable gets an open constraint (XLA's ``OpenWhileFreeVarsSharding``); the frontend
+   attributes' shardings are read by the pass jaxlib does register
+   (``xla-sdy-round-trip-import-shardy-attrs``).
+3. :meth:`Propagator.layouts`: per plan, the arguments' and results' layouts set on a copy of
+   that module, ``sdy-propagation-pipeline`` run, and each op's result layouts read back by the
+   path of the equation that made it.
+
+Measured against XLA:CPU's own programs (``tests/test_shardy.py``: its post-Shardy HLO read by
+``core.hlo.shardings``), stage 3 gives XLA's layouts. What it does not give is what XLA's
+partitioner then does with them (the collectives, the memory): that stays fast mode's rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Dims = tuple[tuple[str, ...], ...]  # per dim: the mesh axes it is split over
+Path = tuple[int, ...]  # an equation's index in its jaxpr, after those of the calls around it
+
+_NAME = re.compile(r'loc\("([^"]*)"')
+_STEP = re.compile(r"(?<![\w])e(\d+)(?=/|$)")
+_PER_VALUE = re.compile(r"<@\w+, \[(.*?)\]>")
+_DIM = re.compile(r"\{([^{}]*)\}")
+_AXIS = re.compile(r'"(\w+)"')
+_CONSTANT = re.compile(r"= stablehlo\.constant\b")
+
+
+@dataclass(frozen=True)
+class Op:
+    """One op of an equation's lowering, as propagated: its kind, and per result its shape and
+    layout (None where Shardy split a dim over part of an axis, which no plan writes)."""
+
+    kind: str
+    shapes: tuple[tuple[int, ...] | None, ...]
+    dims: tuple[Dims | None, ...]
+
+
+def result_layout(ops: Sequence[Op], shape: tuple[int, ...]) -> Dims | None:
+    """The layout of an equation's result of ``shape``: the last of its ops to make a value of
+    that shape (an equation lowered to several ops makes its result last)."""
+    for op in reversed(ops):
+        for s, d in zip(op.shapes, op.dims, strict=True):
+            if s == shape and d is not None:
+                return d
+    return None
+
+
+# -- stage 1: lowering ------------------------------------------------------------------------
+def _renamed(jaxpr: Any) -> Any:
+    """``jaxpr`` with each equation's name stack its index (``e3``), nested jaxprs the same."""
+    from jax._src import source_info_util
+
+    eqns = []
+    for k, eqn in enumerate(jaxpr.eqns):
+        params = {name: _renamed_param(v) for name, v in eqn.params.items()}
+        info = eqn.source_info.replace(name_stack=source_info_util.new_name_stack(f"e{k}"))
+        eqns.append(eqn.replace(params=params, source_info=info))
+    return jaxpr.replace(eqns=eqns)
+
+
+def _renamed_param(v: Any) -> Any:
+    from jax._src import core
+
+    if isinstance(v, core.ClosedJaxpr):
+        return v.replace(jaxpr=_renamed(v.jaxpr))
+    if isinstance(v, core.Jaxpr):
+        return _renamed(v)
+    if isinstance(v, tuple) and v and all(isinstance(x, (core.ClosedJaxpr, core.Jaxpr)) for x in v):
+        return tuple(_renamed_param(x) for x in v)
+    return v
+
+
+def _inline_call(ctx: Any, *args: Any, jaxpr: Any = None, call_jaxpr: Any = None, **_: Any) -> Any:
+    """A call lowered in place, under the caller's name stack (jax lowers a nested jit once, as a
+    function every caller calls: its ops would carry no caller's path)."""
+    from jax._src import core
+    from jax._src.interpreters import mlir
+
+    closed = jaxpr if jaxpr is not None else call_jaxpr
+    if not isinstance(closed, core.ClosedJaxpr):
+        closed = core.ClosedJaxpr(closed, ())
+    consts = [mlir.ir_constant(c) for c in closed.consts]
+    out, tokens = mlir.jaxpr_subcomp(
+        ctx.module_context,
+        closed.jaxpr,
+        ctx.name_stack,
+        ctx.tokens_in,
+        consts,
+        *args,
+        dim_var_values=ctx.dim_var_values,
+        const_lowering=ctx.const_lowering,
+        outer_traceback=ctx.traceback,
+    )
+    ctx.set_tokens_out(tokens)
+    return out
+
+
+_LOWERING = threading.Lock()
+
+
+@contextlib.contextmanager
+def _calls_inlined() -> Iterator[None]:
+    """jit and closed_call lowered in place for the length of one lowering (then as before)."""
+    from jax._src import core
+    from jax._src.interpreters import mlir
+    from jax._src.pjit import jit_p
+
+    with _LOWERING:
+        saved = {p: mlir._lowerings.get(p) for p in (jit_p, core.closed_call_p)}
+        try:
+            for p in saved:
+                mlir._lowerings[p] = mlir.LoweringRuleEntry(_inline_call, True)
+            yield
+        finally:
+            for p, rule in saved.items():
+                if rule is None:
+                    mlir._lowerings.pop(p, None)
+                else:
+                    mlir._lowerings[p] = rule
+
+
+def lowered(closed: Any, abstract_mesh: Any) -> str:
+    """Stage 1: ``closed`` (a traced step) as StableHLO text, each op named by its equation's
+    path, every argument and result whole (placeholders for a plan's layouts)."""
+    import jax
+    from jax._src import core
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    renamed = closed.replace(jaxpr=_renamed(closed.jaxpr))
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    whole = NamedSharding(abstract_mesh, PartitionSpec())
+    fn = jax.jit(
+        core.jaxpr_as_fun(renamed),
+        in_shardings=[whole] * len(avals),
+        out_shardings=[whole] * len(closed.jaxpr.outvars),
+        keep_unused=True,
+    )
+    with _calls_inlined(), jax.sharding.use_abstract_mesh(abstract_mesh):
+        low = fn.trace(*avals).lower(lowering_platforms=("cpu",))
+    return low.as_text(debug_info=True)
+
+
+# -- stage 2: what XLA imports -----------------------------------------------------------------
+def _context() -> Any:
+    from jax._src.interpreters import mlir
+
+    return mlir.make_ir_context()
+
+
+def _ops(op: Any) -> Iterator[Any]:
+    """Every op nested in ``op``, in program order."""
+    for region in op.regions:
+        for block in region.blocks:
+            for o in block.operations:
+                yield o.operation
+                yield from _ops(o.operation)
+
+
+def _run(module: Any, pipeline: str) -> None:
+    from jaxlib.mlir import passmanager
+
+    passmanager.PassManager.parse(f"builtin.module({pipeline})").run(module.operation)
+
+
+def _constraints(module: Any) -> int:
+    """``custom_call @Sharding`` (a sharding constraint after the HLO round trip) as
+    ``sdy.sharding_constraint`` with the sharding its frontend attribute holds."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import sdy
+
+    calls = [
+        o
+        for o in _ops(module.operation)
+        if o.name == "stablehlo.custom_call" and str(o.attributes["call_target_name"]) == '"Sharding"'
+    ]
+    for o in calls:
+        held = str(ir.DictAttr(o.attributes["mhlo.frontend_attributes"])["xla.sdy.sharding"])
+        inner = held.strip('"').replace("\\22", '"')
+        one = _PER_VALUE.search(inner)
+        if one is None:
+            continue
+        mesh = re.search(r"<(@\w+),", inner)
+        sharding = ir.Attribute.parse(f"#sdy.sharding<{mesh.group(1) if mesh else '@mesh'}, [{one.group(1)}]>")
+        with ir.InsertionPoint(o), o.location:
+            c = sdy.ShardingConstraintOp(o.operands[0], sharding)
+        o.results[0].replace_all_uses_with(c.result)
+        o.erase()
+    return len(calls)
+
+
+def _loops(module: Any) -> list[Any]:
+    return [o for o in _ops(module.operation) if o.name == "stablehlo.while"]
+
+
+def _invariants_outside(module: Any) -> int:
+    """A while loop's operands that its body returns unchanged, read from outside the loop (in
+    its condition, its body and after it), as XLA's import leaves them: free variables."""
+    from jaxlib.mlir import ir
+
+    moved = 0
+    for loop in _loops(module):
+        cond, body = loop.regions[0].blocks[0], loop.regions[1].blocks[0]
+        ret = list(body.operations)[-1]
+        for i, outer in enumerate(loop.operands):
+            back = ret.operands[i]
+            if not (isinstance(back.owner, ir.Block) and back.owner == body and ir.BlockArgument(back).arg_number == i):
+                continue
+            for block in (cond, body):
+                for use in list(block.arguments[i].uses):
+                    if use.owner != ret:
+                        use.owner.operands[use.operand_number] = outer
+            for use in list(loop.results[i].uses):
+                use.owner.operands[use.operand_number] = outer
+            moved += 1
+    return moved
+
+
+def _within(op: Any, outer: Any) -> bool:
+    while op is not None and op.name != "builtin.module":
+        if op == outer:
+            return True
+        op = op.parent
+    return False
+
+
+def _free_opened(module: Any, mesh: str) -> int:
+    """Each value a while loop reads from outside that carries a sharding, read inside through an
+    open constraint (XLA's ``OpenWhileFreeVarsSharding``: the loop may lay it out otherwise)."""
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import sdy
+
+    opened = 0
+    for loop in _loops(module):
+        free: dict[Any, list[tuple[Any, int]]] = {}
+        for o in _ops(loop):
+            for i, v in enumerate(o.operands):
+                owner = v.owner
+                if isinstance(owner, ir.Block):
+                    holder = owner.owner
+                    if holder == loop or _within(holder, loop):
+                        continue
+                    attrs = ir.ArrayAttr(holder.attributes["arg_attrs"]) if "arg_attrs" in holder.attributes else None
+                    if attrs is None or "sdy.sharding" not in ir.DictAttr(attrs[ir.BlockArgument(v).arg_number]):
+                        continue
+                elif _within(owner, loop) or "sdy.sharding" not in owner.attributes:
+                    continue
+                free.setdefault(v, []).append((o, i))
+        for v, uses in free.items():
+            rank = len(v.type.shape)
+            dims = [sdy.DimensionShardingAttr.get([], is_closed=False) for _ in range(rank)]
+            with ir.InsertionPoint(loop), loop.location:
+                c = sdy.ShardingConstraintOp(v, sdy.TensorShardingAttr.get(mesh, dims))
+            for o, i in uses:
+                o.operands[i] = c.result
+            opened += 1
+    return opened
+
+
+def imported(text: str) -> str:
+    """Stage 2: the lowered module (``lowered``) as XLA's Shardy pass imports it, as text."""
+    from jaxlib import _jax
+    from jaxlib.mlir import ir
+
+    with _context():
+        from jax._src.interpreters import mlir
+
+        code = mlir.module_to_bytecode(ir.Module.parse(text))
+    hlo = _jax.mlir.mlir_module_to_xla_computation(code, use_tuple_args=False, return_tuple=False)
+    back = _jax.mlir.hlo_to_stablehlo(hlo.as_serialized_hlo_module_proto())
+    with _context(), ir.Location.unknown():
+        module = ir.Module.parse(back)
+        _run(module, "symbol-dce")
+        module = ir.Module.parse(_CONSTANT.sub("= sdy.constant", str(module.operation.get_asm(enable_debug_info=True))))
+        _constraints(module)
+        _run(module, "xla-sdy-round-trip-import-shardy-attrs,symbol-dce")
+        meshes = [o for o in module.body.operations if o.operation.name == "sdy.mesh"]
+        mesh = str(meshes[0].operation.attributes["sym_name"]).strip('"') if meshes else "mesh"
+        _invariants_outside(module)
+        _free_opened(module, mesh)
+        return str(module.operation.get_asm(enable_debug_info=True))
+
+
+# -- stage 3: a plan's layouts ------------------------------------------------------------------
+def _dims(text: str) -> Dims | None:
+    out = []
+    for d in _DIM.findall(text):
+        d = d.replace("?", "").strip().rstrip(",").strip()
+        if ":" in d:  # a sub-axis (``"data":(1)2``)
+            return None
+        out.append(tuple(_AXIS.findall(d)))
+    return tuple(out)
+
+
+class Propagator:
+    """A traced step made ready for Shardy's propagation once (stages 1 and 2); :meth:`layouts`
+    per plan. ``closed``: the step's closed jaxpr; ``abstract_mesh``: the mesh it was traced under."""
+
+    def __init__(self, closed: Any, abstract_mesh: Any):
+        from jaxlib.mlir import ir
+
+        self.ctx = _context()
+        with self.ctx:
+            self.module = ir.Module.parse(imported(lowered(closed, abstract_mesh)))
+        with self.ctx:
+            meshes = [o for o in self.module.body.operations if o.operation.name == "sdy.mesh"]
+        self.mesh = str(meshes[0].operation.attributes["sym_name"]).strip('"') if meshes else "mesh"
+
+    def layouts(self, args: Sequence[Dims], results: Sequence[Dims]) -> dict[Path, tuple[Op, ...]]:
+        """Per equation path, its ops as propagated with the step's arguments laid out as ``args``
+        and its results as ``results`` (in the jaxpr's order)."""
+        from jaxlib.mlir import ir
+
+        def sharding(dims: Dims) -> Any:
+            body = ", ".join("{" + ", ".join(f'"{a}"' for a in d) + "}" for d in dims)
+            return ir.Attribute.parse(f"#sdy.sharding<@{self.mesh}, [{body}]>")
+
+        with self.ctx, ir.Location.unknown():
+            module = self.module.operation.clone()
+            main = next(
+                o.operation
+                for o in module.regions[0].blocks[0].operations
+                if o.operation.name == "func.func" and str(o.operation.attributes["sym_name"]) == '"main"'
+            )
+            for key, given in (("arg_attrs", args), ("res_attrs", results)):
+                main.attributes[key] = ir.ArrayAttr.get([ir.DictAttr.get({"sdy.sharding": sharding(d)}) for d in given])
+            _run(module, "sdy-propagation-pipeline")
+            got: dict[Path, list[Op]] = {}
+            for o in _ops(module):
+                if not len(o.results) or o.name.startswith("sdy."):  # (reshards Shardy inserted)
+                    continue
+                name = _NAME.search(str(o.location))
+                if name is None:
+                    continue
+                shapes = tuple(tuple(r.type.shape) if hasattr(r.type, "shape") else None for r in o.results)
+                if "sdy.sharding" in o.attributes:
+                    dims = tuple(_dims(p) for p in _PER_VALUE.findall(str(o.attributes["sdy.sharding"])))
+                else:  # no sharding: whole
+                    dims = tuple(tuple(() for _ in s) if s is not None else None for s in shapes)
+                op = Op(o.name, shapes, dims)
+                for part in name.group(1).split(";"):  # (ops jax merged carry both names)
+                    path = tuple(int(k) for k in _STEP.findall(part))
+                    if path:
+                        got.setdefault(path, []).append(op)
+        return {p: tuple(ops) for p, ops in got.items()}
