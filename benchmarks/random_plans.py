@@ -308,8 +308,9 @@ def divergences(fast: Sequence[tuple], xla: Sequence, top: int = 3) -> list[dict
 
 def _shown(layouts: set) -> list[str]:
     """Layouts as a plan writes them: ``(data, _, (model, seq))``."""
-    one = lambda d: "_" if not d else d[0] if len(d) == 1 else "(" + ", ".join(d) + ")"
-    return sorted("(" + ", ".join(one(d) for d in x) + ")" for x in layouts)
+    from shardplan.tools.report import layout_text
+
+    return sorted(layout_text(x) for x in layouts)
 
 
 def _layouts(plan, model: str) -> list[dict]:

@@ -850,3 +850,65 @@ def _step_cost(
             )
         ]
     )
+
+
+def layouts(
+    plan: str | os.PathLike | Plan,
+    *,
+    model: str,
+    step: str,
+    batch: dict | list[str],
+    optimizer: str = "adamw",
+    mesh: dict[str, int | None] | None = None,
+    devices: int | None = None,
+) -> tuple[Any, ...]:
+    """Every value of the training step as XLA lays it out under ``plan`` (``check --layouts``):
+    Shardy's propagation, the pass XLA runs before it partitions the step, run offline over the
+    step traced once (``runtime.shardy``: no compile, no devices, any mesh size). The auto
+    backend's step; arguments as for :func:`analyze`. Returns ``runtime.shardy.Value`` rows
+    (source line, primitive, shape, element size, layout, backward pass), in program order.
+
+    Raises:
+        ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace, or a
+            step whose lowering the propagation cannot read.
+    """
+    from shardplan.runtime import shardy
+    from shardplan.runtime.tracing import abstract_mesh
+
+    p = _plan(plan, mesh)
+    optimizers.lookup(optimizer)
+    shapes = parse_batch_arg(batch) if isinstance(batch, list) else dict(batch)
+    if not shapes:
+        hint = "pass --batch 'tokens=int32[8,16]'"
+        raise as_error([error("bad-argument", "the step needs the batch's shapes", hint, path="--batch")])
+    sizes = p.mesh_shape(devices)
+    resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
+    tracer = StepCoster(model, step, shapes, optimizer).tracer
+    res = tracer.resolve(p, sizes)
+    traced = tracer.step(p, sizes, res)
+    jaxpr = traced.closed.jaxpr
+
+    def padded(spec: Any, rank: int) -> tuple[tuple[str, ...], ...]:
+        dims = tuple(tuple(d) for d in spec.dims)[:rank]
+        return dims + ((),) * (rank - len(dims))
+
+    given = [*res.params.decisions, *res.opt.decisions, *res.inputs.decisions]
+    args = [padded(d.spec, len(v.aval.shape)) for d, v in zip(given, jaxpr.invars, strict=True)]
+    kept = [*res.params.decisions, *res.opt.decisions]  # the step's outputs keep the plan's layout
+    results = [padded(d.spec, len(v.aval.shape)) for d, v in zip(kept, jaxpr.outvars, strict=False)]
+    results += [((),) * len(getattr(v.aval, "shape", ())) for v in jaxpr.outvars[len(results) :]]
+    try:
+        laid_out = shardy.Propagator(traced.closed, abstract_mesh(sizes, p)).layouts(args, results)
+    except Exception as err:  # jaxlib's MLIR errors have no common root
+        raise as_error(
+            [
+                error(
+                    "layouts-failed",
+                    f"Shardy's propagation could not run over the step: {type(err).__name__}: {str(err)[:300]}",
+                    "check the step with --compile instead (XLA's own program)",
+                    path="--layouts",
+                )
+            ]
+        ) from None
+    inputs = frozenset(jaxpr.invars[len(args) - len(res.inputs.decisions) :])
+    return tuple(shardy.values(jaxpr, laid_out, inputs))

@@ -130,6 +130,7 @@ CODES: dict[str, Code] = {
         _e("act-rank", "apply", "an act rule's spec does not fit the rank of a module's output"),
         _e("loss-not-scalar", "apply", "the loss function does not return a float scalar"),
         _e("kernel-not-compilable", "apply", "exact mode: a custom kernel (Pallas, cuDNN) XLA:CPU cannot compile"),
+        _e("layouts-failed", "apply", "`check --layouts`: Shardy's propagation cannot run over the step's lowering"),
         _e("sharding-mismatch", "apply", "a live array placed other than the plan says (`verify`)"),
         _e("not-a-checkpoint", "apply", "a checkpoint directory that is missing, not a directory, or empty"),
         _e("corrupt-checkpoint", "apply", "a checkpoint step shardplan wrote whose files are damaged (file named)"),

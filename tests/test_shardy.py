@@ -5,6 +5,7 @@ read by ``core.hlo.shardings``), equation by equation, on random plans over mode
 from __future__ import annotations
 
 import glob
+import json
 import re
 import tempfile
 
@@ -142,3 +143,42 @@ def test_a_constraint_in_the_step_reaches_the_propagation():
     got = shardy.Propagator(closed, abstract).layouts([((), ()), ((), ())], [((), ())])
     tanh = next(k for k, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "tanh")
     assert shardy.result_layout(got[(tanh,)], (8, 32)) == ((), ("model",))
+
+
+_ENGINE = "tests/fixtures/engine_models.py"
+_BATCH = "tokens=int32[32,64],labels=int32[32,64]"
+
+
+def _check(*args):
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    cmd = [sys.executable, "-m", "shardplan", "check", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+
+def test_check_layouts_lists_the_largest_values_and_says_which_every_device_holds_whole(tmp_path):
+    """A model of our own: under data parallelism its largest values are split over the batch's
+    axis; with the batch left whole, every device holds them whole and ``check`` says so."""
+    step = ["--model", f"{_ENGINE}:decoder", "--devices", 8, "--step", f"{_ENGINE}:decoder_loss", "--batch", _BATCH]
+    split = _check("plans/dp.splan", *step, "--layouts", 4)
+    assert split.returncode == 0, split.stderr[-2000:]
+    table = split.stdout.split("as XLA lays them out")[1]
+    assert table.count("1/8") == 4 and "(data, " in table and "whole on every device" not in table
+    whole = tmp_path / "whole.splan"
+    whole.write_text('plan "whole"\nmesh data = *\nbatch (_, _)\ndefault replicated\n')
+    held = _check(whole, *step, "--layouts", 4, "--format", "json")
+    assert held.returncode == 0, held.stderr[-2000:]
+    rows = json.loads(held.stdout)["layouts"]
+    assert rows and all(not any(r["layout"]) for r in rows)  # nothing splits anything
+    assert [r["bytes_per_device"] for r in rows] == sorted((r["bytes_per_device"] for r in rows), reverse=True)
+    text = _check(whole, *step, "--layouts", 4)
+    assert "whole on every device" in text.stdout and "act rule" in text.stdout
+
+
+def test_check_layouts_needs_a_step():
+    got = _check("plans/dp.splan", "--model", f"{_ENGINE}:decoder", "--devices", 8, "--layouts")
+    assert got.returncode == 2 and "--layouts lists a step's values" in got.stderr
+    assert "Traceback" not in got.stderr

@@ -364,3 +364,95 @@ class Propagator:
                     if path:
                         got.setdefault(path, []).append(op)
         return {p: tuple(ops) for p, ops in got.items()}
+
+
+# -- the step's values, laid out ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Value:
+    """One equation's result as XLA lays it out: where the user's code makes it, the primitive,
+    its shape and element size, its layout, whether it is in the backward pass, whether it is
+    computed from literals alone, and whether it is an activation of the forward pass."""
+
+    source: str
+    op: str
+    shape: tuple[int, ...]
+    itemsize: int
+    dims: Dims
+    backward: bool
+    constant: bool = False  # computed from literals alone (a mask, positions): no act rule reaches it
+    activation: bool = False  # the forward pass makes it from the batch (not a weight's copy, not the update)
+
+    def local_bytes(self, mesh: dict[str, int]) -> int:
+        """Bytes each device holds of it."""
+        n = self.itemsize
+        for size, axes in zip(self.shape, self.dims, strict=True):
+            split = 1
+            for a in axes:
+                split *= mesh[a]
+            n *= -(-size // split)
+        return n
+
+
+def _single_body(eqn: Any) -> Any:
+    """The one jaxpr an equation runs in place (a call, a remat, a custom derivative's primal, a
+    scan's body), or None (no body, or several: a while's condition and body, a cond's branches,
+    whose equations the path names alike)."""
+    from jax._src import core
+
+    bodies = [v for v in eqn.params.values() if isinstance(v, (core.ClosedJaxpr, core.Jaxpr))]
+    if len(bodies) != 1 or any(
+        isinstance(v, tuple) and v and isinstance(v[0], core.ClosedJaxpr) for v in eqn.params.values()
+    ):
+        return None
+    return getattr(bodies[0], "jaxpr", bodies[0])
+
+
+def values(
+    jaxpr: Any,
+    laid_out: dict[Path, tuple[Op, ...]],
+    batch: frozenset = frozenset(),
+    at: Path = (),
+    caller: str = "",
+    fixed: frozenset = frozenset(),
+) -> list[Value]:
+    """Every array result of ``jaxpr``'s equations and of the bodies they run in place, in program
+    order, with the layout :meth:`Propagator.layouts` gave it (values it gave none are left out).
+    An equation inside library code is placed where the user's code calls it (``caller``);
+    ``batch``: ``jaxpr``'s inputs that the step's batch feeds; ``fixed``: those computed from
+    literals alone."""
+    from shardplan.runtime.primitives import itemsize
+    from shardplan.runtime.sources import eqn_source
+
+    out: list[Value] = []
+    constant, fed = set(fixed), set(batch)
+    for k, eqn in enumerate(jaxpr.eqns):
+        path = (*at, k)
+        given = [hasattr(x, "val") or x in constant for x in eqn.invars]
+        feeds = [not hasattr(x, "val") and x in fed for x in eqn.invars]
+        body = _single_body(eqn)
+        if body is not None:
+            inner = frozenset(v for v, c in zip(body.invars, given, strict=False) if c and eqn.primitive.name != "scan")
+            inner_fed = frozenset(v for v, f in zip(body.invars, feeds, strict=False) if f)
+            out += values(body, laid_out, inner_fed, path, eqn_source(eqn) or caller, inner)
+            if any(feeds):
+                fed.update(eqn.outvars)
+            continue
+        if all(given) and eqn.primitive.name not in ("scan", "while"):
+            constant.update(eqn.outvars)
+        if any(feeds):
+            fed.update(eqn.outvars)
+        ops = laid_out.get(path)
+        if not ops:
+            continue
+        stack = str(getattr(eqn.source_info, "name_stack", ""))
+        backward = "transpose(" in stack
+        forward = "jvp(" in stack and not backward
+        for var in eqn.outvars:
+            shape = tuple(getattr(var.aval, "shape", ()))
+            dims = result_layout(ops, shape) if shape else None
+            if dims is not None:
+                where = eqn_source(eqn) or caller
+                kind = eqn.primitive.name
+                fwd = forward and var in fed
+                out.append(Value(where, kind, shape, itemsize(var.aval), dims, backward, var in constant, fwd))
+    return out

@@ -160,6 +160,7 @@ def cmd_check(args, out: Console, err: Console) -> int:
         chip = chips.lookup(chip_name)
         times = [timing.step_time(c, with_links(r.plan, links), chip) for c, r in zip(costs, results, strict=True)]
     all_diags = [d for w in shown for d in w]
+    laid_out = _layouts(args, first.plan) if args.layouts is not None else None
     if args.format == "json":
         docs = [report.to_json(r.plan, r.resolution, list(w), budget) for r, w in zip(results, shown, strict=True)]
         for i, (doc, cost) in enumerate(zip(docs, costs or [], strict=False)):
@@ -168,6 +169,8 @@ def cmd_check(args, out: Console, err: Console) -> int:
                 doc["step_cost"]["time"] = times[i].to_json()
             if budget is not None:
                 doc["step_cost"]["fits"] = cost.memory.peak <= budget
+        if laid_out is not None:
+            docs[0]["layouts"] = report.layouts_json(laid_out[0], laid_out[1])
         out.print_json(json.dumps(docs[0] if len(docs) == 1 else {"plans": docs}))
     else:
         if first.resolution is not None:
@@ -184,6 +187,8 @@ def cmd_check(args, out: Console, err: Console) -> int:
                 report.print_step_hint(out, first.plan)
         if costs is not None:
             report.print_step_cost(out, first.plan.name or args.plan, costs[0], times[0] if times else None)
+        if laid_out is not None:
+            report.print_layouts(out, laid_out[0], laid_out[1], args.layouts)
         if others:
             report.print_comparison(out, [(r.plan, r.resolution) for r in results], budget, costs, times)
         report.print_diagnostics(err, all_diags)
@@ -372,12 +377,23 @@ def _check_step_args(args) -> None:
         raise _UsageError("--step needs the batch's shapes: --batch 'tokens=int32[256,4096],labels=int32[256,4096]'")
     if (args.batch or args.compile) and not args.step:
         raise _UsageError("--batch and --compile describe a step: name it with --step FILE:LOSS_FN")
+    if args.layouts is not None and not args.step:
+        raise _UsageError("--layouts lists a step's values: name the step with --step and --batch")
     if (args.chip or args.link) and not args.step:
         raise _UsageError("--chip and --link estimate a step's time: name the step with --step and --batch")
     target = targets.parse(args.target)
     targets.agree(target, args.chip)
     if args.devices is None and target.devices is not None and not args.mesh:
         args.devices = target.devices  # a '*' axis takes the target's devices, not this machine's
+
+
+def _layouts(args, plan) -> tuple[tuple, dict[str, int]]:
+    """(the step's values as XLA lays them out, the mesh) for ``--layouts``."""
+    optimizer = "adamw" if args.optimizer in ("none", "recorded") else args.optimizer
+    rows = api.layouts(
+        plan, model=args.model, step=args.step, batch=args.batch, optimizer=optimizer, devices=args.devices
+    )
+    return rows, plan.mesh_shape(args.devices)
 
 
 def _step_costs(args, results) -> list:
@@ -755,6 +771,15 @@ def build_parser() -> argparse.ArgumentParser:
         "offline without the devices; without, fast mode predicts that compiler's program",
     )
     st.add_argument("--backend", choices=backends.NAMES, help="the backend to cost (default: the plan's)")
+    st.add_argument(
+        "--layouts",
+        nargs="?",
+        const=12,
+        type=_count,
+        metavar="N",
+        help="list the step's N largest values (default 12) as XLA lays them out: Shardy's propagation, run "
+        "offline (no compile, any mesh size)",
+    )
     st.add_argument("--chip", choices=sorted(chips.CHIPS), help="estimate the step time and MFU on this accelerator")
     st.add_argument(
         "--link",

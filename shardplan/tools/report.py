@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -494,3 +495,80 @@ def explain_json(e) -> dict:
         "default": e.default,
         "decision": {"spec": str(d.spec), "how": d.how, "origin": d.origin, "shard_shape": list(d.shard_shape)},
     }
+
+
+def layout_text(dims: Sequence[Sequence[str]]) -> str:
+    """A layout as a plan writes it: ``(data, _, (model, seq))``."""
+    return "(" + ", ".join("_" if not d else d[0] if len(d) == 1 else "(" + ", ".join(d) + ")" for d in dims) + ")"
+
+
+def _grouped(rows: Sequence, mesh: dict[str, int]) -> list[tuple[Any, int, int]]:
+    """Equal values (source, op, shape, layout, pass: a layer's repeats) once, with their count,
+    largest per device first: (value, count, bytes per device)."""
+    counts: dict[tuple, list] = {}
+    for v in rows:
+        key = (v.source, v.op, v.shape, v.dims, v.backward, v.activation)
+        counts.setdefault(key, [v, 0])[1] += 1
+    out = [(v, n, v.local_bytes(mesh)) for v, n in counts.values()]
+    out.sort(key=lambda x: (-x[2], -x[1], x[0].source, x[0].op))
+    return out
+
+
+def print_layouts(console: Console, rows: Sequence, mesh: dict[str, int], limit: int) -> None:
+    """``check --layouts``: the step's largest values as XLA lays them out, and which of them
+    every device holds whole."""
+    grouped = _grouped(rows, mesh)
+    shape = ",".join(f"{k}={v}" for k, v in mesh.items())
+    t = Table(
+        title=f"the step's largest values as XLA lays them out (Shardy's propagation, run offline; mesh {shape}; "
+        f"{len(grouped)} distinct of {len(rows)} values)",
+        header_style="bold",
+    )
+    right = ("per device", "of the whole", "times")
+    for col in ("where", "op", "shape", "layout", *right):
+        t.add_column(col, justify="right" if col in right else "left", overflow="fold")
+    for v, n, local in grouped[:limit]:
+        whole = v.itemsize
+        for s in v.shape:
+            whole *= s
+        share = "all (whole)" if local >= whole else f"1/{round(whole / local)}"
+        where = os.path.basename(v.source) if v.source else "library code"
+        t.add_row(
+            where,
+            fmt_op(v.op) + (" (backward)" if v.backward else ""),
+            fmt_shape(v.shape),
+            layout_text(v.dims),
+            fmt_bytes(local),
+            share,
+            f"x{n}",
+        )
+    console.print(t)
+    # whole values worth an act rule: at least an eighth of the largest value's bytes per device
+    floor = grouped[0][2] / 8 if grouped else 0
+    whole = [(v, local) for v, _, local in grouped if not any(v.dims) and v.activation and local >= floor]
+    if whole:
+        v, local = whole[0]
+        console.print(
+            f"{len(whole)} of the forward pass's activations are whole on every device, each at least an eighth "
+            f"of the largest value's size; the largest: "
+            f"{fmt_op(v.op)} {fmt_shape(v.shape)} at {os.path.basename(v.source) or 'library code'} "
+            f"({fmt_bytes(local)}). An act rule on the module that makes it splits it (docs/language.md).",
+            markup=False,
+            highlight=False,
+        )
+
+
+def layouts_json(rows: Sequence, mesh: dict[str, int]) -> list[dict]:
+    """``--format json``'s ``layouts``: every distinct value, largest per device first."""
+    return [
+        {
+            "source": v.source,
+            "op": v.op,
+            "shape": list(v.shape),
+            "layout": [list(d) for d in v.dims],
+            "bytes_per_device": local,
+            "backward": v.backward,
+            "count": n,
+        }
+        for v, n, local in _grouped(rows, mesh)
+    ]
