@@ -904,7 +904,7 @@ def layouts(
             [
                 error(
                     "layouts-failed",
-                    f"Shardy's propagation could not run over the step: {type(err).__name__}: {str(err)[:300]}",
+                    f"Shardy's propagation could not run over the step: {shardy.reason(err)}",
                     "check the step with --compile instead (XLA's own program)",
                     path="--layouts",
                 )

@@ -75,7 +75,7 @@ def test_the_layouts_are_the_ones_xla_propagates_on_random_plans(index):
     got = shardy.Propagator(closed, abstract).layouts(args, results)
     agree, differ, compared = 0, [], 0
     for ch in _xla(closed, sizes, args, results):
-        path = tuple(int(k) for k in shardy._STEP.findall(ch.name))
+        path = shardy.path_of(ch.name)
         if not path or not ch.shape or ch.dims is None:
             continue
         compared += 1
@@ -182,3 +182,49 @@ def test_check_layouts_needs_a_step():
     got = _check("plans/dp.splan", "--model", f"{_ENGINE}:decoder", "--devices", 8, "--layouts")
     assert got.returncode == 2 and "--layouts lists a step's values" in got.stderr
     assert "Traceback" not in got.stderr
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 simulated devices")
+def test_a_shard_map_region_is_imported_as_xla_imports_it():
+    """A step with a hand-placed region: its body runs per device (XLA imports it as a manual
+    computation), and the values around it are laid out as XLA lays them out."""
+    sizes = {"data": 2, "model": 4}
+    abstract = tracing.abstract_mesh(sizes)
+
+    def step(x, w, v):
+        def local(a, b):
+            return jax.lax.psum(a @ b, "model")
+
+        y = jax.shard_map(
+            local,
+            mesh=abstract,
+            in_specs=(PartitionSpec("data", "model"), PartitionSpec("model")),
+            out_specs=PartitionSpec("data"),
+        )(x, w)
+        return jnp.tanh(y) @ v, jnp.sum(y * 2.0)
+
+    avals = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((8, 16), (16, 32), (32, 24))]
+    with jax.sharding.use_abstract_mesh(abstract):
+        closed = _traced(step, *avals)
+    args = [((), ()), ((), ()), ((), ("model",))]
+    results = [((), ()), ()]
+    got = shardy.Propagator(closed, abstract).layouts(args, results)
+    compared = 0
+    for ch in _xla(closed, sizes, args, results):
+        path = shardy.path_of(ch.name)
+        mine = {d for op in got.get(path, ()) for s, d in zip(op.shapes, op.dims, strict=True) if s == ch.shape}
+        if path and ch.shape and ch.dims is not None and mine and path[0] != 0:  # (outside the region)
+            compared += 1
+            assert ch.dims in mine, (path, ch.op, ch.shape, ch.dims, mine)
+    assert compared >= 3
+    tanh = next(k for k, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "tanh")
+    assert shardy.result_layout(got[(tanh,)], (8, 32)) == (("data",), ())
+
+
+def test_a_propagation_failure_is_said_without_the_call_stack_of_its_location():
+    err = RuntimeError(
+        'Failure while executing pass pipeline:\nerror: "p3/shard_map"(callsite("f"("/x/m.py":2:1) at '
+        'callsite("g"("/x/m.py":9:4) at "h"("/x/m.py":12:0)))): Shardy propagation doesn\'t support tuples: '
+        "'tuple<tensor<2xf32>>'\n note: see current operation"
+    )
+    assert shardy.reason(err) == "RuntimeError: Shardy propagation doesn't support tuples: 'tuple<tensor<2xf32>>'"

@@ -5,7 +5,7 @@ ships Shardy's passes, so the same propagation runs here, without compiling, wit
 at any mesh size (Shardy's mesh is axis names and sizes). Three stages, each pure:
 
 1. :func:`lowered`: the traced jaxpr lowered to StableHLO with every equation named by its path
-   (its index in its jaxpr, after the indices of the calls around it: ``e12/e3``), nested calls
+   (its index in its jaxpr, after the indices of the calls around it: ``p12_3``), nested calls
    inlined in place (XLA's call inliner does the same before Shardy runs). The arguments carry
    whole layouts as placeholders; a plan's come in stage 3.
 2. :func:`imported`: the module as XLA's Shardy pass receives it. XLA converts the module to HLO
@@ -40,7 +40,7 @@ Dims = tuple[tuple[str, ...], ...]  # per dim: the mesh axes it is split over
 Path = tuple[int, ...]  # an equation's index in its jaxpr, after those of the calls around it
 
 _NAME = re.compile(r'loc\("([^"]*)"')
-_STEP = re.compile(r"(?<![\w])e(\d+)(?=/|$)")
+_STEP = re.compile(r"(?<![\w])p(\d+(?:_\d+)*)(?=/|$)")
 _PER_VALUE = re.compile(r"<@\w+, \[(.*?)\]>")
 _DIM = re.compile(r"\{([^{}]*)\}")
 _AXIS = re.compile(r'"(\w+)"')
@@ -68,28 +68,39 @@ def result_layout(ops: Sequence[Op], shape: tuple[int, ...]) -> Dims | None:
 
 
 # -- stage 1: lowering ------------------------------------------------------------------------
-def _renamed(jaxpr: Any) -> Any:
-    """``jaxpr`` with each equation's name stack its index (``e3``), nested jaxprs the same."""
+def _renamed(jaxpr: Any, at: Path = ()) -> Any:
+    """``jaxpr`` with each equation's name stack its whole path (``p12_3``: its index, after those
+    of the equations whose bodies hold it), nested jaxprs the same. The whole path, because some
+    lowerings (a ``shard_map``'s body) do not put the caller's name before their equations'."""
     from jax._src import source_info_util
 
     eqns = []
     for k, eqn in enumerate(jaxpr.eqns):
-        params = {name: _renamed_param(v) for name, v in eqn.params.items()}
-        info = eqn.source_info.replace(name_stack=source_info_util.new_name_stack(f"e{k}"))
+        path = (*at, k)
+        params = {name: _renamed_param(v, path) for name, v in eqn.params.items()}
+        name = "p" + "_".join(map(str, path))
+        info = eqn.source_info.replace(name_stack=source_info_util.new_name_stack(name))
         eqns.append(eqn.replace(params=params, source_info=info))
     return jaxpr.replace(eqns=eqns)
 
 
-def _renamed_param(v: Any) -> Any:
+def _renamed_param(v: Any, at: Path) -> Any:
     from jax._src import core
 
     if isinstance(v, core.ClosedJaxpr):
-        return v.replace(jaxpr=_renamed(v.jaxpr))
+        return v.replace(jaxpr=_renamed(v.jaxpr, at))
     if isinstance(v, core.Jaxpr):
-        return _renamed(v)
+        return _renamed(v, at)
     if isinstance(v, tuple) and v and all(isinstance(x, (core.ClosedJaxpr, core.Jaxpr)) for x in v):
-        return tuple(_renamed_param(x) for x in v)
+        return tuple(_renamed_param(x, at) for x in v)
     return v
+
+
+def path_of(name: str) -> Path:
+    """The equation path an op's name (its name stack) carries: the last one written in it
+    (``()`` for an op no equation names)."""
+    found = _STEP.findall(name)
+    return tuple(int(k) for k in found[-1].split("_")) if found else ()
 
 
 def _inline_call(ctx: Any, *args: Any, jaxpr: Any = None, call_jaxpr: Any = None, **_: Any) -> Any:
@@ -278,6 +289,100 @@ def _free_opened(module: Any, mesh: str) -> int:
     return opened
 
 
+def _frontend(op: Any, key: str) -> Any:
+    """An attribute XLA's round trip keeps as text in an op's frontend attributes, parsed."""
+    from jaxlib.mlir import ir
+
+    held = str(ir.DictAttr(op.attributes["mhlo.frontend_attributes"])[key]).strip('"')
+    return ir.Attribute.parse(held.replace("\\22", '"'))
+
+
+def _parts(value: Any) -> list[Any]:
+    """The values a tuple-typed result unpacks to (its ``get_tuple_element`` users, by index), or
+    the value itself."""
+    if "tuple" not in str(value.type):
+        return [value]
+    parts: dict[int, Any] = {}
+    for use in value.uses:
+        if use.owner.name == "stablehlo.get_tuple_element":
+            parts[int(str(use.owner.attributes["index"]).split(":")[0])] = use.owner.results[0]
+    return [parts[k] for k in sorted(parts)]
+
+
+def _target(op: Any) -> str:
+    """A custom call's target ('' for any other op)."""
+    return str(op.attributes["call_target_name"]).strip('"') if op.name == "stablehlo.custom_call" else ""
+
+
+def _manual_regions(module: Any) -> int:
+    """XLA's shard_map import, which jaxlib does not register: ``GlobalToLocalShape``, a call of
+    the region's body and ``LocalToGlobalShape`` (the round trip's form of a ``shard_map``)
+    become one ``sdy.manual_computation`` holding the body. One region at a time, the module
+    read afresh after each (moving and erasing ops invalidates what was read before)."""
+    done = 0
+    while _one_manual_region(module):
+        done += 1
+    return done
+
+
+def _one_manual_region(module: Any) -> bool:
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import sdy
+
+    funcs = {
+        str(o.operation.attributes["sym_name"]).strip('"'): o.operation
+        for o in module.body.operations
+        if o.operation.name == "func.func"
+    }
+    for enter in [o for o in _ops(module.operation) if _target(o) == "xla.sdy.GlobalToLocalShape"]:
+        local = _parts(enter.results[0])
+        calls = {use.owner for v in local for use in v.uses}
+        if len(calls) != 1:
+            continue
+        call = calls.pop()
+        body = funcs.get(str(call.attributes["callee"]).lstrip("@"))
+        exits = list({use.owner for r in call.results for use in r.uses})
+        if body is None or len(exits) != 1 or _target(exits[0]) != "xla.sdy.LocalToGlobalShape":
+            continue
+        if list(call.operands) != local:  # (the body reads only the region's operands)
+            continue
+        leave = exits[0]
+        outs = _parts(leave.results[0])
+        with ir.InsertionPoint(leave), leave.location:
+            region = sdy.ManualComputationOp(
+                [v.type for v in outs],
+                list(enter.operands),
+                _frontend(enter, "xla.sdy.in_shardings"),
+                _frontend(leave, "xla.sdy.out_shardings"),
+                _frontend(enter, "xla.sdy.manual_axes"),
+            )
+        block = region.regions[0].blocks.append(*[v.type for v in local])
+        inner = body.regions[0].blocks[0]
+        for arg, new in zip(inner.arguments, block.arguments, strict=True):
+            arg.replace_all_uses_with(new)
+        ops = list(inner.operations)
+        with ir.InsertionPoint(block), call.location:
+            back = sdy.ReturnOp(list(ops[-1].operands))
+        for o in ops[:-1]:
+            o.operation.move_before(back)
+        for old, new in zip(outs, region.results, strict=True):
+            old.replace_all_uses_with(new)
+        unpacked_out = [v.owner for v in outs if v.owner != leave]
+        unpacked_in = [v.owner for v in local if v.owner != enter]
+        for o in [*unpacked_out, leave, call, *unpacked_in, enter]:  # (each after its users)
+            o.erase()
+        if not any(True for _ in _callers(module, str(body.attributes["sym_name"]).strip('"'))):
+            body.erase()
+        return True
+    return False
+
+
+def _callers(module: Any, name: str) -> Iterator[Any]:
+    for o in _ops(module.operation):
+        if o.name == "func.call" and str(o.attributes["callee"]).lstrip("@") == name:
+            yield o
+
+
 def imported(text: str) -> str:
     """Stage 2: the lowered module (``lowered``) as XLA's Shardy pass imports it, as text."""
     from jaxlib import _jax
@@ -294,6 +399,7 @@ def imported(text: str) -> str:
         _run(module, "symbol-dce")
         module = ir.Module.parse(_CONSTANT.sub("= sdy.constant", str(module.operation.get_asm(enable_debug_info=True))))
         _constraints(module)
+        _manual_regions(module)
         _run(module, "xla-sdy-round-trip-import-shardy-attrs,symbol-dce")
         meshes = [o for o in module.body.operations if o.operation.name == "sdy.mesh"]
         mesh = str(meshes[0].operation.attributes["sym_name"]).strip('"') if meshes else "mesh"
@@ -360,10 +466,20 @@ class Propagator:
                     dims = tuple(tuple(() for _ in s) if s is not None else None for s in shapes)
                 op = Op(o.name, shapes, dims)
                 for part in name.group(1).split(";"):  # (ops jax merged carry both names)
-                    path = tuple(int(k) for k in _STEP.findall(part))
+                    path = path_of(part)
                     if path:
                         got.setdefault(path, []).append(op)
         return {p: tuple(ops) for p, ops in got.items()}
+
+
+def reason(err: Exception) -> str:
+    """What an MLIR pass failure says, without the op's location (a call stack of every frame):
+    the words after the last location of its first error line (a shard_map region: "Shardy
+    propagation doesn't support tuples", XLA's shard_map import not being in jaxlib)."""
+    text = str(err)
+    line = next((ln for ln in text.splitlines() if "error:" in ln), text.splitlines()[0] if text else "")
+    words = line.rsplit(")): ", 1)[-1] if ")): " in line else line
+    return f"{type(err).__name__}: {words.strip()[:240]}"
 
 
 # -- the step's values, laid out ---------------------------------------------------------------
@@ -429,6 +545,8 @@ def values(
         path = (*at, k)
         given = [hasattr(x, "val") or x in constant for x in eqn.invars]
         feeds = [not hasattr(x, "val") and x in fed for x in eqn.invars]
+        if eqn.primitive.name == "shard_map":  # its body's values are per device, laid out by hand
+            continue
         body = _single_body(eqn)
         if body is not None:
             inner = frozenset(v for v, c in zip(body.invars, given, strict=False) if c and eqn.primitive.name != "scan")
