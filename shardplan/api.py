@@ -553,6 +553,20 @@ _XLA_STATUS = re.compile(
 )
 
 
+def _batch_shapes(batch: dict | list[str], path: str) -> dict:
+    """The step's input shapes from ``batch`` (command-line items or a dict); none is an error at
+    ``path`` (``--batch`` on the command line, ``batch`` from Python)."""
+    shapes = parse_batch_arg(batch) if isinstance(batch, list) else dict(batch)
+    if not shapes:
+        how = (
+            "pass --batch 'tokens=int32[256,4096],labels=int32[256,4096]'"
+            if path.startswith("--")
+            else "pass batch=['tokens=int32[8,16]']"
+        )
+        raise as_error([error("bad-argument", "the step needs the batch's shapes", how, path=path)])
+    return shapes
+
+
 def _fast_cost(name: str) -> Callable[..., StepCost]:
     """A backend's fast-mode cost, from the backend registry: ``fn(tracer, plan, mesh, delta=...)``."""
     import importlib
@@ -577,18 +591,7 @@ class StepCoster:
         from shardplan.runtime import model as model_mod
 
         optimizers.lookup(optimizer)
-        shapes = parse_batch_arg(batch) if isinstance(batch, list) else dict(batch)
-        if not shapes:
-            raise as_error(
-                [
-                    error(
-                        "bad-argument",
-                        "the step needs the batch's shapes",
-                        "pass batch=['tokens=int32[8,16]']",
-                        path="batch",
-                    )
-                ]
-            )
+        shapes = _batch_shapes(batch, "batch")
         from shardplan.runtime.tracing import Tracer
 
         self.shapes = shapes
@@ -740,18 +743,7 @@ def _step_cost(
     if mode not in ("exact", "fast"):
         raise as_error([error("bad-argument", f"unknown mode '{mode}'", "use 'fast' or 'exact'", path="mode")])
     optimizers.lookup(optimizer)
-    shapes = parse_batch_arg(batch) if isinstance(batch, list) else dict(batch)
-    if not shapes:
-        raise as_error(
-            [
-                error(
-                    "bad-argument",
-                    "the step needs the batch's shapes",
-                    "pass --batch 'tokens=int32[256,4096],labels=int32[256,4096]'",
-                    path="--batch",
-                )
-            ]
-        )
+    shapes = _batch_shapes(batch, "--batch")
     aim = targets.parse(target, "target")
     sizes = p.mesh_shape(devices if devices is not None or aim.devices is None else aim.devices)
     n = math.prod(sizes.values())
@@ -877,10 +869,7 @@ def layouts(
 
     p = _plan(plan, mesh)
     optimizers.lookup(optimizer)
-    shapes = parse_batch_arg(batch) if isinstance(batch, list) else dict(batch)
-    if not shapes:
-        hint = "pass --batch 'tokens=int32[8,16]'"
-        raise as_error([error("bad-argument", "the step needs the batch's shapes", hint, path="--batch")])
+    shapes = _batch_shapes(batch, "--batch")
     sizes = p.mesh_shape(devices)
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     tracer = StepCoster(model, step, shapes, optimizer).tracer
