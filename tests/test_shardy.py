@@ -221,6 +221,27 @@ def test_a_shard_map_region_is_imported_as_xla_imports_it():
     assert shardy.result_layout(got[(tanh,)], (8, 32)) == (("data",), ())
 
 
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 simulated devices")
+def test_a_while_loops_condition_and_body_get_paths_of_their_own_and_xlas_layouts():
+    """A while loop runs two jaxprs whose equations share indices: each gets its own path, and
+    the values the body makes are listed in the layouts XLA gives them."""
+    sizes = {"data": 2, "model": 4}
+    abstract = tracing.abstract_mesh(sizes)
+
+    def step(x, w):
+        return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1]
+
+    closed = _traced(step, jax.ShapeDtypeStruct((8, 16), jnp.float32), jax.ShapeDtypeStruct((16, 16), jnp.float32))
+    args, results = [(("data",), ()), ((), ())], [(("data",), ())]
+    got = shardy.Propagator(closed, abstract).layouts(args, results)
+    (loop,) = [k for k, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "while"]
+    assert any(p[:2] == (loop, 0) for p in got) and any(p[:2] == (loop, 1) for p in got)  # condition, body
+    listed = {(v.op, v.shape): v.dims for v in shardy.values(closed.jaxpr, got)}
+    assert listed[("tanh", (8, 16))] == (("data",), ())
+    xla = {(ch.op, ch.shape): ch.dims for ch in _xla(closed, sizes, args, results) if shardy.path_of(ch.name)}
+    assert xla[("tanh", (8, 16))] == listed[("tanh", (8, 16))]
+
+
 def test_a_propagation_failure_is_said_without_the_call_stack_of_its_location():
     err = RuntimeError(
         'Failure while executing pass pipeline:\nerror: "p3/shard_map"(callsite("f"("/x/m.py":2:1) at '

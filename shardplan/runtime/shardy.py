@@ -77,23 +77,42 @@ def _renamed(jaxpr: Any, at: Path = ()) -> Any:
     eqns = []
     for k, eqn in enumerate(jaxpr.eqns):
         path = (*at, k)
-        params = {name: _renamed_param(v, path) for name, v in eqn.params.items()}
+        several = len(_bodies(eqn)) > 1
+        count = iter(range(1 << 30))
+        params = {name: _renamed_param(v, path, count if several else None) for name, v in eqn.params.items()}
         name = "p" + "_".join(map(str, path))
         info = eqn.source_info.replace(name_stack=source_info_util.new_name_stack(name))
         eqns.append(eqn.replace(params=params, source_info=info))
     return jaxpr.replace(eqns=eqns)
 
 
-def _renamed_param(v: Any, at: Path) -> Any:
+def _renamed_param(v: Any, at: Path, count: Iterator[int] | None) -> Any:
+    """A param's jaxprs renamed under ``at``; where an equation has several (a while's condition
+    and body, a cond's branches), each under its own index after ``at`` (``count``, in the order
+    :func:`_bodies` lists them)."""
     from jax._src import core
 
     if isinstance(v, core.ClosedJaxpr):
-        return v.replace(jaxpr=_renamed(v.jaxpr, at))
+        return v.replace(jaxpr=_renamed(v.jaxpr, at if count is None else (*at, next(count))))
     if isinstance(v, core.Jaxpr):
-        return _renamed(v, at)
+        return _renamed(v, at if count is None else (*at, next(count)))
     if isinstance(v, tuple) and v and all(isinstance(x, (core.ClosedJaxpr, core.Jaxpr)) for x in v):
-        return tuple(_renamed_param(x, at) for x in v)
+        return tuple(_renamed_param(x, at, count) for x in v)
     return v
+
+
+def _bodies(eqn: Any) -> list[Any]:
+    """The jaxprs an equation runs (open), in its params' order, a tuple's (a cond's branches) in
+    turn: one (a call, a remat, a custom derivative's primal, a scan's body) names its equations
+    under the equation's path, several each under an index of its own after it."""
+    from jax._src import core
+
+    out = []
+    for v in eqn.params.values():
+        for x in v if isinstance(v, tuple) else (v,):
+            if isinstance(x, (core.ClosedJaxpr, core.Jaxpr)):
+                out.append(getattr(x, "jaxpr", x))
+    return out
 
 
 def path_of(name: str) -> Path:
@@ -509,20 +528,6 @@ class Value:
         return n
 
 
-def _single_body(eqn: Any) -> Any:
-    """The one jaxpr an equation runs in place (a call, a remat, a custom derivative's primal, a
-    scan's body), or None (no body, or several: a while's condition and body, a cond's branches,
-    whose equations the path names alike)."""
-    from jax._src import core
-
-    bodies = [v for v in eqn.params.values() if isinstance(v, (core.ClosedJaxpr, core.Jaxpr))]
-    if len(bodies) != 1 or any(
-        isinstance(v, tuple) and v and isinstance(v[0], core.ClosedJaxpr) for v in eqn.params.values()
-    ):
-        return None
-    return getattr(bodies[0], "jaxpr", bodies[0])
-
-
 def values(
     jaxpr: Any,
     laid_out: dict[Path, tuple[Op, ...]],
@@ -547,11 +552,16 @@ def values(
         feeds = [not hasattr(x, "val") and x in fed for x in eqn.invars]
         if eqn.primitive.name == "shard_map":  # its body's values are per device, laid out by hand
             continue
-        body = _single_body(eqn)
-        if body is not None:
+        bodies = _bodies(eqn)
+        if len(bodies) == 1:  # its operands are its body's inputs, in order
+            (body,) = bodies
             inner = frozenset(v for v, c in zip(body.invars, given, strict=False) if c and eqn.primitive.name != "scan")
             inner_fed = frozenset(v for v, f in zip(body.invars, feeds, strict=False) if f)
             out += values(body, laid_out, inner_fed, path, eqn_source(eqn) or caller, inner)
+        for i, body in enumerate(bodies if len(bodies) > 1 else ()):  # a while, a cond: inputs fed if any is
+            inner_fed = frozenset(body.invars) if any(feeds) else frozenset()
+            out += values(body, laid_out, inner_fed, (*path, i), eqn_source(eqn) or caller)
+        if bodies:
             if any(feeds):
                 fed.update(eqn.outvars)
             continue
