@@ -1,6 +1,7 @@
 """Fast mode against exact mode on plans nobody wrote (shardplan issue 29).
 
     python -m benchmarks.random_plans [--pairs N] [--seed S] [--json OUT] [--target T] [--layouts]
+                                      [--xla-propagation]
 
 Draws N (plan, model) pairs: a model from a pool (tests/fixtures/engine_models.py: a Llama-style
 decoder, a GShard-style top-2 MoE, a decoder that builds its KV cache in the step; the example
@@ -18,6 +19,10 @@ which XLA:TPU pads to its tiles: read the peak column with that in mind).
 ``--layouts`` also reads XLA's module after its sharding propagation (dumped by the compile) and
 lists, per pair, the largest values (source line, op, shape) that XLA lays out otherwise than
 fast mode: where XLA went another way (XLA:CPU only).
+
+``--xla-propagation`` also costs each pair in fast mode on XLA's own layouts (``check
+--propagation xla``: Shardy's propagation run offline, fast mode's rules for what moves) and
+prints that distribution beside fast mode's own, measured against the same compile.
 
 The generator is pure and seeded: pair i of seed S is ``draw_pair(S, i)`` whatever N is.
 """
@@ -267,6 +272,7 @@ def differences(fast, exact, top: int = 3) -> list[dict]:
 # which XLA gives one layout of their own: no layout of fast mode's to set beside XLA's.
 VIEWED = frozenset({"broadcast_in_dim", "iota"})
 LAYOUT_DUMP: list[Path] = []  # where the compiles dump XLA's propagated module (``--layouts``)
+XLA_PROPAGATION: list[bool] = []  # non-empty: also cost each pair on XLA's propagation (``--xla-propagation``)
 
 
 def divergences(fast: Sequence[tuple], xla: Sequence, top: int = 3) -> list[dict]:
@@ -346,6 +352,7 @@ def measure(model: str, text: str, target: str = "cpu") -> dict:
     ref, step = POOL[model]
     kw = dict(model=ref, step=step, batch=BATCH_ARG, devices=DEVICES, target=target)
     fast = shardplan.api.analyze(plan, mode="fast", **kw)
+    on_xla = shardplan.api.analyze(plan, mode="fast", propagation="xla", **kw) if XLA_PROPAGATION else None
     row: dict = {"model": model, "plan": text, "fast_s": fast.seconds}
     try:
         exact = shardplan.api.analyze(plan, mode="exact", timeout_s=EXACT_TIMEOUT_S, **kw)
@@ -374,6 +381,19 @@ def measure(model: str, text: str, target: str = "cpu") -> dict:
         # exact mode's collectives by (kind, model line): enough to re-cost fast mode alone later
         exact_by_source=[[k, s, b, o[:120]] for (k, s), (b, o) in sorted(_by_source(exact).items())],
     )
+    if on_xla is not None:  # the same errors for fast mode on XLA's propagation
+        xk = on_xla.bytes_by_kind()
+        row["xla"] = {
+            "fast_s": on_xla.seconds,
+            "comm": {
+                k: {"fast": xk.get(k, 0), "exact": ek.get(k, 0), "error": abs(xk.get(k, 0) - ek.get(k, 0)) / denom}
+                for k in KINDS
+            },
+            "peak_fast": on_xla.memory.peak,
+            "peak_error": abs(on_xla.memory.peak - exact.memory.peak) / max(exact.memory.peak, 1),
+            "flops_fast": on_xla.flops,
+            "flops_error": abs(on_xla.flops - exact.flops) / max(exact.flops, 1.0),
+        }
     if LAYOUT_DUMP and target == "cpu":
         row["layouts"] = _layouts(plan, model)
     return row
@@ -536,6 +556,8 @@ def summarize(rows, redraws, crashes, seed, seconds, drawn, commit: str = "") ->
         "measured": sum("comm" in r for r in rows),
         "seconds": seconds,
         "distribution": distribution(rows),
+        # fast mode on XLA's propagation, where measured (``--xla-propagation``)
+        "distribution_xla": distribution([r["xla"] for r in rows if "xla" in r]),
         "by_model": {m: distribution([r for r in rows if r["model"] == m]) for m in sorted({r["model"] for r in rows})},
         "worst": worst(rows),
         "worst_comm": worst(rows, comm_only=True),
@@ -548,8 +570,14 @@ def summarize(rows, redraws, crashes, seed, seconds, drawn, commit: str = "") ->
 
 
 def run(quick: bool) -> dict:
-    """Quick: 2 pairs (proves it runs); full: 200 pairs."""
-    return run_pairs(2 if quick else 200, seed=0)
+    """Quick: 2 pairs (proves it runs), fast mode costed on XLA's propagation too; full: 200 pairs."""
+    if quick:
+        XLA_PROPAGATION.append(True)
+        try:
+            return run_pairs(2, seed=0)
+        finally:
+            XLA_PROPAGATION.clear()
+    return run_pairs(200, seed=0)
 
 
 def _check(name, value, target, fmt="{:.1%}") -> dict:
@@ -623,6 +651,16 @@ def report(res: dict) -> str:
         t = _target(name)
         met = "met" if d["p90"] <= t else "NOT met"
         lines.append(f"{name:22s} {d['median']:8.2%} {d['p90']:8.2%} {d['worst']:8.2%}  <= {t:.0%} {met}")
+    xla = res.get("distribution_xla") or {}
+    if any(d["pairs"] for d in xla.values()):
+        lines += [
+            "",
+            "fast mode on XLA's own propagation (--propagation xla) beside its own, against the same compiles:",
+            f"  {'error':22s} {'p90 own':>8s} {'p90 xla':>8s} {'med own':>8s} {'med xla':>8s}",
+        ]
+        for name, d in xla.items():
+            own = res["distribution"][name]
+            lines.append(f"  {name:22s} {own['p90']:8.2%} {d['p90']:8.2%} {own['median']:8.2%} {d['median']:8.2%}")
     kinds = [k for k in res["distribution"] if res["distribution"][k]["worst"] > 0]
     lines += ["", "p90 by model: " + ", ".join(k.removeprefix("comm/") for k in kinds)]
     for m, dist in res.get("by_model", {}).items():
@@ -664,7 +702,15 @@ def main(argv=None) -> int:
         help="list where XLA's propagated layouts and fast mode's "
         "part (XLA:CPU; the compiles dump their propagated module, the compile cache is off)",
     )
+    p.add_argument(
+        "--xla-propagation",
+        action="store_true",
+        help="also cost each pair in fast mode on XLA's own layouts (Shardy's propagation, offline) and "
+        "print that distribution beside fast mode's own",
+    )
     args = p.parse_args(argv)
+    if args.xla_propagation:
+        XLA_PROPAGATION.append(True)
     if args.report:
         saved = json.loads(Path(args.report).read_text())
         res = summarize(

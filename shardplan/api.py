@@ -621,6 +621,7 @@ class StepCoster:
         delta: bool = True,
         backend: str | None = None,
         compiler: str = "cpu",
+        propagation: str = "shardplan",
     ) -> StepCost:
         """The plan's step cost, as ``analyze(..., mode="fast")`` gives it, on a shared trace.
 
@@ -630,12 +631,17 @@ class StepCoster:
             compiler: whose compiler's program is predicted: ``cpu``, ``cuda``, ``tpu`` or a chip
                 with rules of its own (``tpu-v6e``, ``a100-80gb``, ``b200``: ``runtime.fast.COMPILERS``;
                 a target's ``book``, ``core.targets``).
+            propagation: whose layouts fast mode partitions: ``shardplan`` (its own propagation)
+                or ``xla`` (Shardy's, XLA's own pass, run offline; the auto backend only).
 
         Raises:
-            ShardPlanError: the plan does not fit the model, batch or devices; the step fails to trace.
+            ShardPlanError: the plan does not fit the model, batch or devices; the step fails to
+                trace; Shardy's propagation cannot run over it.
         """
         p = _plan(plan, mesh)
-        run = _fast_cost(backend or p.backend)
+        name = backend or p.backend
+        run = _fast_cost(name)
+        _propagation(propagation, name)
         sizes = p.mesh_shape(devices)
         resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in self.shapes.items()])
         from shardplan.core.targets import BOOKS, COMPILER_NAMES
@@ -652,7 +658,24 @@ class StepCoster:
                     )
                 ]
             )
-        return with_pipeline(run(self.tracer, p, sizes, delta=delta, compiler=compiler), p)
+        if propagation == "shardplan":
+            return with_pipeline(run(self.tracer, p, sizes, delta=delta, compiler=compiler), p)
+        from shardplan.runtime import shardy
+
+        try:
+            got = run(self.tracer, p, sizes, delta=delta, compiler=compiler, propagation=propagation)
+        except shardy.Failed as err:
+            raise as_error(
+                [
+                    error(
+                        "layouts-failed",
+                        f"Shardy's propagation could not run over the step: {err}",
+                        "cost it with fast mode's own propagation (--propagation shardplan) or --compile",
+                        path="--propagation",
+                    )
+                ]
+            ) from None
+        return with_pipeline(got, p)
 
     def roles(self, devices: int) -> Any:
         """What each param dim is, read from the step traced on ``devices`` (``runtime.roles``)."""
@@ -666,6 +689,36 @@ class StepCoster:
         paths = [d.path for d in res.params.decisions]
         opt_paths = [d.path for d in res.opt.decisions] if res.opt is not None else []
         return roles.roles(traced.closed, paths, len(paths), [d.path for d in res.inputs.decisions], opt_paths)
+
+
+PROPAGATIONS = ("shardplan", "xla")  # whose layouts fast mode partitions (``StepCoster.cost``)
+
+
+def _propagation(propagation: str, backend: str) -> None:
+    """Refuse a propagation that is not one of :data:`PROPAGATIONS`, or ``xla`` beside a backend
+    other than auto (the shard_map backend lays its regions out by hand)."""
+    if propagation not in PROPAGATIONS:
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    f"unknown propagation '{propagation}'",
+                    f"use one of {', '.join(PROPAGATIONS)}",
+                    path="--propagation",
+                )
+            ]
+        )
+    if propagation == "xla" and backend != "auto":
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    f"--propagation xla costs the auto backend's step; the plan's backend is {backend}",
+                    "drop --propagation, or cost the auto backend (--backend auto)",
+                    path="--propagation",
+                )
+            ]
+        )
 
 
 def step_coster(model: str, step: str, batch: dict | list[str], optimizer: str = "adamw") -> StepCoster:
@@ -690,6 +743,7 @@ def analyze(
     devices: int | None = None,
     timeout_s: float = COMPILE_TIMEOUT_S,
     target: str = "cpu",
+    propagation: str = "shardplan",
 ) -> StepCost:
     """What one training step costs per device on the plan's whole mesh (``check --step``).
 
@@ -713,13 +767,30 @@ def analyze(
             on simulated devices), a TPU slice (``tpu-v5p:2x2x2``) or GPUs (``h100:8``); exact mode
             compiles for it offline, fast mode predicts that compiler's program
             (``runtime.fast.COMPILERS``); the mesh must have as many devices as the target.
+        propagation: fast mode only: ``shardplan``, its own propagation of the plan's layouts
+            through the step; ``xla``, every value laid out by Shardy's propagation (the pass XLA
+            runs before it partitions the step), run offline, and fast mode's rules saying what
+            XLA's partitioner moves for those layouts (auto backend; docs/stepcost.md has how the
+            two compare on random plans).
 
     Raises:
         ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace,
             a loss that is not a scalar, or a mesh too large to simulate.
     """
     p = _plan(plan, mesh)
-    cost = _step_cost(p, model, step, batch, optimizer, backend, mode, devices, timeout_s, target)
+    _propagation(propagation, backend or p.backend)
+    if propagation != "shardplan" and mode != "fast":
+        raise as_error(
+            [
+                error(
+                    "bad-argument",
+                    "--propagation says how fast mode lays the step out; exact mode reads XLA's own program",
+                    "drop --propagation, or cost in fast mode",
+                    path="--propagation",
+                )
+            ]
+        )
+    cost = _step_cost(p, model, step, batch, optimizer, backend, mode, devices, timeout_s, target, propagation)
     return with_pipeline(cost, p)
 
 
@@ -734,6 +805,7 @@ def _step_cost(
     devices: int | None,
     timeout_s: float,
     target: str = "cpu",
+    propagation: str = "shardplan",
 ) -> StepCost:
     from shardplan.core import backends, targets
     from shardplan.errors import Diagnostic, Span
@@ -764,7 +836,7 @@ def _step_cost(
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":
         coster = StepCoster(model, step, shapes, optimizer)
-        cost = coster.cost(p, mesh=None, devices=devices, backend=name, compiler=aim.book)
+        cost = coster.cost(p, mesh=None, devices=devices, backend=name, compiler=aim.book, propagation=propagation)
         # named for the target ("XLA:TPU tpu-v5e:2x4"): the report sets its peak against the chip's memory
         return dataclasses.replace(cost, compiler=f"{cost.compiler} {aim.name}") if aim.platform != "cpu" else cost
     if aim.platform == "cpu" and n > MAX_SIMULATED_DEVICES:
@@ -877,15 +949,8 @@ def layouts(
     traced = tracer.step(p, sizes, res)
     jaxpr = traced.closed.jaxpr
 
-    def padded(spec: Any, rank: int) -> tuple[tuple[str, ...], ...]:
-        dims = tuple(tuple(d) for d in spec.dims)[:rank]
-        return dims + ((),) * (rank - len(dims))
-
-    given = [*res.params.decisions, *res.opt.decisions, *res.inputs.decisions]
-    args = [padded(d.spec, len(v.aval.shape)) for d, v in zip(given, jaxpr.invars, strict=True)]
     kept = [*res.params.decisions, *res.opt.decisions]  # the step's outputs keep the plan's layout
-    results = [padded(d.spec, len(v.aval.shape)) for d, v in zip(kept, jaxpr.outvars, strict=False)]
-    results += [((),) * len(getattr(v.aval, "shape", ())) for v in jaxpr.outvars[len(results) :]]
+    args, results = shardy.given(jaxpr, [*kept, *res.inputs.decisions], kept)
     try:
         laid_out = shardy.Propagator(traced.closed, abstract_mesh(sizes, p)).layouts(args, results)
     except Exception as err:  # jaxlib's MLIR errors have no common root

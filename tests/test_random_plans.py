@@ -117,6 +117,11 @@ def test_quick_benchmark_reports_each_target_honestly():
     assert [r["measurement"] for r in rows if "pairs whose" in r["measurement"] and r["met"] != "yes"] == []
     missed = sorted(name for name, d in res["distribution"].items()
                     if d["p90"] > (rp.TARGETS["comm"] if "/" in name else rp.TARGETS[name]))
+    # fast mode on XLA's propagation, costed beside it on the same pairs (``--xla-propagation``)
+    on_xla = res["distribution_xla"]
+    assert set(on_xla) == set(res["distribution"]) and all(d["pairs"] == 2 for d in on_xla.values())
+    assert all(0 <= d["median"] <= d["p90"] <= d["worst"] for d in on_xla.values())
+    assert "fast mode on XLA's own propagation" in rp.report(res)
     if missed:
         pytest.xfail(f"issue 44: p90 targets not met yet on random plans: {', '.join(missed)}")
 

@@ -178,6 +178,34 @@ def test_check_layouts_lists_the_largest_values_and_says_which_every_device_hold
     assert "whole on every device" in text.stdout and "act rule" in text.stdout
 
 
+def test_check_propagation_xla_costs_the_step_on_xlas_layouts():
+    """``check --step --propagation xla``: fast mode partitions Shardy's layouts and says so; the
+    API gives the same figures; it refuses what it cannot cost (a compile, the shard_map backend)."""
+    step = ["--model", f"{_ENGINE}:decoder", "--devices", 8, "--step", f"{_ENGINE}:decoder_loss", "--batch", _BATCH]
+    got = _check("plans/fsdp.splan", *step, "--propagation", "xla", "--format", "json")
+    assert got.returncode == 0, got.stderr[-2000:]
+    cost = json.loads(got.stdout)["step_cost"]
+    assert cost["mode"] == "fast" and cost["propagation"] == "xla"
+    same = shardplan.api.analyze(
+        "plans/fsdp.splan",
+        model=f"{_ENGINE}:decoder",
+        step=f"{_ENGINE}:decoder_loss",
+        batch=[_BATCH],
+        optimizer="adam",  # (check's default)
+        devices=8,
+        mode="fast",
+        propagation="xla",
+    )
+    assert cost["flops_per_device"] == same.flops and same.propagation == "xla"
+    text = _check("plans/fsdp.splan", *step, "--propagation", "xla")
+    assert "laid out by XLA's propagation" in text.stdout and "Shardy's propagation" in text.stdout
+    compiled = _check("plans/fsdp.splan", *step, "--propagation", "xla", "--compile")
+    assert compiled.returncode == 2 and "--propagation says how fast mode lays a step out" in compiled.stderr
+    by_hand = _check("plans/fsdp.splan", *step, "--propagation", "xla", "--backend", "shard_map")
+    assert by_hand.returncode == 2 and "costs the auto backend's step" in by_hand.stderr
+    assert "Traceback" not in compiled.stderr + by_hand.stderr
+
+
 def test_check_layouts_needs_a_step():
     got = _check("plans/dp.splan", "--model", f"{_ENGINE}:decoder", "--devices", 8, "--layouts")
     assert got.returncode == 2 and "--layouts lists a step's values" in got.stderr

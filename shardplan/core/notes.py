@@ -21,7 +21,11 @@ NOTE_CODES: dict[str, NoteCode] = {
     c.name: c
     for c in (
         # fast mode (the auto backend's propagation)
-        NoteCode("fast-how", "fast mode's figures come from propagating the plan's layouts through the step's jaxpr"),
+        NoteCode(
+            "fast-how",
+            "fast mode's figures come from propagating the plan's layouts through the step's jaxpr (or, with "
+            "`--propagation xla`, from Shardy's layouts)",
+        ),
         NoteCode("fast-2d-params", "params split over a batch axis and another axis, and no activation pinned"),
         NoteCode("fast-lookup-ways", "a lookup whose table and indices share an axis: XLA picks among several ways"),
         NoteCode("fast-loop-trips", "a while loop whose trip count the step does not fix, costed for one trip"),

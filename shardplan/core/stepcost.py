@@ -108,6 +108,9 @@ class StepCost:
     # Fast mode: the backward pass's collectives of activations, (kind, axes, bytes, launches) per
     # step, that run beside its weight gradients' matmuls (``timing.step_time``).
     backward: tuple[tuple[str, tuple[str, ...], int, int], ...] = ()
+    # Fast mode: whose layouts it partitioned: its own propagation's ("shardplan") or Shardy's,
+    # XLA's own pass run offline ("xla": ``check --propagation xla``)
+    propagation: str = "shardplan"
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -127,6 +130,7 @@ class StepCost:
     def to_json(self) -> dict:
         return {
             "mode": self.mode,
+            "propagation": self.propagation,
             "backend": self.backend,
             "mesh": dict(self.mesh),
             "flops_per_device": self.flops,

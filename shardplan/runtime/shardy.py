@@ -452,9 +452,10 @@ class Propagator:
             meshes = [o for o in self.module.body.operations if o.operation.name == "sdy.mesh"]
         self.mesh = str(meshes[0].operation.attributes["sym_name"]).strip('"') if meshes else "mesh"
 
-    def layouts(self, args: Sequence[Dims], results: Sequence[Dims]) -> dict[Path, tuple[Op, ...]]:
+    def layouts(self, args: Sequence[Dims], results: Sequence[Dims | None]) -> dict[Path, tuple[Op, ...]]:
         """Per equation path, its ops as propagated with the step's arguments laid out as ``args``
-        and its results as ``results`` (in the jaxpr's order)."""
+        and its results as ``results`` (in the jaxpr's order; None: a result propagation lays out,
+        as ``jax.jit`` without ``out_shardings``)."""
         from jaxlib.mlir import ir
 
         def sharding(dims: Dims) -> Any:
@@ -469,7 +470,9 @@ class Propagator:
                 if o.operation.name == "func.func" and str(o.operation.attributes["sym_name"]) == '"main"'
             )
             for key, given in (("arg_attrs", args), ("res_attrs", results)):
-                main.attributes[key] = ir.ArrayAttr.get([ir.DictAttr.get({"sdy.sharding": sharding(d)}) for d in given])
+                main.attributes[key] = ir.ArrayAttr.get(
+                    [ir.DictAttr.get({} if d is None else {"sdy.sharding": sharding(d)}) for d in given]
+                )
             _run(module, "sdy-propagation-pipeline")
             got: dict[Path, list[Op]] = {}
             for o in _ops(module):
@@ -489,6 +492,49 @@ class Propagator:
                     if path:
                         got.setdefault(path, []).append(op)
         return {p: tuple(ops) for p, ops in got.items()}
+
+
+class Failed(Exception):
+    """Shardy's propagation could not run over a step; the message says why (:func:`reason`)."""
+
+
+def given(jaxpr: Any, inputs: Sequence[Any], outputs: Sequence[Any]) -> tuple[list[Dims], list[Dims]]:
+    """The step's arguments' and results' layouts for :meth:`Propagator.layouts`, from the plan's
+    decisions (``inputs``: params, optimizer state and batch, in the jaxpr's order; ``outputs``:
+    params and optimizer state, which the step's outputs keep): each spec padded to its value's
+    rank; the loss and any further output whole."""
+
+    def padded(spec: Any, rank: int) -> Dims:
+        dims = tuple(tuple(d) for d in spec.dims)[:rank]
+        return dims + ((),) * (rank - len(dims))
+
+    args = [padded(d.spec, len(v.aval.shape)) for d, v in zip(inputs, jaxpr.invars, strict=True)]
+    results = [padded(d.spec, len(v.aval.shape)) for d, v in zip(outputs, jaxpr.outvars, strict=False)]
+    results += [((),) * len(getattr(v.aval, "shape", ())) for v in jaxpr.outvars[len(results) :]]
+    return args, results
+
+
+def claims(jaxpr: Any, laid_out: dict[Path, tuple[Op, ...]], at: Path = ()) -> dict[Any, Dims]:
+    """Each array result of ``jaxpr``'s equations, and of the bodies they run in place, with the
+    layout :meth:`Propagator.layouts` gave it, by variable (fast mode's walker takes these as
+    the layouts XLA's partitioner is handed: ``runtime.fast.costing``). A shard_map region's
+    values are per device (laid out by hand: none); a body two equations share keeps its first."""
+    out: dict[Any, Dims] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        path = (*at, k)
+        if eqn.primitive.name == "shard_map":
+            continue
+        bodies = _bodies(eqn)
+        for i, body in enumerate(bodies):
+            for var, inner in claims(body, laid_out, path if len(bodies) == 1 else (*path, i)).items():
+                out.setdefault(var, inner)
+        ops = () if bodies else laid_out.get(path, ())
+        for var in eqn.outvars if ops else ():
+            shape = tuple(getattr(var.aval, "shape", ()))
+            dims = result_layout(ops, shape) if shape else None
+            if dims is not None:
+                out.setdefault(var, dims)
+    return out
 
 
 def reason(err: Exception) -> str:

@@ -90,7 +90,9 @@ def print_step_cost(
     what = (
         f"{cost.compiler or 'XLA'}'s compiled program"
         if cost.mode == "exact"
-        else "the step's jaxpr (no compile)" + (f", as {cost.compiler} compiles it" if cost.compiler else "")
+        else "the step's jaxpr (no compile)"
+        + (", laid out by XLA's propagation" if cost.propagation == "xla" else "")
+        + (f", as {cost.compiler} compiles it" if cost.compiler else "")
     )
     console.print(
         f"[bold]step cost[/] {escape(name)}: backend [bold]{cost.backend}[/], {cost.mode} mode ({what}), "

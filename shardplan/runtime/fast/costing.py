@@ -45,15 +45,24 @@ def _collector_paused() -> Iterator[None]:
 
 
 @_collector_paused()
-def step_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = True, compiler: str = "cpu") -> StepCost:
+def step_cost(
+    tracer: Any,
+    plan: Any,
+    mesh: dict[str, int],
+    *,
+    delta: bool = True,
+    compiler: str = "cpu",
+    propagation: str = "shardplan",
+) -> StepCost:
     """The auto backend's step cost in fast mode (the backend registry's entry): ``plan``
     resolved once and propagated through the step ``tracer`` (a ``tracing.Tracer``) traced once
     per trace key. ``delta``: also what the step's constraints change. ``compiler``: the platform
-    whose compiler's program is predicted (``cpu``, ``cuda``, ``tpu``: :data:`COMPILERS`)."""
+    whose compiler's program is predicted (``cpu``, ``cuda``, ``tpu``: :data:`COMPILERS`).
+    ``propagation``: whose layouts the walker partitions (see :func:`cost`)."""
     t0 = time.perf_counter()
     res = tracer.resolve(plan, mesh)
     traced = tracer.step(plan, mesh, res)
-    got = cost(traced, plan, mesh, delta=delta, res=res, compiler=compiler)
+    got = cost(traced, plan, mesh, delta=delta, res=res, compiler=compiler, propagation=propagation)
     return replace(got, seconds=time.perf_counter() - t0)
 
 
@@ -69,6 +78,24 @@ def chosen(
     return [(src, op, v.shape, v.dims) for src, op, outs in seen for v in outs if not v.partial]
 
 
+def _xla_claims(traced: Trace, plan: Any, mesh: dict[str, int], res: Resolution) -> dict[Any, Dims]:
+    """Each value of the traced step as Shardy's propagation lays it out under ``plan`` (the
+    trace's module imported once, kept in its memo), by variable."""
+    from shardplan.runtime import shardy
+    from shardplan.runtime.tracing import abstract_mesh
+
+    jaxpr = traced.closed.jaxpr
+    kept = [*res.params.decisions, *res.opt.decisions]
+    args, results = shardy.given(jaxpr, [*kept, *res.inputs.decisions], kept)
+    try:
+        propagator = traced.memo.get("shardy")
+        if propagator is None:
+            propagator = traced.memo["shardy"] = shardy.Propagator(traced.closed, abstract_mesh(mesh, plan))
+        return shardy.claims(jaxpr, propagator.layouts(args, results))
+    except Exception as err:  # jaxlib's MLIR errors have no common root
+        raise shardy.Failed(shardy.reason(err)) from None
+
+
 @_collector_paused()
 def cost(
     traced: Trace,
@@ -80,6 +107,7 @@ def cost(
     compiler: str = "cpu",
     how: bool = True,
     seen: list | None = None,
+    propagation: str = "shardplan",
 ) -> StepCost:
     """``plan``'s step cost on ``mesh`` over a step traced once (:func:`trace`), without tracing
     again: the plan's shardings resolved (``res``: already, by ``Tracer.resolve``) and propagated
@@ -87,10 +115,15 @@ def cost(
     propagation without them). ``compiler``: whose program (:data:`COMPILERS`). ``how``: the
     notes begin with how the auto backend's step is costed (the shard_map backend, which says
     its own, passes False). ``seen``: filled with each equation's results as laid out
-    (``Walker.seen``; with ``delta``, the unconstrained pass's).
+    (``Walker.seen``; with ``delta``, the unconstrained pass's). ``propagation``: ``shardplan``,
+    the walker lays each value out by its own rules (GSPMD's common patterns; a search's choice:
+    no more than the walk); ``xla``, by Shardy's propagation, the pass XLA lays the step out with,
+    run offline (``runtime.shardy``, once per trace and plan: about 0.1-0.3 s more), the walker's
+    rules then saying what moves to give each value that layout (XLA's partitioner's part).
 
     Raises:
         ValueError: ``traced`` was traced under other activation rules, mesh or axis types.
+        shardy.Failed: ``propagation="xla"`` and Shardy's propagation cannot run over the step.
     """
     import jax
     import numpy as np
@@ -108,6 +141,7 @@ def cost(
     params, opt, inputs = res.params, res.opt, res.inputs
     assert opt is not None
     jaxpr = closed.jaxpr
+    xla = _xla_claims(traced, plan, mesh, res) if propagation == "xla" else None
     decisions = list(params.decisions) + list(opt.decisions) + list(inputs.decisions)
     prefixes = ["param"] * len(params.decisions) + ["opt"] * len(opt.decisions) + ["input"] * len(inputs.decisions)
     if len(decisions) != len(jaxpr.invars):
@@ -128,6 +162,10 @@ def cost(
             env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
         prop = Walker(RULE_BOOK, ctx, names, ignore_constraints, free)
         prop.layouts_only = layouts_only
+        if xla is not None and not ignore_constraints:  # (the pass without constraints: the walker's own)
+            prop.xla_claims = True
+            for var, dims in xla.items():
+                prop.claimed.setdefault(var, dims)
         prop.seen = seen
         prop.memo = traced.memo
         # The step's outputs keep the plan's layout (the backend's out_shardings).
@@ -190,7 +228,12 @@ def cost(
         notes.append(
             Note(
                 "fast-how",
-                "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns"
+                (
+                    "fast mode: every value laid out by Shardy's propagation (XLA's own pass, run offline), "
+                    "the collectives that layout needs by GSPMD's rules for common patterns"
+                    if xla is not None
+                    else "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns"
+                )
                 + (f", with {book.name}'s own choices (its casts, sums and gathers)" if compiler != "cpu" else "")
                 + "; XLA may choose other collectives (compare with --compile)",
             )
@@ -287,6 +330,7 @@ def cost(
         kernels=ctx.launches - sum(c.count for c in combining) + combined_launches(combined(combining)),
         compiler="" if compiler == "cpu" else book.name,
         backward=tuple((kind, axes, n, count) for (kind, axes), (n, count) in backward.items()),
+        propagation=propagation,
     )
 
 
@@ -341,13 +385,18 @@ def propagate_function(
     in_dims: tuple[Dims, ...],
     mesh: dict[str, int],
     out_dims: tuple[Dims | None, ...] | None = None,
+    propagation: str = "shardplan",
 ) -> Ledger:
     """Fast mode's rules on ``fn(*avals)`` (abstract inputs split as ``in_dims``: per input, per dim
     the mesh axes), its outputs set to ``out_dims`` (None: where the rules leave them), as
     ``jax.jit(fn, in_shardings=..., out_shardings=...)`` would compile it. For testing a rule
-    against XLA one or two ops at a time (tests/test_fast_rules.py)."""
+    against XLA one or two ops at a time (tests/test_fast_rules.py). ``propagation="xla"``: every
+    value laid out by Shardy's propagation first (as :func:`cost`'s)."""
     import jax
     import numpy as np
+
+    from shardplan.runtime import shardy
+    from shardplan.runtime.tracing import abstract_mesh
 
     closed = jax.make_jaxpr(fn)(*avals)
     jaxpr = closed.jaxpr
@@ -360,6 +409,12 @@ def propagate_function(
         env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
     prop = Walker(RULE_BOOK, ctx, {})
     targets = list(out_dims or (None,) * len(jaxpr.outvars))
+    if propagation == "xla":
+        given = [_norm(d, len(v.aval.shape)) for v, d in zip(jaxpr.invars, in_dims, strict=True)]
+        wanted = [None if d is None else _norm(d, len(v.aval.shape)) for v, d in zip(jaxpr.outvars, targets)]
+        laid_out = shardy.Propagator(closed, abstract_mesh(dict(mesh))).layouts(given, wanted)
+        prop.xla_claims = True
+        prop.claimed.update(shardy.claims(jaxpr, laid_out))
     for var, d in zip(jaxpr.outvars, targets, strict=True):
         if d is not None and not hasattr(var, "val"):
             prop.hints[var] = _norm(d, len(var.aval.shape))

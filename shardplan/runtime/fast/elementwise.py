@@ -24,8 +24,8 @@ def broadcast(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
     bdims = eqn.params["broadcast_dimensions"]
     out_aval = eqn.outvars[0].aval
     shape = tuple(out_aval.shape)
-    claim = None
-    if eqn.outvars[0] in walk.back:
+    claim = walk.claimed.get(eqn.outvars[0]) if walk.xla_claims else None  # (XLA's propagation's)
+    if claim is None and eqn.outvars[0] in walk.back:
         natural = tuple(
             v.dims[bdims.index(j)] if j in bdims and v.shape[bdims.index(j)] == shape[j] else ()
             for j in range(len(shape))
@@ -217,7 +217,7 @@ def elementwise(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             whole = tuple(t if not d and t else () for d, t in zip(v.dims, _norm(target, len(shape)), strict=True))
             if any(whole):
                 walk.slices.setdefault(x, whole)
-        if hinted:  # XLA computes in the operands' layout and moves the result (about this size)
+        if hinted and not walk.xla_claims:  # XLA computes in the operands' layout and moves the result
             reshard(walk, x, v, target, mult, name)
         else:
             _moved(walk, x, v, as_is[id(x)], target, mult, name)

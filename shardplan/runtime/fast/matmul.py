@@ -343,9 +343,16 @@ def _contraction_moves(
         return None
     out = walk.ctx.local(Val(shape, max(lhs.itemsize, rhs.itemsize), dims))
     options = []
-    if a and not set(a) & used_r and (not b or out <= ltotal):
-        options.append((rtotal if b else 0, "rhs"))  # a whole side is sliced for free
-    if b and not set(b) & used_l and (not a or out <= rtotal):
+    # A whole side is sliced for free and the result's sum completed after. Given the operands'
+    # layouts as XLA's propagation made them (``Walker.xla_claims``), only where that sum costs less
+    # than gathering the split side (measured on single matmuls with fixed layouts: x (b, s, d)
+    # over data times a weight split over seq on d all-reduces while the result's bytes are under
+    # the weight's, and gathers the weight from equal on; x split on d meeting a whole weight, the
+    # same). The walker's own propagation would have split the whole side: sliced.
+    fixed = walk.xla_claims
+    if a and not set(a) & used_r and (out <= ltotal if b else (not fixed or out < ltotal)):
+        options.append((rtotal if b else 0, "rhs"))
+    if b and not set(b) & used_l and (out <= rtotal if a else (not fixed or out < rtotal)):
         options.append((ltotal if a else 0, "lhs"))
     return min(options)[1] if options else None
 

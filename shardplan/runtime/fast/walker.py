@@ -75,6 +75,9 @@ class Walker:
         self.updates: dict[Any, str] = {}  # a value -> the param it updates (a gradient's sums name it)
         self.hints: dict[Any, Dims] = {}
         self.claimed: dict[Any, Dims] = {}  # values a closed sharding constraint lays out (see _claims)
+        # Every value's layout is XLA's own in ``claimed`` (``costing.cost(propagation="xla")``): the
+        # rules say what XLA's partitioner moves to give each value its layout (``xla_claims``).
+        self.xla_claims = False
         self.back: dict[Any, Dims] = {}  # layouts propagated back from those (see claims._claims_back, back_claim)
         self.wants: dict[Any, Dims] = {}  # splits readers want (see _wants)
         # Whole values an elementwise op met with split ones (XLA's propagation would have computed
