@@ -930,7 +930,8 @@ def layouts(
     Shardy's propagation, the pass XLA runs before it partitions the step, run offline over the
     step traced once (``runtime.shardy``: no compile, no devices, any mesh size). The auto
     backend's step; arguments as for :func:`analyze`. Returns ``runtime.shardy.Value`` rows
-    (source line, primitive, shape, element size, layout, backward pass), in program order.
+    (source line, primitive, shape, element size, layout, backward pass, computed from literals
+    alone, a forward activation), in program order.
 
     Raises:
         ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace, or a

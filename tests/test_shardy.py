@@ -19,7 +19,6 @@ import shardplan
 from benchmarks import random_plans as rp
 from shardplan.core.hlo.shardings import layouts as xla_layouts
 from shardplan.runtime import shardy, tracing
-from shardplan.runtime.fast.values import _norm
 
 
 def _spec(mesh: Mesh, dims) -> NamedSharding:
@@ -58,12 +57,8 @@ def _step(model: str, text: str):
     coster = shardplan.api.step_coster(model=ref, step=step, batch=rp.BATCH_ARG)
     res = coster.tracer.resolve(plan, sizes)
     traced = coster.tracer.step(plan, sizes, res)
-    jaxpr = traced.closed.jaxpr
-    decisions = [*res.params.decisions, *res.opt.decisions, *res.inputs.decisions]
-    args = [_norm(d.spec.dims, len(v.aval.shape)) for d, v in zip(decisions, jaxpr.invars, strict=True)]
-    outs = [*res.params.decisions, *res.opt.decisions]
-    results = [_norm(d.spec.dims, len(v.aval.shape)) for d, v in zip(outs, jaxpr.outvars, strict=False)]
-    results += [()] * (len(jaxpr.outvars) - len(results))  # the loss
+    kept = [*res.params.decisions, *res.opt.decisions]
+    args, results = shardy.given(traced.closed.jaxpr, [*kept, *res.inputs.decisions], kept)
     return traced.closed, sizes, tracing.abstract_mesh(sizes, plan), args, results
 
 

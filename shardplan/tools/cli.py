@@ -389,17 +389,21 @@ def _check_step_args(args) -> None:
         args.devices = target.devices  # a '*' axis takes the target's devices, not this machine's
 
 
+def _step_optimizer(args) -> str:
+    """The optimizer a step is costed with: ``--optimizer``'s, adamw where it names none."""
+    return "adamw" if args.optimizer in ("none", "recorded") else args.optimizer
+
+
 def _layouts(args, plan) -> tuple[tuple, dict[str, int]]:
     """(the step's values as XLA lays them out, the mesh) for ``--layouts``."""
-    optimizer = "adamw" if args.optimizer in ("none", "recorded") else args.optimizer
     rows = api.layouts(
-        plan, model=args.model, step=args.step, batch=args.batch, optimizer=optimizer, devices=args.devices
+        plan, model=args.model, step=args.step, batch=args.batch, optimizer=_step_optimizer(args), devices=args.devices
     )
     return rows, plan.mesh_shape(args.devices)
 
 
 def _step_costs(args, results) -> list:
-    optimizer = "adamw" if args.optimizer in ("none", "recorded") else args.optimizer
+    optimizer = _step_optimizer(args)
     return [
         api.analyze(
             r.plan,
