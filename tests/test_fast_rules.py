@@ -452,6 +452,26 @@ def test_a_contraction_split_on_one_side_is_summed_or_gathered_as_xla_weighs_it(
     assert (xla["all-reduce"] > 0) == name.endswith("summed")
 
 
+# A sum over a split dim read back broadcast (a softmax's or a norm's denominators): XLA all-reduces
+# the sums at their own size, (8, 16, 1), not at the size of what they divide (measured 2026-12-06;
+# fast mode reduce-scattered the broadcast (8, 16, 16), 16x the bytes, until then).
+NORMALIZE = {
+    "sum": lambda s: s / jnp.sum(s, axis=-1, keepdims=True),
+    "softmax": lambda s: jnp.exp(s) / jnp.sum(jnp.exp(s), axis=-1, keepdims=True),
+}
+
+
+@pytest.mark.parametrize("propagation", ["shardplan", "xla"])
+@pytest.mark.parametrize("name", sorted(NORMALIZE))
+@pytest.mark.parametrize("split, out", [(P(None, None, "seq"), P(None, None, "seq")),
+                                        (P("data", None, "seq"), P("data", None, "seq")),
+                                        (P(None, None, "seq"), None)])
+def test_a_sum_read_back_broadcast_is_reduced_at_its_own_size(name, split, out, propagation):
+    xla, predicted = by_kind(NORMALIZE[name], (S(8, 16, 16),), (split,), out, _SEQ, propagation=propagation)
+    assert predicted == xla
+    assert xla["all-reduce"] == 8 * 16 * 4 // (2 if split[0] else 1)
+
+
 def test_fast_mode_on_xlas_propagation_is_within_target_on_a_held_out_plan():
     """Pair 18 of the random-plan benchmark's seed 0 (a decoder that builds its KV cache in the
     step, sequence x data, a constrained q-norm): fast mode's own propagation missed XLA's

@@ -197,10 +197,10 @@ def elementwise(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
         # together: tests/test_fast_rules.py, an xfail; followed, it moved other chains
         # of the backward pass that XLA computes in the output's layout).
         hint = None
-    done = [(x, resolve(walk, x, v, hint, mult, name)) for x, v in full]
+    as_is = {id(x): v for x, v in zip(eqn.invars, ins, strict=True)}  # each at its own shape (size-1 dims)
+    done = [(x, _resolved(walk, x, v, as_is[id(x)], hint, mult, name)) for x, v in full]
     if not done:
         return _replicated(out_aval)
-    as_is = {id(x): v for x, v in zip(eqn.invars, ins, strict=True)}  # each at its own shape (size-1 dims)
     target = hint if hint is not None and _fits(shape, hint, walk.ctx) else _merged(walk, done, as_is, shape)
     hinted = target is hint
     free = walk.free.get(eqn.outvars[0])
@@ -224,6 +224,19 @@ def elementwise(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
     out = Val(shape, itemsize(out_aval), _norm(target, len(shape)))
     walk.count_flops(walk.ctx.local(out) / out.itemsize, mult, name)
     return out
+
+
+def _resolved(walk: Walker, x: Any, v: Val, own: Val, hint: Dims | None, mult: int, why: str) -> Val:
+    """``v`` (``x`` seen at the result's shape) with its pending sum done. A broadcast operand
+    (size-1 dims) is summed at its own size, then seen at the result's: XLA completes the sum
+    of the value it has, not of the broadcast it is read as (measured: a softmax's denominators
+    split over the keys are all-reduced at (b, h, q), not scattered at (b, h, q, k))."""
+    if not v.partial or own.shape == v.shape or len(own.shape) != len(v.shape):
+        return resolve(walk, x, v, hint, mult, why)
+    target = None
+    if hint is not None:
+        target = tuple(d if own.shape[i] == v.shape[i] else () for i, d in enumerate(_norm(hint, len(v.shape))))
+    return _broadcast(resolve(walk, x, own, target, mult, why), v.shape)
 
 
 def _merged(walk: Walker, done: list[tuple[Any, Val]], own: dict[int, Val], shape: tuple[int, ...]) -> Dims:
