@@ -154,32 +154,35 @@ def _check(*args):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 
-def test_check_layouts_lists_the_largest_values_and_says_which_every_device_holds_whole(tmp_path):
+def test_check_layouts_lists_the_largest_values_and_says_which_every_device_holds_whole(tmp_path, capsys):
     """A model of our own: under data parallelism its largest values are split over the batch's
     axis; with the batch left whole, every device holds them whole and ``check`` says so."""
-    step = ["--model", f"{_ENGINE}:decoder", "--devices", 8, "--step", f"{_ENGINE}:decoder_loss", "--batch", _BATCH]
-    split = _check("plans/dp.splan", *step, "--layouts", 4)
-    assert split.returncode == 0, split.stderr[-2000:]
-    table = split.stdout.split("as XLA lays them out")[1]
+    from shardplan.tools import cli
+
+    step = ["--model", f"{_ENGINE}:decoder", "--devices", "8", "--step", f"{_ENGINE}:decoder_loss", "--batch", _BATCH]
+    assert cli.main(["check", "plans/dp.splan", *step, "--layouts", "4"]) == 0
+    table = capsys.readouterr().out.split("as XLA lays them out")[1]
     assert table.count("1/8") == 4 and "(data, " in table and "whole on every device" not in table
     whole = tmp_path / "whole.splan"
     whole.write_text('plan "whole"\nmesh data = *\nbatch (_, _)\ndefault replicated\n')
-    held = _check(whole, *step, "--layouts", 4, "--format", "json")
-    assert held.returncode == 0, held.stderr[-2000:]
-    rows = json.loads(held.stdout)["layouts"]
+    assert cli.main(["check", str(whole), *step, "--layouts", "4", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["layouts"]
     assert rows and all(not any(r["layout"]) for r in rows)  # nothing splits anything
     assert [r["bytes_per_device"] for r in rows] == sorted((r["bytes_per_device"] for r in rows), reverse=True)
-    text = _check(whole, *step, "--layouts", 4)
-    assert "whole on every device" in text.stdout and "act rule" in text.stdout
+    assert cli.main(["check", str(whole), *step, "--layouts", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "whole on every device" in text and "act rule" in text
 
 
-def test_check_propagation_xla_costs_the_step_on_xlas_layouts():
+def test_check_propagation_xla_costs_the_step_on_xlas_layouts(capsys):
     """``check --step --propagation xla``: fast mode partitions Shardy's layouts and says so; the
     API gives the same figures; it refuses what it cannot cost (a compile, the shard_map backend)."""
-    step = ["--model", f"{_ENGINE}:decoder", "--devices", 8, "--step", f"{_ENGINE}:decoder_loss", "--batch", _BATCH]
-    got = _check("plans/fsdp.splan", *step, "--propagation", "xla", "--format", "json")
-    assert got.returncode == 0, got.stderr[-2000:]
-    cost = json.loads(got.stdout)["step_cost"]
+    from shardplan.tools import cli
+
+    step = ["--model", f"{_ENGINE}:decoder", "--devices", "8", "--step", f"{_ENGINE}:decoder_loss", "--batch", _BATCH]
+    args = ["check", "plans/fsdp.splan", *step, "--propagation", "xla"]
+    assert cli.main([*args, "--format", "json"]) == 0
+    cost = json.loads(capsys.readouterr().out)["step_cost"]
     assert cost["mode"] == "fast" and cost["propagation"] == "xla"
     same = shardplan.api.analyze(
         "plans/fsdp.splan",
@@ -192,13 +195,13 @@ def test_check_propagation_xla_costs_the_step_on_xlas_layouts():
         propagation="xla",
     )
     assert cost["flops_per_device"] == same.flops and same.propagation == "xla"
-    text = _check("plans/fsdp.splan", *step, "--propagation", "xla")
-    assert "laid out by XLA's propagation" in text.stdout and "Shardy's propagation" in text.stdout
-    compiled = _check("plans/fsdp.splan", *step, "--propagation", "xla", "--compile")
-    assert compiled.returncode == 2 and "--propagation says how fast mode lays a step out" in compiled.stderr
-    by_hand = _check("plans/fsdp.splan", *step, "--propagation", "xla", "--backend", "shard_map")
-    assert by_hand.returncode == 2 and "costs the auto backend's step" in by_hand.stderr
-    assert "Traceback" not in compiled.stderr + by_hand.stderr
+    assert cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "laid out by XLA's propagation" in text and "Shardy's propagation" in text
+    assert cli.main([*args, "--compile"]) == 2
+    assert "--propagation says how fast mode lays a step out" in capsys.readouterr().err
+    assert cli.main([*args, "--backend", "shard_map"]) == 2
+    assert "costs the auto backend's step" in capsys.readouterr().err
 
 
 def test_check_layouts_needs_a_step():
