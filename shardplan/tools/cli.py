@@ -783,7 +783,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=api.PROPAGATIONS,
         default="shardplan",
         help="fast mode: whose layouts it partitions: shardplan (its own propagation, default) or xla (Shardy's, "
-        "the pass XLA lays the step out with, run offline; auto backend; about 0.1-0.3 s more)",
+        "the pass XLA lays the step out with, run offline; auto backend; about 0.2-1 s more)",
     )
     st.add_argument(
         "--layouts",

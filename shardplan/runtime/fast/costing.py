@@ -118,7 +118,8 @@ def cost(
     (``Walker.seen``; with ``delta``, the unconstrained pass's). ``propagation``: ``shardplan``,
     the walker lays each value out by its own rules (GSPMD's common patterns; a search's choice:
     no more than the walk); ``xla``, by Shardy's propagation, the pass XLA lays the step out with,
-    run offline (``runtime.shardy``, once per trace and plan: about 0.1-0.3 s more), the walker's
+    run offline (``runtime.shardy``: 0.2-1 s more for a plan on a fresh trace, its module imported
+    once per trace, then 0.15-0.3 s per plan, on the random-plan pool's models), the walker's
     rules then saying what moves to give each value that layout (XLA's partitioner's part).
 
     Raises:
