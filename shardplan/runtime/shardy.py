@@ -528,6 +528,19 @@ def claims(jaxpr: Any, laid_out: dict[Path, tuple[Op, ...]], at: Path = ()) -> d
         for i, body in enumerate(bodies):
             for var, inner in claims(body, laid_out, path if len(bodies) == 1 else (*path, i)).items():
                 out.setdefault(var, inner)
+        if eqn.primitive.name == "scan" and len(bodies) == 1:
+            # a scanned body's slices of its stacked operands: the slices the loop's lowering makes
+            # (named by the scan's path), by shape where one layout has it
+            made: dict[tuple, set] = {}
+            for op in laid_out.get(path, ()):
+                for shp, dims in zip(op.shapes, op.dims, strict=True):
+                    if shp is not None and dims is not None:
+                        made.setdefault(tuple(shp), set()).add(dims)
+            for var in bodies[0].invars:
+                shape = tuple(getattr(var.aval, "shape", ()))
+                got = made.get(shape, set())
+                if shape and len(got) == 1:
+                    out.setdefault(var, next(iter(got)))
         ops = () if bodies else laid_out.get(path, ())
         for var in eqn.outvars if ops else ():
             shape = tuple(getattr(var.aval, "shape", ()))

@@ -215,6 +215,15 @@ def scan(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
             walk.invariant[var] = mult
         if k >= nc + ncarry:  # scanned over: the body sees one slice (the leading dim dropped)
             v = Val(v.shape[1:], v.itemsize, v.dims[1:], v.partial)
+        claim = walk.claimed.get(var) if walk.xla_claims and not v.partial else None
+        if (
+            claim is not None
+            and len(claim) == len(v.dims)
+            and all(set(d) <= set(c) for d, c in zip(v.dims, claim, strict=True))
+        ):
+            # XLA's propagation splits the loop's slice further (a weight's rows over the axis
+            # the activations' width is split over): slicing is free, the body sees that layout
+            v = Val(v.shape, v.itemsize, tuple(tuple(c) for c in claim))
         env[var] = v
     outs = walk.run(body, env, mult * length)
     result = list(outs[:ncarry])
