@@ -472,19 +472,26 @@ def test_a_sum_read_back_broadcast_is_reduced_at_its_own_size(name, split, out, 
     assert xla["all-reduce"] == 8 * 16 * 4 // (2 if split[0] else 1)
 
 
+def _on_xla_and_exact(index, model):
+    """Pair ``index`` of the random-plan benchmark's seed 0 (on ``model``): fast mode on XLA's
+    propagation and exact mode."""
+    from benchmarks import random_plans as rp
+
+    drawn, text = rp.draw_pair(0, index, rp.leaves_of)
+    assert drawn == model
+    plan = shardplan.loads(text, "random.splan")
+    kw = dict(model=rp.POOL[model][0], step=rp.POOL[model][1], batch=rp.BATCH_ARG, devices=8)
+    return shardplan.api.analyze(plan, mode="fast", propagation="xla", **kw), shardplan.api.analyze(
+        plan, mode="exact", **kw
+    )
+
+
 def test_fast_mode_on_xlas_propagation_is_within_target_on_a_held_out_plan():
     """Pair 18 of the random-plan benchmark's seed 0 (a decoder that builds its KV cache in the
     step, sequence x data, a constrained q-norm): fast mode's own propagation missed XLA's
     all-gathers by 53% of the step's bytes and its permutes by 23%; on Shardy's layouts
     (``--propagation xla``) every kind is within the target of XLA:CPU's compiled program."""
-    from benchmarks import random_plans as rp
-
-    model, text = rp.draw_pair(0, 18, rp.leaves_of)
-    assert model == "kv_decoder"
-    plan = shardplan.loads(text, "random.splan")
-    kw = dict(model=rp.POOL[model][0], step=rp.POOL[model][1], batch=rp.BATCH_ARG, devices=8)
-    on_xla = shardplan.api.analyze(plan, mode="fast", propagation="xla", **kw)
-    exact = shardplan.api.analyze(plan, mode="exact", **kw)
+    on_xla, exact = _on_xla_and_exact(18, "kv_decoder")
     got, want = on_xla.bytes_by_kind(), exact.bytes_by_kind()
     total = sum(want.values())
     assert total > 0
@@ -500,14 +507,7 @@ def test_a_scanned_layer_reads_its_weights_as_xlas_propagation_slices_them():
     contraction split over `seq`. Given the loop's slices as XLA lays them out, fast mode on XLA's
     propagation counts XLA's FLOPs within 6% (28% over before) and its all-reduces within 3% of
     the step's bytes (11% before)."""
-    from benchmarks import random_plans as rp
-
-    model, text = rp.draw_pair(0, 19, rp.leaves_of)
-    assert model == "llama_tiny_scan"
-    plan = shardplan.loads(text, "random.splan")
-    kw = dict(model=rp.POOL[model][0], step=rp.POOL[model][1], batch=rp.BATCH_ARG, devices=8)
-    on_xla = shardplan.api.analyze(plan, mode="fast", propagation="xla", **kw)
-    exact = shardplan.api.analyze(plan, mode="exact", **kw)
+    on_xla, exact = _on_xla_and_exact(19, "llama_tiny_scan")
     assert on_xla.flops == pytest.approx(exact.flops, rel=0.06)
     got, want = on_xla.bytes_by_kind(), exact.bytes_by_kind()
     assert abs(got["all-reduce"] - want["all-reduce"]) <= 0.03 * sum(want.values())
