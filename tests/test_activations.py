@@ -88,7 +88,8 @@ def test_a_constraint_changes_the_compiled_step_as_predicted_and_keeps_the_numbe
         return sum(o.bytes_per_step for o in ops if o.kind == "all-gather" and o.axes == ("model",))
 
     out = 16 // 4 * 16 * 4  # the MLP's output per device: batch 16 / data 4, 16 features, f32
-    assert gathered(before) == 0 and gathered(after) == out
+    bias = 16 * 4  # the down bias's gradient, split like the output's features, gathered whole
+    assert gathered(before) == 0 and gathered(after) == out + bias
     paths = {}
     for name, t in (("tp", TP), ("p", text)):
         paths[name] = tmp_path / f"{name}.splan"

@@ -45,7 +45,7 @@ def test_quick_sections_cover_every_section():
 
 # Each group well under a minute on 2 cores (one subprocess each, jax imported anew).
 QUICK_GROUPS = [("resolution", "apply", "steps"), ("fsdp_llama", "scaling"), ("cost",), ("generation",),
-                ("step_cost", "step_cost_scale", "reshard", "shape_cache", "lsp"), ("recost", "suggest")]
+                ("step_cost", "step_cost_scale"), ("recost",), ("suggest",), ("reshard", "shape_cache", "lsp")]
 
 
 def test_benchmarks_quick_resolution_apply_and_steps(tmp_path):
@@ -103,7 +103,7 @@ def test_benchmarks_quick_generation(tmp_path):
     assert len(checks) == 3 and all(c["timing"] for c in checks)  # tokens/s: GPT, Llama plain and cache
 
 
-def test_benchmarks_quick_step_cost_reshard_and_tools(tmp_path):
+def test_benchmarks_quick_step_cost(tmp_path):
     res, checks = quick(tmp_path, *QUICK_GROUPS[4])
     # Step cost: fast vs exact for one plan x each model family, with the ratios the checks report.
     rows = res["step_cost"]["rows"]
@@ -120,6 +120,13 @@ def test_benchmarks_quick_step_cost_reshard_and_tools(tmp_path):
         assert r["comm"]["all-reduce"]["exact"] > 0  # every one of these plans reduces gradients
     scale = res["step_cost_scale"]
     assert scale["eval_shape_s"] > 0 and scale["ratio"] == scale["fast_s"] / scale["eval_shape_s"]
+    # step cost per row: per kind, peak, FLOPs; the scale ratio
+    step_checks = sum(len(r["comm"]) + 2 for r in rows)
+    assert len(checks) == step_checks + 1 and sum(not c["timing"] for c in checks) == step_checks
+
+
+def test_benchmarks_quick_reshard_and_tools(tmp_path):
+    res, checks = quick(tmp_path, *QUICK_GROUPS[7])
     # Reshard: every pair's prediction against its compiled reshard, and the 70B diff's timing.
     reshard = res["reshard"]
     assert len(reshard["rows"]) == 3 and reshard["diff_70b"]["seconds"] > 0
@@ -129,22 +136,24 @@ def test_benchmarks_quick_step_cost_reshard_and_tools(tmp_path):
     assert res["shape_cache"]["cached_s"] > 0
     # The language server: every edit answered with its diagnostics (the benchmark asserts which).
     assert res["lsp"]["edits"] == 12 and 0 < res["lsp"]["edit_median_s"] <= res["lsp"]["edit_max_s"] < 60
-    # step cost per row: per kind, peak, FLOPs; the scale ratio; reshard per row and the 70B diff;
-    # shapes cache; language server.
-    step_checks = sum(len(r["comm"]) + 2 for r in rows)
-    assert len(checks) == step_checks + 1 + len(reshard["rows"]) + 1 + 1 + 1 + 1  # LSP: also with an unused rule
-    assert sum(not c["timing"] for c in checks) == step_checks + len(reshard["rows"])
+    # reshard per row and the 70B diff; shapes cache; language server.
+    assert len(checks) == len(reshard["rows"]) + 1 + 1 + 1 + 1  # LSP: also with an unused rule
+    assert sum(not c["timing"] for c in checks) == len(reshard["rows"])
 
 
-def test_benchmarks_quick_recost_and_suggest(tmp_path):
-    # suggest confirms its plans by the compiled step's time, kernel launches included
-    res, checks = quick(tmp_path, *QUICK_GROUPS[5], compiler_defaults=True)
+def test_benchmarks_quick_recost(tmp_path):
+    res, checks = quick(tmp_path, *QUICK_GROUPS[5])
     (case,) = res["recost"]["cases"]
     assert case["traces"] >= 1 and len(case["rows"]) == 3
     assert all(r["equal"] for r in case["rows"]), "a re-cost differs from the full analysis"
     assert all(0 < r["recost_s"] and 0 < r["full_s"] for r in case["rows"])
     assert [c["met"] for c in checks if not c["timing"] and c["measurement"].startswith("re-cost")] == ["yes"]
-    # suggest: the suggested plan, compiled, is no slower on the h100 formula than the best shipped one
+
+
+def test_benchmarks_quick_suggest(tmp_path):
+    # suggest confirms its plans by the compiled step's time, kernel launches included
+    res, checks = quick(tmp_path, *QUICK_GROUPS[6], compiler_defaults=True)
+    # the suggested plan, compiled, is no slower on the h100 formula than the best shipped one
     (m,) = res["suggest"]["models"]
     assert {r["plan"] for r in m["shipped"]} == {"dp.splan", "gpt_tp.splan"}
     # (quick: the unconstrained search; a memory budget's is tests/test_suggest.py's)

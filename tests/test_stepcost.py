@@ -96,6 +96,33 @@ def test_hlo_reader_names_groups_axes_loops_sources_and_moved_arguments():
     assert summary["all-reduce"] == {"count": 1 + 5, "bytes": 16 * 4 * 4 + 5 * 8 * 4 * 4}
 
 
+def test_hlo_reader_reads_mesh_groups_in_xlas_own_device_order():
+    """XLA prints a collective's groups over mesh axes of its own, with the device at each mesh
+    position where that is not the row-major order (``device_ids=([2,4]T(1,0))``). An expert
+    weight's gradient (tokens over (data, expert), the result over expert) compiled by XLA:CPU:
+    summed over `expert` and sliced (an accelerator's reduce-scatter), then its slice summed over
+    `data`. Read as every device before (the iota left out): two all-reduces over all 8, none a
+    reduce-scatter."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+    avals = (jax.ShapeDtypeStruct((4, 16, 16, 48), jnp.float32), jax.ShapeDtypeStruct((4, 16, 16, 96), jnp.float32))
+    tokens = NamedSharding(mesh, P(None, ("data", "expert")))
+    step = jax.jit(lambda x, dy: jnp.einsum("egcd,egcf->edf", x, dy), in_shardings=(tokens, tokens),
+                   out_shardings=NamedSharding(mesh, P("expert")))
+    text = step.lower(*avals).compile().as_text()
+    assert "device_ids=([2,4]T(1,0))" in text  # the form this reads (else XLA prints otherwise now)
+    ops = hlo.with_axes(hlo.parse(text, 8), {"data": 2, "expert": 4})
+    assert [(op.kind, op.axes, op.bytes, op.as_reduce_scatter) for op in ops] == [
+        ("all-reduce", ("expert",), 4 * 48 * 96 * 4, True), ("all-reduce", ("data",), 48 * 96 * 4, False)]
+    # the list form of the same
+    listed = text.replace("device_ids=([2,4]T(1,0))", "device_ids={0,4,1,5,2,6,3,7}")
+    assert [op.groups for op in hlo.parse(listed, 8)] == [op.groups for op in ops]
+
+
 # A scanned layer's gradient on CPU: a tuple all-reduce in the loop body, each element read by a
 # fusion that takes a per-device slice of it and writes it into the stacked gradient.
 SCANNED_GRAD = """HloModule m, entry_computation_layout={()->f32[]}

@@ -10,7 +10,14 @@ from shardplan.core.hlo.text import _ints
 
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[0-9,]*\},?)*)\}")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# The mesh form: XLA's own axes (``'axis_0'=4,...``), where the device order is not the mesh's
+# row-major one a ``device_ids`` iota (``([2,4]T(1,0))``: iota over [2, 4], transposed) or list
+# saying which device sits at each mesh position, then the axes a group varies along.
+_GROUPS_MESH = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\]"
+    r"(?:,\s*device_ids=(?:\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\)|\{([0-9,]*)\}))?"
+    r"\s*\{([^}]*)\}"
+)
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[0-9]+,[0-9]+\},?)*)\}")
 
 
@@ -25,8 +32,16 @@ def _groups(line: str, n_devices: int | None) -> tuple[tuple[int, ...], ...]:
     m = _GROUPS_MESH.search(line)
     if m:
         axes = [(a.split("=")[0].strip().strip("'"), int(a.split("=")[1])) for a in m.group(1).split(",") if a]
-        over = {a.strip().strip("'") for a in m.group(2).split(",") if a.strip()}
-        return _mesh_groups(axes, over)
+        over = {a.strip().strip("'") for a in m.group(5).split(",") if a.strip()}
+        groups = _mesh_groups(axes, over)
+        if m.group(2):  # the device at each mesh position: an iota, transposed
+            dims = _ints(m.group(2))
+            at = _iota(dims, _ints(m.group(3)) if m.group(3) else list(range(len(dims))))
+        elif m.group(4) is not None:
+            at = _ints(m.group(4))
+        else:
+            return groups
+        return tuple(tuple(at[i] for i in g) for g in groups)
     m = _GROUPS_LIST.search(line)
     if m:
         return tuple(tuple(_ints(g)) for g in re.findall(r"\{([0-9,]*)\}", m.group(1)))

@@ -48,24 +48,26 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
     batch_axes: set[str] = set()
     for i, j in zip(lb, rb, strict=True):
         # One side's split extends the other's ((data, expert) against data) by axes the other
-        # operand splits a free dim over: where the extending side is the smaller operand and
-        # not a weight, XLA keeps the other's free split and the extending side's longest prefix
-        # free of it on the batch dim, the rest gathered off (measured on single matmuls
-        # "gsd,egcd->gsec": tokens over (data, expert) against experts' buffers over expert on e
-        # and data on g, 4x the tokens' bytes: the tokens gathered over expert; the buffers
-        # smaller than the tokens: the buffers moved. A weight's split stays: its gradient's
-        # layout is fixed, and the step's propagation carries it to the tokens).
+        # operand splits a free dim over: where the extending side is the smaller operand, XLA
+        # keeps the other's free split and the extending side's longest prefix free of it on the
+        # batch dim, the rest gathered off (measured on single matmuls "gsd,egcd->gsec": tokens
+        # over (data, expert) against experts' buffers over expert on e and data on g, 4x the
+        # tokens' bytes: the tokens gathered over expert; the buffers smaller than the tokens:
+        # the buffers moved. A weight too: "egcd,edf->egcf", dispatched tokens over (data,
+        # expert) on g against experts' weights over expert on e, XLA:CPU gathers the weights
+        # where they are the smaller operand (73,728 B against 196,608 B of tokens; 131,072
+        # against 262,144) and moves the tokens by all-to-all where they are (49,152 against
+        # 73,728; 65,536 against 524,288), 2026-12-06).
         prefix = None
-        for longer, shorter, other, free, x, mine, theirs in (
-            (ldims[i], rdims[j], rdims, rfree, lx, lhs, rhs),
-            (rdims[j], ldims[i], ldims, lfree, rx, rhs, lhs),
+        for longer, shorter, other, free, mine, theirs in (
+            (ldims[i], rdims[j], rdims, rfree, lhs, rhs),
+            (rdims[j], ldims[i], ldims, lfree, rhs, lhs),
         ):
             taken = {a for k in free for a in other[k]}
             if (
                 len(longer) > len(shorter)
                 and longer[: len(shorter)] == shorter
                 and taken & set(longer)
-                and walk.names.get(walk.root(x)) is None
                 and math.prod(mine.shape) * mine.itemsize < math.prod(theirs.shape) * theirs.itemsize
             ):
                 prefix = list(itertools.takewhile(lambda a, t=taken: a not in t, longer))  # type: ignore[misc]
