@@ -536,16 +536,8 @@ def _compile_here(plan: Plan, model: str, step: str, shapes: dict, optimizer: st
     except ShardPlanError:
         raise
     except Exception as e:  # the user's model or XLA, as the child process would report it
-        raise as_error(
-            [
-                error(
-                    "loss-failed",
-                    f"compiling the step failed: {_failure(f'{type(e).__name__}: {e}'.strip().splitlines())}",
-                    "run the step on a small mesh in Python to see the full error",
-                    path="--compile",
-                )
-            ]
-        ) from None
+        reason = _failure(f"{type(e).__name__}: {e}".strip().splitlines())
+        raise as_error([_compile_failure(f"compiling the step failed: {reason}", "XLA:CPU")]) from None
 
 
 _XLA_STATUS = re.compile(
@@ -904,16 +896,23 @@ def _step_cost(
             [Diagnostic(**dict(d, span=Span(**d["span"]) if d.get("span") else None)) for d in reply["error"]]
         )
     tail = _failure((proc.stderr or proc.stdout).strip().splitlines())
-    raise as_error(
-        [
-            error(
-                "loss-failed",
-                f"the compile process failed (exit {proc.returncode}): {tail}",
-                "run the step on a small mesh in Python to see the full error",
-                path="--compile",
-            )
-        ]
-    )
+    raise as_error([_compile_failure(f"the compile process failed (exit {proc.returncode}): {tail}", aim.compiler)])
+
+
+def _compile_failure(message: str, compiler: str) -> Diagnostic:
+    """A failed compile: the compiler's own internal error (XLA's ``INTERNAL:`` status: a bug of
+    the compiler, such as XLA:GPU finding no tiling for a small matmul offline) said as such;
+    anything else the model's or loss's failure."""
+    if _XLA_STATUS.search(message) and "INTERNAL:" in message:
+        return error(
+            "compiler-failed",
+            f"{compiler} failed to compile the step with an internal error (a bug of the compiler, not of the "
+            f"model or the plan): {message}",
+            "cost the step in fast mode (without --compile), or compile it for another target",
+            path="--compile",
+        )
+    hint = "run the step on a small mesh in Python to see the full error"
+    return error("loss-failed", message, hint, path="--compile")
 
 
 def layouts(

@@ -124,6 +124,7 @@ CODES: dict[str, Code] = {
         _e("loss-failed", "apply", "the loss function fails on the model and batch"),
         _e("no-plan-fits", "apply", "suggest: no plan searched fits the device memory"),
         _e("step-out-of-memory", "apply", "exact mode: the target's compiler refuses the step, out of device memory"),
+        _e("compiler-failed", "apply", "exact mode: the target's compiler fails on the step with an internal error"),
         _e("model-axis", "apply", "the model's code names a mesh axis the plan's mesh lacks"),
         _e("needs-explicit-axes", "apply", "the model's code types arrays by mesh axes the plan's mesh has as `auto`"),
         _e("sharding-type", "apply", "JAX's sharding type check rejects an operation in the model or loss"),

@@ -447,3 +447,37 @@ def test_fast_mode_costs_a_grouped_matmul_as_the_targets_compiler_runs_it(target
     # each (4, 64, 96) float32 weight gathered once (XLA:GPU combines the two in one collective)
     assert weights(exact, lambda c: "w_a" in c.op or "w_b" in c.op) == 2 * 98_304
     assert weights(fast, lambda c: c.moves in ("w_a", "w_b")) == 2 * 98_304
+
+
+# XLA:GPU's own words when it finds no tiling for a small matmul of the GShard MoE below (jax 0.10.2)
+NO_TILING = (
+    "the compile process failed (exit 1): jax.errors.JaxRuntimeError: INTERNAL: Couldn't find output tile sizes "
+    'that satisfy hlo: %dot.213 = f32[64,48]{1,0} dot(%bitcast.482, %parameter_1.3), backend_config={"sizes":["16"]}'
+)
+
+
+def test_a_compilers_internal_error_is_said_to_be_the_compilers():
+    """A compile that fails with XLA's INTERNAL status is the compiler's bug, said as such with what
+    to do instead; any other failure stays the model's or loss's (its own test: a loss that raises)."""
+    from shardplan.api import _compile_failure
+
+    d = _compile_failure(NO_TILING, "XLA:GPU")
+    assert d.code == "compiler-failed" and d.path == "--compile"
+    assert d.message.startswith("XLA:GPU failed to compile the step with an internal error") and "tile sizes" in d.message
+    assert "fast mode" in d.hint and "another target" in d.hint
+    other = _compile_failure("the compile process failed (exit 1): ValueError: bad shapes", "XLA:GPU")
+    assert other.code == "loss-failed"
+
+
+@pytest.mark.skipif(not HAS_GPU, reason="needs the CUDA plugin: pip install 'shardplan[gpu]'")
+def test_xla_gpus_internal_error_on_a_step_is_reported_as_the_compilers():
+    """tests/fixtures/engine_models.py's GShard MoE, experts over `expert` = 4, 16 x 32 tokens, for 8
+    H100s: XLA:GPU (jax 0.10.2) finds no output tiling for one of its 64 x 48 matmuls."""
+    engine = FIXTURES / "engine_models.py"
+    plan = shardplan.loads('plan "ep"\nmesh data = 2, expert = 4\nbatch ((data, expert), _)\n'
+                           'param "blocks/\\d+/moe/(w_in|w_out)" (expert, _, _)\ndefault replicated\n')
+    with pytest.raises(shardplan.ShardPlanError) as info:
+        shardplan.api.analyze(plan, model=f"{engine}:moe", step=f"{engine}:moe_loss", mode="exact",
+                              batch=["tokens=int32[16,32],labels=int32[16,32]"], devices=8, target="h100:8")
+    (d,) = info.value.diagnostics
+    assert d.code == "compiler-failed" and "INTERNAL" in d.message, d
