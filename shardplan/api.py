@@ -536,8 +536,10 @@ def _compile_here(plan: Plan, model: str, step: str, shapes: dict, optimizer: st
     except ShardPlanError:
         raise
     except Exception as e:  # the user's model or XLA, as the child process would report it
+        from shardplan.core.targets import CPU
+
         reason = _failure(f"{type(e).__name__}: {e}".strip().splitlines())
-        raise as_error([_compile_failure(f"compiling the step failed: {reason}", "XLA:CPU")]) from None
+        raise as_error([_compile_failure(f"compiling the step failed: {reason}", CPU.compiler)]) from None
 
 
 _XLA_STATUS = re.compile(
@@ -903,7 +905,7 @@ def _compile_failure(message: str, compiler: str) -> Diagnostic:
     """A failed compile: the compiler's own internal error (XLA's ``INTERNAL:`` status: a bug of
     the compiler, such as XLA:GPU finding no tiling for a small matmul offline) said as such;
     anything else the model's or loss's failure."""
-    if _XLA_STATUS.search(message) and "INTERNAL:" in message:
+    if re.search(r"\bINTERNAL:", message):
         return error(
             "compiler-failed",
             f"{compiler} failed to compile the step with an internal error (a bug of the compiler, not of the "
