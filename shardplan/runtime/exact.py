@@ -40,16 +40,27 @@ def abstract_state(state: Any, shardings: Any) -> Any:
 
 def devices_here(n: int) -> bool:
     """Whether exact mode can compile for an ``n``-device CPU mesh in this process, seeing what its
-    child process would see: jax imported and its backends started already (asking would start
-    them, and take an accelerator, in a process that only imported jax), exactly ``n`` CPU devices
-    in one process, no mesh in context, and jax's default float width."""
+    child process would see: jax imported, exactly ``n`` CPU devices in one process, no mesh in
+    context, and jax's default float width. Backends not started yet are started only where they
+    can be nothing but the ``n`` CPU devices (jax told to use the CPU alone, XLA's flags asking for
+    ``n``): elsewhere asking would start them, and take an accelerator, in a process that only
+    imported jax. (A child costs a jax import and a trace of the step: 3-4 s more per compile of
+    examples/models.py's gpt_tiny on this project's 2-core machine, 1 s here.)"""
     if "jax" not in sys.modules:
         return False
+    import os
+
     import jax
     from jax._src import xla_bridge
 
-    if not xla_bridge.backends_are_initialized() or getattr(jax.config, "jax_enable_x64", False):
+    from shardplan.runtime.devices import FLAG
+
+    if getattr(jax.config, "jax_enable_x64", False):
         return False
+    if not xla_bridge.backends_are_initialized():
+        asked = [f.split("=", 1)[-1] for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(f"{FLAG}=")]
+        if getattr(jax.config, "jax_platforms", None) != "cpu" or asked[-1:] != [str(n)]:
+            return False
     if not jax.sharding.get_abstract_mesh().empty:
         return False
     devices = jax.devices()
