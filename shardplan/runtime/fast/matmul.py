@@ -29,6 +29,10 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
     lx, rx = eqn.invars
     lhs, rhs = ins
     out_aval = eqn.outvars[0].aval
+    # A pending sum over the axes the other operand splits a contraction over: done first, as a
+    # reduce-scatter onto that dim, and the matmul contracts split.
+    lhs = _scattered_onto_contraction(walk, lx, lhs, rhs, lc, rc, mult)
+    rhs = _scattered_onto_contraction(walk, rx, rhs, lhs, rc, lc, mult)
     # One pending sum at a time: a partial operand times a whole one stays partial.
     if lhs.partial and rhs.partial:
         rhs = resolve(walk, rx, rhs, None, mult, "dot_general")
@@ -314,6 +318,30 @@ def _split_k(walk: Walker, eqn: Any, lhs: Val, rhs: Val, out: Val, mult: int) ->
         walk.widened[eqn.outvars[0]] = partials * 4
         adds = partials * wider * walk.kernel_reads(eqn.outvars[0])
     walk.count_flops(adds + 2 * b * m * n * (splitk.padded(k, split, bits) - k), mult, "dot_general")
+
+
+def _scattered_onto_contraction(
+    walk: Walker, x: Any, v: Val, other: Val, mine: Sequence[int], theirs: Sequence[int], mult: int
+) -> Val:
+    """``v``'s pending sums done as reduce-scatters onto its contracting dims where the other
+    operand splits the same dims over exactly those axes and ``v`` leaves them whole; ``v`` as it
+    was unless every pending axis goes so. XLA lays the sum out as the matmul reads it (measured
+    on a weight's gradient under batch x sequence splits: keys' cotangents, a sum over the
+    queries split over ``seq``, times the layer's inputs split over ``seq`` on the same tokens:
+    the cotangents reduce-scattered onto the tokens and the gradient contracted split, a quarter
+    of the FLOPs of gathering the inputs and contracting whole, 2026-12-06)."""
+    if not v.partial:
+        return v
+    target = [list(d) for d in v.dims]
+    left = set(v.partial)
+    for i, j in zip(mine, theirs, strict=True):
+        axes = list(other.dims[j])
+        if axes and not v.dims[i] and set(axes) <= left and v.shape[i] % walk.ctx.split(tuple(axes)) == 0:
+            target[i] = axes
+            left -= set(axes)
+    if left:
+        return v
+    return resolve(walk, x, v, _tuple(target), mult, "dot_general")
 
 
 def _contraction_moves(
