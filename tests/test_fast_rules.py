@@ -724,6 +724,19 @@ def test_a_pending_sum_is_scattered_onto_the_contraction_the_other_side_splits()
     assert abs(ledger.flops - flops) / flops < 0.02, (ledger.flops, flops)  # (XLA counts its reductions' adds)
 
 
+@pytest.mark.parametrize("b, s, d, f", [(8, 16, 32, 64), (4, 8, 128, 512)])
+def test_a_sum_the_next_weights_rows_split_is_scattered_onto_their_split(b, s, d, f):
+    """A gated MLP reading hidden states split over `model` on their width, every weight's rows
+    split over `model`: the gate's and up's sums over `model` are reduce-scattered onto the hidden
+    dim the down projection's rows split, through the SiLU (a call of elementwise ops), as XLA:CPU,
+    XLA:TPU and XLA:GPU compile it (measured 2026-12-06); fast mode had all-reduced both."""
+    mlp = lambda x, wg, wu, wd: (jax.nn.silu(x @ wg) * (x @ wu)) @ wd  # noqa: E731
+    avals = (S(b, s, d), S(d, f), S(d, f), S(f, d))
+    xla, predicted = by_kind(mlp, avals, (P("data", None, "model"), P("model"), P("model"), P("model")), None)
+    assert predicted == xla
+    assert xla["reduce-scatter"] == 2 * b * s * f * 4 // 4  # gate and up, each device's quarter of the batch
+
+
 def test_a_constraint_far_from_the_batch_layout_is_carried_back_through_the_norms():
     """A plan nobody tuned for (random pair 10 of seed 3): the batch over `model`, the final norm's
     output constrained (seq, model, ...). XLA's program carries the constraint's layout back through

@@ -38,6 +38,8 @@ def inline(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val] | Non
     for inner_var, outer_var in zip(sub.invars, eqn.invars, strict=False):
         if not hasattr(outer_var, "val"):
             walk.origin[inner_var] = walk.root(outer_var)
+        if not hasattr(outer_var, "val") and outer_var in walk.sum_wants:
+            walk.sum_wants.setdefault(inner_var, walk.sum_wants[outer_var])
         if hasattr(outer_var, "val") or outer_var in walk.constant:
             walk.constant.add(inner_var)
         else:

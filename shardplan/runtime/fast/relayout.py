@@ -20,8 +20,12 @@ def resolve(walk, var: Any, v: Val, target: Dims | None, mult: int, why: str, co
     ``contracted``: the elements the matmul that made ``v`` contracts (``Compiler.windowed``)."""
     if not v.partial:
         return v
-    if target is None and var not in walk.hints and var not in walk.wants:
-        target = _batch_scatter(v, walk.ctx, walk.rows.get(walk.root(var), 0))
+    if target is None and var not in walk.hints:
+        if var in walk.wants:
+            target = walk.wants[var]
+        else:
+            target = _batch_scatter(v, walk.ctx, walk.rows.get(walk.root(var), 0))
+        target = _with_sum_wants(walk, var, v, target)
     target = target if target is not None else walk.hints.get(var, walk.wants.get(var, v.dims))
     key = ("resolve", walk.key(var), target)
     hit = walk.ctx.cache.get(key)
@@ -74,6 +78,22 @@ def resolve(walk, var: Any, v: Val, target: Dims | None, mult: int, why: str, co
     walk.ctx.source = reader_source
     walk.ctx.cache[key] = out
     return out
+
+
+def _with_sum_wants(walk: Walker, var: Any, v: Val, target: Dims | None) -> Dims | None:
+    """``target`` with the summed axes a weight's contraction split wants on dims ``v`` and
+    ``target`` leave whole (``Walker._sum_wants``): the sum is reduce-scattered onto them."""
+    want = walk.sum_wants.get(var)
+    if want is None:
+        return target
+    base = _norm(target if target is not None else v.dims, len(v.shape))
+    used = {a for d in base for a in d} | {a for d in v.dims for a in d}
+    dims = [list(d) for d in base]
+    for i, w in enumerate(_norm(want, len(v.shape))):
+        if w and not dims[i] and not v.dims[i] and set(w) <= v.partial and not set(w) & used:
+            dims[i] = list(w)
+            used |= set(w)
+    return target if dims == [list(d) for d in base] else _tuple(dims)
 
 
 def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, tag: Any = None) -> Val:

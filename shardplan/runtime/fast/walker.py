@@ -80,6 +80,7 @@ class Walker:
         self.xla_claims = False
         self.back: dict[Any, Dims] = {}  # layouts propagated back from those (see claims._claims_back, back_claim)
         self.wants: dict[Any, Dims] = {}  # splits readers want (see _wants)
+        self.sum_wants: dict[Any, Dims] = {}  # contraction splits weights give their matmuls' inputs (_sum_wants)
         # Whole values an elementwise op met with split ones (XLA's propagation would have computed
         # them split: slicing a whole value is free); a second propagation takes them as ``free``.
         self.slices: dict[Any, Dims] = {}
@@ -160,6 +161,8 @@ class Walker:
         self._hints(jaxpr)
         self._wants(jaxpr)
         top = self.depth == 0
+        if top:
+            self._sum_wants(jaxpr, env)
         self.depth += 1
         last, uses, keep, fused, (fused_v, soft, shared) = self._structure(jaxpr, boundary)
         live = peak = peak_ex = out_live = 0
@@ -391,6 +394,42 @@ class Walker:
         self._spread(jaxpr, self.wants, None if self.ignore_constraints else "seed")
         if self.free:
             self._spread(jaxpr, self.free, "stop")
+
+    def _sum_wants(self, jaxpr: Any, env: dict[Any, Val]) -> None:
+        """Backward pass: a matmul reading a step input (a weight) split on a contracting dim wants
+        its other operand split there the same way, carried back through elementwise and layout ops
+        and calls of elementwise ops (``jax.nn.silu``'s): a pending sum resolved on the way is
+        reduce-scattered onto that split (``relayout.resolve``), as XLA's propagation lays it out
+        from the weight (a gate projection's sum over the model width, read by the down
+        projection whose rows are split over the summed axis)."""
+        inputs = set(jaxpr.invars)
+        table: dict[Any, Dims] = {}
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name != "dot_general":
+                continue
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            lx, rx = eqn.invars
+            for w, wc, x, xc in ((rx, rc, lx, lc), (lx, lc, rx, rc)):
+                if w in inputs and not hasattr(x, "val") and x not in inputs:
+                    dims: list[tuple[str, ...]] = [()] * len(x.aval.shape)
+                    for i, j in zip(xc, wc, strict=True):
+                        dims[i] = tuple(env[w].dims[j])
+                    if any(dims):
+                        table.setdefault(x, tuple(dims))
+        if not table:
+            return
+        for _ in range(2):
+            _spread(jaxpr, table, None)
+            for eqn in jaxpr.eqns:
+                body = _subjaxpr(eqn) if eqn.primitive.name in ("jit", "pjit", "closed_call") else None
+                if body is None or any(e.primitive.name not in ELEMENTWISE for e in body.eqns):
+                    continue
+                for x in eqn.invars:
+                    shape = tuple(getattr(x.aval, "shape", ()))
+                    out = next((table[o] for o in eqn.outvars if o in table and tuple(o.aval.shape) == shape), None)
+                    if out is not None and not hasattr(x, "val"):
+                        table.setdefault(x, out)
+        self.sum_wants = table
 
     def _spread(self, jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None:
         """:func:`claims._spread` into ``table``, memoised on what ``table`` holds of ``jaxpr``'s
