@@ -418,6 +418,11 @@ class Walker:
                         table.setdefault(x, tuple(dims))
         if not table:
             return
+        key = ("sum wants", id(jaxpr), frozenset(table.items()))  # the same weights' splits: the same wants
+        hit = self.memo.get(key)
+        if hit is not None and hit[0] is jaxpr:
+            self.sum_wants = dict(hit[1])
+            return
         for _ in range(2):
             _spread(jaxpr, table, None)
             for eqn in jaxpr.eqns:
@@ -429,6 +434,7 @@ class Walker:
                     out = next((table[o] for o in eqn.outvars if o in table and tuple(o.aval.shape) == shape), None)
                     if out is not None and not hasattr(x, "val"):
                         table.setdefault(x, out)
+        self.memo[key] = (jaxpr, tuple(table.items()))
         self.sum_wants = table
 
     def _spread(self, jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None:
