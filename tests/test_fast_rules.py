@@ -58,6 +58,19 @@ def by_kind(fn, avals, in_specs, out_spec, mesh=MESH, propagation="shardplan"):
     return xla, {k: ledger.bytes_of(k) for k in KINDS}
 
 
+def flops_of(fn, avals, in_specs, mesh=MESH):
+    """The FLOPs per device XLA's cost analysis counts for ``fn`` compiled with these input
+    shardings, and fast mode's for the same function (no output sharding given)."""
+    m = jax.make_mesh(tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh),
+                      devices=jax.devices()[:8])
+    with jax.set_mesh(m):
+        compiled = jax.jit(fn, in_shardings=tuple(NamedSharding(m, s) for s in in_specs)).lower(*avals).compile()
+        ledger = fast.propagate_function(fn, avals, tuple(_dims(s, len(a.shape)) for s, a in zip(in_specs, avals)),
+                                         mesh, None)
+    costs = compiled.cost_analysis()
+    return (costs[0] if isinstance(costs, list) else costs)["flops"], ledger.flops
+
+
 def _cs(spec):
     return lambda x: jax.lax.with_sharding_constraint(x, spec)
 
@@ -694,15 +707,9 @@ def test_batch_dims_split_apart_are_counted_at_each_devices_share_of_the_flops()
     other: the matmul runs split 4 ways over `data` (one batch dim keeps the axis), as XLA's own
     cost analysis counts it; an axis counted on both batch dims would halve the FLOPs again."""
     fn = lambda q, k: jnp.einsum("bqhd,bkhd->bhqk", q, k)  # noqa: E731
-    avals, specs = (S(8, 16, 4, 32), S(8, 16, 4, 32)), (P("data"), P(None, None, "data"))
-    m = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
-    with jax.set_mesh(m):
-        compiled = jax.jit(fn, in_shardings=tuple(NamedSharding(m, s) for s in specs)).lower(*avals).compile()
-        ledger = fast.propagate_function(fn, avals, tuple(_dims(s, 4) for s in specs), MESH, None)
-    costs = compiled.cost_analysis()
-    xla = (costs[0] if isinstance(costs, list) else costs)["flops"]
+    xla, predicted = flops_of(fn, (S(8, 16, 4, 32), S(8, 16, 4, 32)), (P("data"), P(None, None, "data")))
     assert xla == 2 * 8 * 4 * 16 * 16 * 32 / 4
-    assert ledger.flops == xla
+    assert predicted == xla
 
 
 def test_a_pending_sum_is_scattered_onto_the_contraction_the_other_side_splits():
@@ -715,13 +722,8 @@ def test_a_pending_sum_is_scattered_onto_the_contraction_the_other_side_splits()
     xla, predicted = by_kind(keys_grad, avals, specs, None, _SEQ)
     assert xla["all-gather"] == predicted["all-gather"] == 0
     assert predicted["reduce-scatter"] == xla["reduce-scatter"] == 8 * 16 * 32 * 4 // 2  # the cotangents (per device)
-    m = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
-    with jax.set_mesh(m):
-        compiled = jax.jit(keys_grad, in_shardings=tuple(NamedSharding(m, s) for s in specs)).lower(*avals).compile()
-        ledger = fast.propagate_function(keys_grad, avals, tuple(_dims(s, 3) for s in specs), _SEQ, None)
-    costs = compiled.cost_analysis()
-    flops = (costs[0] if isinstance(costs, list) else costs)["flops"]
-    assert abs(ledger.flops - flops) / flops < 0.02, (ledger.flops, flops)  # (XLA counts its reductions' adds)
+    flops, fast_flops = flops_of(keys_grad, avals, specs, _SEQ)
+    assert abs(fast_flops - flops) / flops < 0.02, (fast_flops, flops)  # (XLA counts its reductions' adds)
 
 
 @pytest.mark.parametrize("b, s, d, f", [(8, 16, 32, 64), (4, 8, 128, 512)])
@@ -735,6 +737,25 @@ def test_a_sum_the_next_weights_rows_split_is_scattered_onto_their_split(b, s, d
     xla, predicted = by_kind(mlp, avals, (P("data", None, "model"), P("model"), P("model"), P("model")), None)
     assert predicted == xla
     assert xla["reduce-scatter"] == 2 * b * s * f * 4 // 4  # gate and up, each device's quarter of the batch
+
+
+def test_a_scanned_layers_sums_are_scattered_onto_its_next_weights_rows_split():
+    """The same MLP as layers of a scan, the weights stacked: each layer's gate and up sums are
+    reduce-scattered onto the hidden dim its down rows split, as XLA compiles it (2 layers x 2 x
+    16,384 B). XLA also reduce-scatters the down projection's sum into the carried residual,
+    split on its width; fast mode all-reduces that one (16,384 B), the bytes otherwise equal."""
+    def layer(x, w):
+        wg, wu, wd = w
+        return x + (jax.nn.silu(x @ wg) * (x @ wu)) @ wd, None
+
+    def layers(x, wg, wu, wd):
+        return jax.lax.scan(layer, x, (wg, wu, wd))[0]
+
+    avals = (S(8, 16, 64), S(2, 64, 256), S(2, 64, 256), S(2, 256, 64))
+    specs = (P("data", None, "model"),) + (P(None, "model"),) * 3
+    xla, predicted = by_kind(layers, avals, specs, None)
+    assert predicted["reduce-scatter"] == 2 * 2 * 8 * 16 * 256 * 4 // 4
+    assert xla["reduce-scatter"] == predicted["reduce-scatter"] + predicted["all-reduce"]
 
 
 def test_a_constraint_far_from_the_batch_layout_is_carried_back_through_the_norms():

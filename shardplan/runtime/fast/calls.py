@@ -227,6 +227,9 @@ def scan(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
             # the activations' width is split over): slicing is free, the body sees that layout
             v = Val(v.shape, v.itemsize, tuple(tuple(c) for c in claim))
         env[var] = v
+    # what the loop reads but does not carry (a layer's slices of stacked weights, weights it reads
+    # whole) seeds its sums' layouts
+    walk._sum_wants(body, env, {var for k, var in enumerate(body.invars) if not nc <= k < nc + ncarry})
     outs = walk.run(body, env, mult * length)
     result = list(outs[:ncarry])
     for o, inner, v in zip(eqn.outvars[ncarry:], body.outvars[ncarry:], outs[ncarry:], strict=True):

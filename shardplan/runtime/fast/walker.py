@@ -162,7 +162,8 @@ class Walker:
         self._wants(jaxpr)
         top = self.depth == 0
         if top:
-            self._sum_wants(jaxpr, env)
+            self.sum_wants = {}
+            self._sum_wants(jaxpr, env, set(jaxpr.invars))
         self.depth += 1
         last, uses, keep, fused, (fused_v, soft, shared) = self._structure(jaxpr, boundary)
         live = peak = peak_ex = out_live = 0
@@ -395,14 +396,14 @@ class Walker:
         if self.free:
             self._spread(jaxpr, self.free, "stop")
 
-    def _sum_wants(self, jaxpr: Any, env: dict[Any, Val]) -> None:
-        """Backward pass: a matmul reading a step input (a weight) split on a contracting dim wants
-        its other operand split there the same way, carried back through elementwise and layout ops
-        and calls of elementwise ops (``jax.nn.silu``'s): a pending sum resolved on the way is
-        reduce-scattered onto that split (``relayout.resolve``), as XLA's propagation lays it out
-        from the weight (a gate projection's sum over the model width, read by the down
-        projection whose rows are split over the summed axis)."""
-        inputs = set(jaxpr.invars)
+    def _sum_wants(self, jaxpr: Any, env: dict[Any, Val], inputs: set[Any]) -> None:
+        """Backward pass: a matmul reading one of ``inputs`` (the step's inputs: its weights; a
+        scanned layer's slices of them) split on a contracting dim wants its other operand split
+        there the same way, carried back through elementwise and layout ops and calls of
+        elementwise ops (``jax.nn.silu``'s): a pending sum resolved on the way is reduce-scattered
+        onto that split (``relayout.resolve``), as XLA's propagation lays it out from the weight (a
+        gate projection's sum over the model width, read by the down projection whose rows are
+        split over the summed axis)."""
         table: dict[Any, Dims] = {}
         for eqn in jaxpr.eqns:
             if eqn.primitive.name != "dot_general":
@@ -411,17 +412,18 @@ class Walker:
             lx, rx = eqn.invars
             for w, wc, x, xc in ((rx, rc, lx, lc), (lx, lc, rx, rc)):
                 if w in inputs and not hasattr(x, "val") and x not in inputs:
-                    dims: list[tuple[str, ...]] = [()] * len(x.aval.shape)
+                    split: list[tuple[str, ...]] = [()] * len(x.aval.shape)
                     for i, j in zip(xc, wc, strict=True):
-                        dims[i] = tuple(env[w].dims[j])
-                    if any(dims):
-                        table.setdefault(x, tuple(dims))
+                        split[i] = tuple(env[w].dims[j])
+                    if any(split):
+                        table.setdefault(x, tuple(split))
         if not table:
             return
         key = ("sum wants", id(jaxpr), frozenset(table.items()))  # the same weights' splits: the same wants
         hit = self.memo.get(key)
         if hit is not None and hit[0] is jaxpr:
-            self.sum_wants = dict(hit[1])
+            for x, wanted in hit[1]:
+                self.sum_wants.setdefault(x, wanted)
             return
         for _ in range(2):
             _spread(jaxpr, table, None)
@@ -435,7 +437,8 @@ class Walker:
                     if out is not None and not hasattr(x, "val"):
                         table.setdefault(x, out)
         self.memo[key] = (jaxpr, tuple(table.items()))
-        self.sum_wants = table
+        for x, wanted in table.items():
+            self.sum_wants.setdefault(x, wanted)
 
     def _spread(self, jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None:
         """:func:`claims._spread` into ``table``, memoised on what ``table`` holds of ``jaxpr``'s
