@@ -229,7 +229,7 @@ def scan(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
         env[var] = v
     # what the loop reads but does not carry (a layer's slices of stacked weights, weights it reads
     # whole) seeds its sums' layouts
-    walk._sum_wants(body, env, {var for k, var in enumerate(body.invars) if not nc <= k < nc + ncarry})
+    walk.seed_sum_wants(body, env, {var for k, var in enumerate(body.invars) if not nc <= k < nc + ncarry})
     outs = walk.run(body, env, mult * length)
     result = list(outs[:ncarry])
     for o, inner, v in zip(eqn.outvars[ncarry:], body.outvars[ncarry:], outs[ncarry:], strict=True):

@@ -82,7 +82,7 @@ def resolve(walk, var: Any, v: Val, target: Dims | None, mult: int, why: str, co
 
 def _with_sum_wants(walk: Walker, var: Any, v: Val, target: Dims | None) -> Dims | None:
     """``target`` with the summed axes a weight's contraction split wants on dims ``v`` and
-    ``target`` leave whole (``Walker._sum_wants``): the sum is reduce-scattered onto them."""
+    ``target`` leave whole (``Walker.seed_sum_wants``): the sum is reduce-scattered onto them."""
     want = walk.sum_wants.get(var)
     if want is None:
         return target

@@ -80,7 +80,7 @@ class Walker:
         self.xla_claims = False
         self.back: dict[Any, Dims] = {}  # layouts propagated back from those (see claims._claims_back, back_claim)
         self.wants: dict[Any, Dims] = {}  # splits readers want (see _wants)
-        self.sum_wants: dict[Any, Dims] = {}  # contraction splits weights give their matmuls' inputs (_sum_wants)
+        self.sum_wants: dict[Any, Dims] = {}  # contraction splits weights give their matmuls' inputs (seed_sum_wants)
         # Whole values an elementwise op met with split ones (XLA's propagation would have computed
         # them split: slicing a whole value is free); a second propagation takes them as ``free``.
         self.slices: dict[Any, Dims] = {}
@@ -163,7 +163,7 @@ class Walker:
         top = self.depth == 0
         if top:
             self.sum_wants = {}
-            self._sum_wants(jaxpr, env, set(jaxpr.invars))
+            self.seed_sum_wants(jaxpr, env, set(jaxpr.invars))
         self.depth += 1
         last, uses, keep, fused, (fused_v, soft, shared) = self._structure(jaxpr, boundary)
         live = peak = peak_ex = out_live = 0
@@ -396,7 +396,7 @@ class Walker:
         if self.free:
             self._spread(jaxpr, self.free, "stop")
 
-    def _sum_wants(self, jaxpr: Any, env: dict[Any, Val], inputs: set[Any]) -> None:
+    def seed_sum_wants(self, jaxpr: Any, env: dict[Any, Val], inputs: set[Any]) -> None:
         """Backward pass: a matmul reading one of ``inputs`` (the step's inputs: its weights; a
         scanned layer's slices of them) split on a contracting dim wants its other operand split
         there the same way, carried back through elementwise and layout ops and calls of
