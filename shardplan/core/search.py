@@ -28,6 +28,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 FSDP_MODES = ("params", "opt", "none")
@@ -85,16 +86,16 @@ class Space:
         parts.append(re.escape("/".join(split[0][len(split[0]) - tail :])) if tail else "")
         return "/".join(x for x in parts if x) + "/"
 
-    @property
+    @cached_property
     def experts(self) -> tuple[int, ...]:
         """Dims a matmul batches over on a param (stacked experts)."""
         return tuple(sorted({u for f in self.families for u, t in zip(f.units, f.tags) if "batch" in t}))
 
-    @property
+    @cached_property
     def stacked(self) -> tuple[int, ...]:
         return tuple(sorted({u for f in self.families for u, t in zip(f.units, f.tags) if "stack" in t}))
 
-    @property
+    @cached_property
     def tensor(self) -> tuple[int, ...]:
         """Dims tensor parallelism may split: those of matrices, not stacked nor experts, the
         biggest families' first."""
@@ -117,7 +118,7 @@ class Space:
             )
         )
 
-    @property
+    @cached_property
     def width(self) -> int | None:
         """The dim most matrices share (the residual stream's width): FSDP's first choice."""
         seen: Counter[int] = Counter()
