@@ -296,18 +296,23 @@ def _stacked_space(batch=(64,)):
     return search.Space(fams, {0: 8, 1: 64, 2: 64, 3: 128}, batch, seq=(32,))
 
 
-def test_a_pipeline_is_searched_only_where_the_mesh_crosses_hosts():
+def test_a_pipeline_is_searched_across_hosts_and_inside_one():
     space = _stacked_space()
-    assert not any(a == "stage" for m in search.meshes(space, 16) for a, _, _ in m)  # one host
-    assert not any(a == "stage" for m in search.meshes(space, 8, per_host=8) for a, _, _ in m)
+    for devices, per_host in ((16, None), (8, 8)):  # one host: the stage axis over the chips' own links
+        got = [m for m in search.meshes(space, devices, per_host) if m[0][0] == "stage"]
+        assert {m[0][1] for m in got} == {2, 4, 8} and all(m[0][2] == "ici" for m in got)
+        assert all(math.prod(n for _, n, _ in m) == devices for m in got)
+        assert not any(a == "stage" for m in got for a, _, _ in m[1:])  # outermost, once
     got = [m for m in search.meshes(space, 32, per_host=4) if m[0][0] == "stage"]
     # outermost, across hosts, dividing the 8 hosts and the 8 layers
     assert {m[0][1] for m in got} == {2, 4, 8} and all(m[0][2] == "dcn" for m in got)
     assert all(math.prod(n for _, n, _ in m) == 32 for m in got)
+    # 24 devices in hosts of 4: dividing the 6 hosts and the 8 layers
+    assert {m[0][1] for m in search.meshes(space, 24, per_host=4) if m[0][0] == "stage"} == {2}
     # a model whose stacked dim is not first (a plan's stage axis splits dim 0) gets none
     s, c, f = frozenset({"stack"}), frozenset({"contract"}), frozenset({"free"})
     odd = search.Space((search.Family("h/w", (64, 8, 64), (1, 0, 2), (c, s, f), 1),), {0: 8, 1: 64, 2: 64}, (64,))
-    assert not any(m[0][0] == "stage" for m in search.meshes(odd, 32, per_host=4))
+    assert not any(m[0][0] == "stage" for m in [*search.meshes(odd, 32, per_host=4), *search.meshes(odd, 16)])
 
 
 def test_a_pipeline_choice_writes_a_plan_the_checker_takes_and_the_search_varies_its_schedule():
@@ -330,13 +335,16 @@ def test_a_pipeline_choice_writes_a_plan_the_checker_takes_and_the_search_varies
     def score(t):
         p = shardplan.loads(t, "s.splan")
         return None, None, 1.0 if p.pipeline else 2.0, 1
-    best = search.Search(space, score).run(search.meshes(space, 32, per_host=4))[0]
-    assert best.choice.micro and shardplan.loads(best.text, "b.splan").pipeline is not None
+    for meshes, link in ((search.meshes(space, 32, per_host=4), "dcn"), (search.meshes(space, 16), "ici")):
+        best = search.Search(space, score).run(meshes)[0]  # across hosts; in one
+        assert best.choice.micro and shardplan.loads(best.text, "b.splan").pipeline is not None
+        assert best.choice.mesh[0][::2] == ("stage", link) and ("@dcn" in best.text) == (link == "dcn")
 
 
-def test_suggest_costs_pipelines_on_a_scanned_model_across_hosts(monkeypatch):
-    """On 8 devices in hosts of 2, the scanned Llama's search costs pipelined plans: each applies
-    (the pipelined step traces and is costed, with its bubble), none is dropped."""
+def test_suggest_costs_pipelines_on_a_scanned_model_and_shows_the_best_one(monkeypatch):
+    """On 8 devices in one host, the scanned Llama's search costs pipelined plans: each applies
+    (the pipelined step traces and is costed, with its bubble), none is dropped, and the best of
+    them is in the header with why it lost (a pipeline over the chips' own links)."""
     scored = []
     evaluate = search.Search.evaluate
 
@@ -347,12 +355,17 @@ def test_suggest_costs_pipelines_on_a_scanned_model_across_hosts(monkeypatch):
 
     monkeypatch.setattr(search.Search, "evaluate", recording)
     s = shardplan.suggest(model=f"{EXAMPLES}:llama_deep_scan", step=f"{TRAIN}:lm_loss",
-                          batch=["tokens=int32[32,16],labels=int32[32,16]"], devices=8, devices_per_host=2,
-                          confirm=0)
+                          batch=["tokens=int32[32,16],labels=int32[32,16]"], devices=8, confirm=0)
     piped = [(c, got) for c, got in scored if c.micro]
-    assert {c.sizes["stage"] for c, _ in piped} == {2, 4}
+    assert {c.sizes["stage"] for c, _ in piped} == {2, 4, 8} and all(c.mesh[0][2] == "ici" for c, _ in piped)
     assert all(got is not None and got.cost.pipeline.bubble > 0 for _, got in piped)
     assert f"{s.searched} plans costed" in s.text
+    (best,) = [c for c in s.alternatives if c.kind == "pipeline"]
+    fastest = min(got.seconds for _, got in piped)
+    assert best.step_s == pytest.approx(fastest) and best.step_s > s.best.step_s
+    line = " ".join(row.lstrip("#").strip() for row in s.text.splitlines())
+    assert re.search(r"- best pipeline plan costed: stage=\d.*pipeline over stage .*\(\+\d+% step time\)", line)
+    shardplan.loads(best.text, "p.splan")
 
 
 def test_a_plan_no_compiler_confirmed_says_so_in_its_header(tight):

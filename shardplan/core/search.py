@@ -296,14 +296,23 @@ def meshes(space: Space, devices: int, per_host: int | None = None) -> list[tupl
     experts divisible by the expert axis, some matrix dim by the model axis, the model axis
     inside a host. Axes that span more devices than a host holds cross hosts (``@dcn``). Where
     the devices span hosts and the model has a stack of layers, also each of those behind a
-    ``stage`` axis across the hosts (a pipeline), its size dividing the hosts and the layers."""
+    ``stage`` axis across the hosts (a pipeline), its size dividing the hosts and the layers; where
+    they fit in one host, behind a ``stage`` axis inside it (over the chips' own links), its size
+    dividing the devices and the layers."""
     out = _flat_meshes(space, devices, per_host)
     layers = pipeline_layers(space)
-    if per_host and layers and devices > per_host and devices % per_host == 0:
-        hosts = devices // per_host
-        for s in divisors(math.gcd(hosts, layers)):
-            if 1 < s <= MAX_STAGES:
-                out += [(("stage", s, "dcn"), *m) for m in _flat_meshes(space, devices // s, per_host)]
+    if not layers:
+        return out
+    if per_host and devices > per_host:
+        if devices % per_host == 0:
+            hosts = devices // per_host
+            for s in divisors(math.gcd(hosts, layers)):
+                if 1 < s <= MAX_STAGES:
+                    out += [(("stage", s, "dcn"), *m) for m in _flat_meshes(space, devices // s, per_host)]
+        return out
+    for s in divisors(math.gcd(devices, layers)):
+        if 1 < s <= MAX_STAGES:
+            out += [(("stage", s, "ici"), *m) for m in _flat_meshes(space, devices // s, per_host)]
     return out
 
 
