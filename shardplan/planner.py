@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shardplan import api
-from shardplan.core import chips, optimizers, search, targets, timing
+from shardplan.core import backends, chips, optimizers, search, targets, timing
 from shardplan.core.format import fmt_bytes
 from shardplan.core.notes import Note
 from shardplan.core.stepcost import StepCost
@@ -145,7 +145,10 @@ def _names(space: search.Space) -> dict[int, str]:
             names[u] = f"the stacked layers ({size})"
         else:
             what = f"the {size}-wide dim" if wholes == [size] else f"the {size} groups of {of}"
-            names[u] = f"{what} {_n(writes, 'matrix writes', 'matrices write')} and {reads} read"
+            uses = [f"output of {_n(writes, 'matrix', 'matrices')}"] if writes else []
+            if reads:
+                uses.append(f"input of {reads}" if writes else f"input of {_n(reads, 'matrix', 'matrices')}")
+            names[u] = f"{what} ({', '.join(uses) or 'vectors alone'})"
     return names
 
 
@@ -200,6 +203,7 @@ def suggest(
     confirm: int = CONFIRM,
     progress: Any = None,
     target: str = "cpu",
+    backend: str = "auto",
 ) -> Suggestion:
     """Search plans for ``model`` on ``devices`` devices and return the best as .splan text.
 
@@ -220,6 +224,9 @@ def suggest(
             simulated devices) or the TPU slice or GPUs the plan is for (``tpu-v5p:2x2x2``,
             ``h100:8``): candidates are ranked by fast mode's rules for its program and the best
             compiled by it offline at the full mesh; it must have ``devices`` devices.
+        backend: the backend the plan is for (``auto`` or ``shard_map``): candidates are ranked by
+            that backend's step (fast mode costs the shard_map backend from its partitioner's
+            record), the best confirmed by compiling that backend's step, and the plan names it.
 
     Raises:
         ShardPlanError: bad arguments, a model or step that fails, or no plan that fits.
@@ -279,10 +286,11 @@ def suggest(
         )
     hw = chips.lookup(chip or aim.chip or DEFAULT_CHIP)
     optimizers.lookup(optimizer)
+    backends.lookup(backend, "--backend")
     budget = device_memory if device_memory is not None else int(hw.hbm_bytes)
     t0 = time.perf_counter()
     coster = api.step_coster(model, step, batch, optimizer)
-    space = search_space(coster, devices)
+    space = replace(search_space(coster, devices), backend=backend)
 
     def score(text: str) -> tuple | None:
         try:  # a candidate the plan checker or the model refuses is dropped, not the search
@@ -473,7 +481,8 @@ def render(
     t = winner.time
     head = [
         f"Written by shardplan suggest: {searched} plans costed in {seconds:.1f} s for {devices} devices on "
-        f"{hw.name}, at most {fmt_bytes(budget)} per device.",
+        f"{hw.name}, at most {fmt_bytes(budget)} per device"
+        + (f", ranked by the {space.backend} backend's step." if space.backend != "auto" else "."),
         f"This plan: {best.description}.",
         f"Fast mode{'' if compiler == 'XLA:CPU' else f' ({compiler} rules)'} predicts a step of "
         f"{_ms(best.step_s)} with no overlap, {_ms(best.overlapped_s)} with communication "

@@ -156,7 +156,8 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_fit():
                                       (dict(devices=8, device_memory=-1), "--device-memory"),
                                       (dict(devices=8, chip="h1000"), "--chip"),
                                       (dict(devices=8, confirm=-2), "confirm"),
-                                      (dict(devices=8, devices_per_host=3), "--devices-per-host")])
+                                      (dict(devices=8, devices_per_host=3), "--devices-per-host"),
+                                      (dict(devices=8, backend="shardmap"), "--backend")])
 def test_bad_arguments_are_located_errors(kw, where):
     with pytest.raises(shardplan.ShardPlanError) as info:
         shardplan.suggest(model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, **kw)
@@ -226,9 +227,33 @@ def test_from_on_the_command_line(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert rc == 0 and doc["ok"] and doc["changes"] and doc["plan"] == (tmp_path / "better.splan").read_text()
     # the plan's mesh is kept: flags about choosing meshes or confirming candidates are refused, not ignored
-    assert cli.main(["suggest", "--from", str(path), "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss",
-                     "--batch", BATCH[0], "--devices-per-host", "4"]) == 2
-    assert "do not apply" in capsys.readouterr().err
+    for flag in (["--devices-per-host", "4"], ["--backend", "shard_map"]):
+        assert cli.main(["suggest", "--from", str(path), "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss",
+                         "--batch", BATCH[0], *flag]) == 2
+        assert "do not apply" in capsys.readouterr().err
+
+
+def test_suggest_for_the_shard_map_backend_ranks_by_its_step_and_names_it():
+    """``backend="shard_map"`` (``--backend``): every step time in the header is the shard_map
+    backend's (fast mode from its partitioner's record), which differs from the auto backend's for
+    some of these plans, and every plan names its backend."""
+    from shardplan.core import chips, timing
+
+    batch = ["tokens=int32[8,16]", "labels=int32[8,16]"]
+    s = shardplan.suggest(model=f"{EXAMPLES}:gpt_tiny", step=f"{TRAIN}:lm_loss", batch=batch, devices=4, confirm=0,
+                          backend="shard_map")
+    assert "ranked by the shard_map backend's step" in " ".join(s.text.split())
+    coster = shardplan.api.step_coster(f"{EXAMPLES}:gpt_tiny", f"{TRAIN}:lm_loss", batch)
+    hw = chips.lookup(s.chip)
+    differs = 0
+    for c in (s.best, *s.alternatives):
+        plan = shardplan.loads(c.text, "c.splan")
+        assert plan.backend == "shard_map"
+        own = timing.step_time(coster.cost(plan, delta=False), plan, hw).serial_s
+        auto = timing.step_time(coster.cost(plan, delta=False, backend="auto"), plan, hw).serial_s
+        assert c.step_s == pytest.approx(own)
+        differs += not math.isclose(own, auto, rel_tol=1e-3)
+    assert differs >= 2
 
 
 def test_sequence_parallel_pins_the_outputs_of_the_row_split_matmuls():
@@ -400,6 +425,26 @@ def test_a_tensor_parallel_plan_is_described_by_the_matrices_it_splits_and_how()
     for name in ("attn/out/kernel", "mlp/down/kernel"):
         assert name in rows.split(";")[0], words
     assert "matrices write" not in words and "wide dim" not in words
+
+
+def test_a_runner_up_whose_split_changes_no_matrix_says_why_in_words():
+    """On gpt_tiny the head's output dim (the vocabulary) is split over ``model`` only where the
+    head's input dim is not: with the residual width split too, adding the vocabulary changes no
+    matrix, and the runner-up's line says which dim and why instead of counting matrices."""
+    from shardplan import planner
+
+    roles = _roles(f"{EXAMPLES}:gpt_tiny", f"{TRAIN}:lm_loss")
+    space = search.Space(planner.families(roles), dict(roles.sizes), (8,))
+    space = search.Space(space.families, space.sizes, space.batch, planner._names(space))
+    (head,) = [f for f in space.families if f.template == "head/kernel"]
+    width, vocab = head.units
+    mesh = (("data", 4, "ici"), ("model", 2, "ici"))
+    both, one = search.Choice(mesh, frozenset({width, vocab}), "none"), search.Choice(mesh, frozenset({width}), "none")
+    assert search.plan_text(space, both) == search.plan_text(space, one)
+    words = both.versus(one, space)
+    assert words == ("the same but also over model: the 64-wide dim (output of 1 matrix), which changes no matrix "
+                     "(model already splits another dim of each that has it)"), words
+    assert "matrices write" not in " ".join(planner._names(space).values())
 
 
 def test_a_device_count_nothing_divides_says_so_in_the_header():

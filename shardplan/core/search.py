@@ -66,6 +66,7 @@ class Space:
     names: dict[int, str] = field(default_factory=dict)  # logical dim -> a readable name for comments
     seq: tuple[int, ...] = ()  # the inputs' second dim (a sequence), for a seq axis when the batch runs out
     opt_prefixes: tuple[str, ...] = ()  # what optimizer-state paths put before the param path (opt rules)
+    backend: str = "auto"  # the backend the plans name (a ``backend`` statement where it is not the default)
 
     @property
     def opt_regex(self) -> str:
@@ -224,9 +225,21 @@ class Choice:
         for u in space.tensor:
             if (u in self.tp) != (u in other.tp):
                 mine = self if u in self.tp else other
-                what = split_words(space, mine, "model", only=u) or space.names.get(u, str(space.sizes[u]))
+                what = split_words(space, mine, "model", only=u) or _unsplit(space, mine, u)
                 out.append(("also over model: " if u in self.tp else "not over model: ") + what)
         return "the same " + ("but " + "; ".join(out) if out else "plan")
+
+
+def _unsplit(space: Space, c: Choice, u: int) -> str:
+    """A logical dim ``c`` puts on ``model`` that no matrix splits there, in words: which dim, and
+    why nothing changes (a matrix splits ``model`` once, on its first such dim; a dim that does not
+    divide stays whole)."""
+    name = space.names.get(u, f"the {space.sizes[u]}-wide dim")
+    n = c.sizes.get("model", 1)
+    where = [f.shape[i] for f in space.families if len(f.shape) >= 2 for i, x in enumerate(f.units) if x == u]
+    if where and all(w % n for w in where):
+        return f"{name}, which changes no matrix (it does not divide by model = {n})"
+    return f"{name}, which changes no matrix (model already splits another dim of each that has it)"
 
 
 def short_name(template: str, space: Space) -> str:
@@ -504,6 +517,8 @@ def plan_text(space: Space, c: Choice, name: str = "suggested", header: Iterable
         # nothing split: every device runs the whole step, whatever the axes are called
         mesh = f"data = {math.prod(c.sizes.values())}"
     lines += [f'plan "{name}"', f"mesh {mesh}"]
+    if space.backend != "auto":
+        lines.append(f"backend {space.backend}")
     if c.micro and c.sizes.get("stage", 1) > 1:
         sched = ", schedule = circular, repeats = 2" if c.circular else ""
         lines.append(f"pipeline stage, microbatches = {c.micro}{sched}")

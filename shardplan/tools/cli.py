@@ -628,10 +628,17 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
         optimizer=args.optimizer,
     )
     if args.start:
-        if args.devices_per_host or args.top != 5 or args.confirm != 3 or args.no_compile or args.target != "cpu":
+        if (
+            args.devices_per_host
+            or args.top != 5
+            or args.confirm != 3
+            or args.no_compile
+            or args.target != "cpu"
+            or args.backend != "auto"
+        ):
             raise _UsageError(
-                "--from keeps the plan's mesh and proposes rule changes: --devices-per-host, --top, --confirm, "
-                "--no-compile and --target do not apply"
+                "--from keeps the plan's mesh and backend and proposes rule changes: --devices-per-host, --top, "
+                "--confirm, --no-compile, --target and --backend do not apply"
             )
         return _improve(args, out, err, common)
     if args.devices is None:
@@ -642,6 +649,7 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
         top=args.top,
         confirm=0 if args.no_compile else args.confirm,
         target=args.target,
+        backend=args.backend,
     )
     live = err.is_terminal and args.format == "text"
     if live:
@@ -999,6 +1007,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="the compiler that confirms the best plans at the full mesh: cpu (XLA:CPU on simulated devices, "
         "default), a TPU slice (tpu-v5p:2x2x2) or GPUs (h100:8), compiled offline",
+    )
+    sg.add_argument(
+        "--backend",
+        choices=backends.NAMES,
+        default="auto",
+        help="the backend the plan is for: plans ranked by its step, the best compiled with it (default auto)",
     )
     sg.add_argument("--device-memory", help="per-device memory budget, e.g. 80GB (default: the chip's)")
     sg.add_argument("--optimizer", choices=[n for n in optimizers.NAMES if n != "none"], default="adamw")
