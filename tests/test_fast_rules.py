@@ -726,6 +726,37 @@ def test_a_pending_sum_is_scattered_onto_the_contraction_the_other_side_splits()
     assert abs(fast_flops - flops) / flops < 0.02, (fast_flops, flops)  # (XLA counts its reductions' adds)
 
 
+_EXPERT_DATA = {"expert": 4, "data": 2}
+
+
+@pytest.mark.parametrize("cotangents, wanted, whole", [
+    (P("data", "expert"), P(None, ("expert", "data")), True),
+    (P("data", "expert"), P(None, "expert"), False),
+    (P("data", "expert"), P(), True),
+    (P("data"), P(None, ("expert", "data")), False),
+], ids=["split further over the sum", "as the inputs", "whole", "no clash: scattered"])
+def test_a_weight_gradient_wanted_split_further_over_its_sum_is_computed_whole(cotangents, wanted, whole):
+    """A weight's gradient ``bsf,bsd->fd``: cotangents over data x expert on the tokens, inputs over
+    data on the batch and expert on ``d``, a sum over data. Wanted over (expert, data) on ``d`` (the
+    weight's FSDP split, its row dim here), XLA does not scatter the sum onto ``d``, which the
+    inputs split over the axis the cotangents' tokens are split over too: it gathers their ``d``,
+    computes the whole gradient on every device (4x the FLOPs), all-reduces it (8,192 B) and
+    slices. XLA:CPU, XLA:TPU v5e and XLA:GPU H100 alike (2026-12-06); fast mode had reduce-scattered
+    2,048 B at a quarter of the FLOPs. With the cotangents' tokens over data alone (no clash) XLA
+    reduce-scatters the 2,048 B onto ``d`` as it is split."""
+    grad = lambda g, x: jax.lax.with_sharding_constraint(jnp.einsum("bsf,bsd->fd", g, x), wanted)  # noqa: E731
+    avals, specs = (S(8, 16, 64), S(8, 16, 32)), (cotangents, P("data", None, "expert"))
+    xla, predicted = by_kind(grad, avals, specs, None, _EXPERT_DATA)
+    assert predicted == xla
+    if whole:
+        assert xla["all-reduce"] == 64 * 32 * 4 and xla["reduce-scatter"] == 0
+    else:
+        assert xla["all-reduce"] + xla["reduce-scatter"] == 64 * 32 * 4 // 4
+    flops, fast_flops = flops_of(grad, avals, specs, _EXPERT_DATA)
+    assert abs(fast_flops - flops) / flops < 0.02, (fast_flops, flops)
+    assert (flops > 2 * 8 * 16 * 64 * 32 / 8 * 2) == whole  # the whole gradient on every device: 4x
+
+
 @pytest.mark.parametrize("b, s, d, f", [(8, 16, 32, 64), (4, 8, 128, 512)])
 def test_a_sum_the_next_weights_rows_split_is_scattered_onto_their_split(b, s, d, f):
     """A gated MLP reading hidden states split over `model` on their width, every weight's rows

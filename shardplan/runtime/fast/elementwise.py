@@ -215,7 +215,7 @@ def elementwise(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
     for x, v in done:
         if v.shape == shape and not hasattr(x, "val") and x not in walk.constant:
             whole = tuple(t if not d and t else () for d, t in zip(v.dims, _norm(target, len(shape)), strict=True))
-            if any(whole):
+            if any(whole) and x not in walk.kept_whole:
                 walk.slices.setdefault(x, whole)
         if hinted and not walk.xla_claims:  # XLA computes in the operands' layout and moves the result
             reshard(walk, x, v, target, mult, name)

@@ -84,6 +84,9 @@ class Walker:
         # Whole values an elementwise op met with split ones (XLA's propagation would have computed
         # them split: slicing a whole value is free); a second propagation takes them as ``free``.
         self.slices: dict[Any, Dims] = {}
+        # Matmul results XLA computes whole and slices after (``matmul._whole_where_split_further``),
+        # and the transposes that alone read them: whole by XLA's choice, never a ``slices`` entry
+        self.kept_whole: set[Any] = set()
         self.free: dict[Any, Dims] = dict(free or {})
         self.constant: set[Any] = set()  # values computed from literals alone (XLA keeps them whole)
         # A broadcast's result -> (its operand, the operand's layout, broadcast_dimensions): where an
@@ -636,6 +639,11 @@ class Walker:
             hit = self.memo[key] = (jaxpr, read(jaxpr))
         return hit[1]
 
+    def transposed_as(self, var: Any) -> tuple[Any, tuple[int, ...]] | None:
+        """The transpose that alone reads ``var`` in the jaxpr being run, as (its result, its
+        permutation); None where another op reads it, or more than one."""
+        return self._of_frame(_sole_transposes).get(var)
+
     def summed_by_adds(self) -> set[Any]:
         """The values of the jaxpr being run that only additions read (``splitk.summed_by_adds``)."""
         return self._of_frame(splitk.summed_by_adds)
@@ -648,6 +656,24 @@ class Walker:
         """The side a matmul shares with those XLA:GPU merges it with, and how much wider the merged
         matmul is (``splitk.merged``; 1.0 where it stays alone)."""
         return self._of_frame(splitk.merged).get(id(eqn), (0, 1.0))
+
+
+def _sole_transposes(jaxpr: Any) -> dict[Any, tuple[Any, tuple[int, ...]]]:
+    """Values ``jaxpr``'s transposes read that nothing else reads -> (the transpose's result, its
+    permutation)."""
+    reads: dict[Any, int] = {}
+    for eqn in jaxpr.eqns:
+        for x in eqn.invars:
+            if not hasattr(x, "val"):
+                reads[x] = reads.get(x, 0) + 1
+    for x in jaxpr.outvars:
+        if not hasattr(x, "val"):
+            reads[x] = reads.get(x, 0) + 1
+    return {
+        eqn.invars[0]: (eqn.outvars[0], tuple(eqn.params["permutation"]))
+        for eqn in jaxpr.eqns
+        if eqn.primitive.name == "transpose" and reads.get(eqn.invars[0]) == 1
+    }
 
 
 def _made(jaxpr: Any) -> tuple:
