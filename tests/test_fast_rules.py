@@ -726,6 +726,29 @@ def test_a_pending_sum_is_scattered_onto_the_contraction_the_other_side_splits()
     assert abs(fast_flops - flops) / flops < 0.02, (fast_flops, flops)  # (XLA counts its reductions' adds)
 
 
+@pytest.mark.parametrize("mesh, spec, d, summed", [
+    ({"seq": 2, "model": 4}, P(None, None, ("seq", "model")), 256, True),
+    ({"a": 8}, P(None, None, "a"), 256, True),
+    ({"seq": 2, "model": 4}, P(None, None, "model"), 256, False),
+    ({"a": 2, "b": 2, "c": 2}, P(None, None, ("a", "b")), 256, False),
+    ({"seq": 2, "model": 4}, P(None, None, ("seq", "model")), 32, False),
+], ids=["every device over two axes", "every device over one", "4 of 8", "4 of 8 over two axes", "bytes equal"])
+def test_a_contraction_split_over_every_device_meeting_a_whole_weight_is_summed(mesh, spec, d, summed):
+    """Activations split on their width only, times a whole weight, the result split nowhere:
+    where the split leaves devices holding copies XLA gathers the activations whatever the sizes;
+    where it splits every device XLA slices the weight's rows and all-reduces the result, when
+    that is fewer bytes than the gather (16 KiB against 128 KiB: an eighth of the FLOPs). XLA:CPU,
+    XLA:TPU v5e and XLA:GPU H100 alike (2026-12-06); fast mode had gathered in every case."""
+    mm = lambda x, w: x @ w  # noqa: E731
+    avals, specs = (S(8, 16, d), S(d, 32)), (spec, P())
+    xla, predicted = by_kind(mm, avals, specs, None, mesh)
+    assert predicted == xla
+    assert (xla["all-reduce"] == 8 * 16 * 32 * 4) == summed and (xla["all-gather"] == 8 * 16 * d * 4) != summed
+    flops, fast_flops = flops_of(mm, avals, specs, mesh)
+    assert abs(fast_flops - flops) / flops < 0.02, (fast_flops, flops)
+
+
+_EXPERT_DATA = {"expert": 4, "data": 2}
 _EXPERT_DATA = {"expert": 4, "data": 2}
 
 

@@ -433,11 +433,21 @@ def _contraction_moves(
             clash = {x for d in theirs for x in d}
             mine = [tuple(x for x in d if x not in clash) for d in mine]
     dims = tuple(mine) + tuple(theirs)
-    if not any(dims):
-        # a result split nowhere: XLA gathers the contraction whatever the sizes (measured:
-        # 64x1024 @ 1024x16 split over `model` on the 1024 gathers 256 KiB, not a 4 KiB sum)
-        return None
     out = walk.ctx.local(Val(shape, max(lhs.itemsize, rhs.itemsize), dims))
+    if not any(dims):
+        # A result split nowhere: where the split side leaves devices holding copies, XLA gathers
+        # the contraction whatever the sizes (measured: 64x1024 @ 1024x16 split over `model` = 4
+        # of 8 devices gathers 256 KiB, not a 4 KiB sum); where it splits every device, XLA slices
+        # the whole side and all-reduces the result when that is fewer bytes than the gather
+        # (measured 2026-12-06: the same over (seq, model) = 8, or over one axis of 8, a 4 KiB
+        # all-reduce; (8, 16, 256) @ (256, 32) over all 8 a 16 KiB all-reduce, over 4 of 8 the
+        # 128 KiB gather; (8, 16, 32) @ (32, 32) over all 8, the bytes equal: gathered).
+        devices = math.prod(walk.ctx.mesh.values())
+        if a and not b and walk.ctx.split(tuple(a)) == devices and not set(a) & used_r and out < ltotal:
+            return "rhs"
+        if b and not a and walk.ctx.split(tuple(b)) == devices and not set(b) & used_l and out < rtotal:
+            return "lhs"
+        return None
     options = []
     # A whole side is sliced for free and the result's sum completed after. Given the operands'
     # layouts as XLA's propagation made them (``Walker.xla_claims``), only where that sum costs less
