@@ -828,6 +828,39 @@ def test_a_constraint_far_from_the_batch_layout_is_carried_back_through_the_norm
     assert f.memory.peak == pytest.approx(e.memory.peak, rel=0.05)
 
 
+def _rms(x, s):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * s
+
+
+_THREE = {"data": 2, "expert": 2, "seq": 2}
+_TOKENS = P(("data", "expert", "seq"))
+
+
+@pytest.mark.parametrize("fn, shapes, specs, wanted", [
+    # a norm's scale split on the width over axes the activations' batch uses, the result wanted
+    # in the activations' layout: the scale gathered (256 B; fast mode moved the activations, 12 KiB)
+    (_rms, ((8, 16, 64), (64,)), (_TOKENS, P(("seq", "expert"))), _TOKENS),
+    (_rms, ((8, 16, 64), (64,)), (_TOKENS, P("data")), _TOKENS),
+    (lambda x, b: jnp.tanh(x) + b, ((8, 16, 64), (64,)), (_TOKENS, P(("seq", "expert"))), _TOKENS),
+    # wanted split on the sequence too: computed there (the activations sliced), the scale gathered
+    (_rms, ((8, 16, 64), (64,)), (P("data"), P(("seq", "expert"))), P("data", "seq")),
+    # a row scale split on (batch, seq) times activations split on the width: computed split three
+    # ways, the result gathered to the wanted layout (two gathers, 24 KiB)
+    (lambda x, r: x * r[:, :, None], ((8, 16, 64), (8, 16)), (P(None, None, "expert"), P("data", "seq")),
+     P("data")),
+    (lambda x, r: x * r[:, :, None], ((8, 16, 64), (8, 16)), (P(None, None, "expert"), P("data", "seq")),
+     P(None, None, "expert")),
+])
+def test_an_op_wanted_elsewhere_is_computed_where_its_operands_lie_and_its_small_operands_move(fn, shapes, specs,
+                                                                                               wanted):
+    """An elementwise op whose result a step output wants in a layout: XLA computes it on the
+    wanted splits plus those its operands add where their axes are free, moves each operand there
+    at its own size (a broadcast's operand, not the broadcast) and moves the result to the wanted
+    layout. Fast mode moved every operand, at the result's size, to the wanted layout."""
+    xla, predicted = by_kind(fn, tuple(S(*s) for s in shapes), specs, wanted, _THREE)
+    assert predicted == xla
+
+
 @pytest.mark.parametrize("rows", [2048, 512])
 def test_an_fsdp_table_smaller_than_its_lookup_is_gathered_and_a_larger_one_looked_up_where_it_lies(rows):
     """A table split over its rows by the axis that splits the batch (an FSDP embedding), forward and

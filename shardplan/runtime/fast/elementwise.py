@@ -212,18 +212,52 @@ def elementwise(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
         )
         if _fits(shape, merged, walk.ctx):
             target = merged
+    # With a hint and a broadcast operand, XLA computes on the hint's splits plus those the
+    # operands add where their axes are free, moves each operand there at its own size (a norm's
+    # scale gathered, not the activations moved) and moves the result to the hint (measured on
+    # XLA:CPU and XLA:GPU: activations split on the batch times a scale split on the width over
+    # the same axes, wanted as the activations lie, gather the scale; a row factor split on
+    # (batch, seq) times activations split on the width is computed split three ways, its result
+    # gathered twice).
+    compute = target
+    broadcasts = any(as_is[id(x)].shape != shape for x, _ in done)
+    if hinted and not walk.xla_claims and broadcasts:
+        compute = _computed_at(walk, target, done, as_is, shape)
     for x, v in done:
         if v.shape == shape and not hasattr(x, "val") and x not in walk.constant:
-            whole = tuple(t if not d and t else () for d, t in zip(v.dims, _norm(target, len(shape)), strict=True))
+            whole = tuple(t if not d and t else () for d, t in zip(v.dims, _norm(compute, len(shape)), strict=True))
             if any(whole) and x not in walk.kept_whole:
                 walk.slices.setdefault(x, whole)
-        if hinted and not walk.xla_claims:  # XLA computes in the operands' layout and moves the result
+        if hinted and not walk.xla_claims and not broadcasts:
+            # operands of the result's size moved to the wanted layout (what moving the result
+            # would move, and shared with the other readers that move them there: Adam's moments)
             reshard(walk, x, v, target, mult, name)
         else:
-            _moved(walk, x, v, as_is[id(x)], target, mult, name)
-    out = Val(shape, itemsize(out_aval), _norm(target, len(shape)))
+            _moved(walk, x, v, as_is[id(x)], compute, mult, name)
+    out = Val(shape, itemsize(out_aval), _norm(compute, len(shape)))
     walk.count_flops(walk.ctx.local(out) / out.itemsize, mult, name)
+    if compute != target:
+        out = reshard(walk, outvar, out, target, mult, name)
     return out
+
+
+def _computed_at(
+    walk: Walker, hint: Dims, done: list[tuple[Any, Val]], own: dict[int, Val], shape: tuple[int, ...]
+) -> Dims:
+    """Where XLA computes an elementwise op its result is wanted elsewhere from: the hint's
+    splits, each operand's (the largest first, a broadcast at its operand's size) added on the
+    dims still whole where all their axes are free."""
+
+    out = [list(d) for d in _norm(hint, len(shape))]
+    used = {a for d in out for a in d}
+    for _, v in _largest_first(walk, done, own):
+        for i, d in enumerate(_norm(v.dims, len(shape))):
+            if d and not out[i] and not used & set(d):
+                trial = _tuple([list(d) if k == i else t for k, t in enumerate(out)])
+                if _fits(shape, trial, walk.ctx):
+                    out[i] = list(d)
+                    used |= set(d)
+    return _tuple(out)
 
 
 def _resolved(walk: Walker, x: Any, v: Val, own: Val, hint: Dims | None, mult: int, why: str) -> Val:
@@ -239,6 +273,17 @@ def _resolved(walk: Walker, x: Any, v: Val, own: Val, hint: Dims | None, mult: i
     return _broadcast(resolve(walk, x, own, target, mult, why), v.shape)
 
 
+def _largest_first(walk: Walker, done: list[tuple[Any, Val]], own: dict[int, Val]) -> list[tuple[Any, Val]]:
+    """An elementwise op's operands, the largest first (a broadcast at its operand's size; ties:
+    the most split first)."""
+
+    def real(x: Any) -> int:
+        src = None if hasattr(x, "val") else walk.expanded.get(x)
+        return math.prod(src[1].shape) if src is not None else math.prod(own[id(x)].shape)
+
+    return sorted(done, key=lambda xv: (-real(xv[0]), -walk.ctx.split_dims(xv[1].dims)))
+
+
 def _merged(walk: Walker, done: list[tuple[Any, Val]], own: dict[int, Val], shape: tuple[int, ...]) -> Dims:
     """An elementwise op's layout from its operands' (no hint): the largest operand's splits
     kept, each other's added where their axes are free (a broadcast counted at its operand's
@@ -246,11 +291,7 @@ def _merged(walk: Walker, done: list[tuple[Any, Val]], own: dict[int, Val], shap
     meets activations split over `data` on the batch; XLA gathers the scale (its own bytes),
     it does not move the activations' split."""
 
-    def real(x: Any, v: Val) -> int:
-        src = None if hasattr(x, "val") else walk.expanded.get(x)
-        return math.prod(src[1].shape) if src is not None else math.prod(own[id(x)].shape)
-
-    order = sorted(done, key=lambda xv: (-real(*xv), -walk.ctx.split_dims(xv[1].dims)))
+    order = _largest_first(walk, done, own)
     target: list[list[str]] = [[] for _ in shape]
     used: set[str] = set()
     for _, v in order:
