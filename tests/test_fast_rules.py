@@ -861,6 +861,27 @@ def test_an_op_wanted_elsewhere_is_computed_where_its_operands_lie_and_its_small
     assert predicted == xla
 
 
+_EXPERT_MODEL = {"expert": 4, "model": 2}
+
+
+@pytest.mark.parametrize("x, w, wanted", [
+    ((8, 16, 32), (32, 32), P(("model", "expert"))),
+    ((8, 16, 32), (32, 128), P(("model", "expert"))),
+    ((8, 16, 256), (256, 8), P(("model", "expert"))),  # the all-to-all 8x the reduce-scatter
+    ((8, 16, 32), (32, 32), P("model", "expert")),  # onto a free dim the operand leaves whole
+    ((8, 16, 32), (32, 32), P(("expert", "model"))),  # the other order: a permute after
+])
+def test_a_contraction_split_the_result_wants_elsewhere_moves_there_before_the_matmul(x, w, wanted):
+    """Activations over `model` on the batch and `expert` on their width, times a whole weight, the
+    result wanted with `expert` on the batch or the sequence: XLA moves `expert` from the width to
+    that dim (an all-to-all) and contracts whole, whatever the sizes; fast mode had sliced the
+    weight and reduce-scattered the result (XLA:GPU h100:8 the same bytes, XLA:TPU v5e the same
+    kinds at bf16, 2026-12-06)."""
+    xla, predicted = by_kind(lambda a, b: a @ b, (S(*x), S(*w)), (P("model", None, "expert"), P()), wanted,
+                             _EXPERT_MODEL)
+    assert predicted == xla and xla["all-to-all"] and not xla["reduce-scatter"]
+
+
 @pytest.mark.parametrize("rows", [2048, 512])
 def test_an_fsdp_table_smaller_than_its_lookup_is_gathered_and_a_larger_one_looked_up_where_it_lies(rows):
     """A table split over its rows by the axis that splits the batch (an FSDP embedding), forward and

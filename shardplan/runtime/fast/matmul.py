@@ -96,11 +96,30 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             if k not in rb:
                 rdims[k] = [a for a in rdims[k] if a not in taken_b]
     # Contracting dims: split the same way on both sides -> local, then a pending sum.
+    wanted_out = walk.wants.get(eqn.outvars[0], walk.hints.get(eqn.outvars[0]))
     for i, j in zip(lc, rc, strict=True):
         a, b = ldims[i], rdims[j]
         if a == b:
             partial |= set(a)
             continue
+        if wanted_out is not None and not pending and (not a or not b):
+            # One side split on the contraction, the other whole, the result wanted with those
+            # axes on a batch or free dim of the split side: XLA moves them there (an all-to-all)
+            # and contracts whole, whatever the sizes (measured on XLA:CPU and XLA:GPU: x @ w, x
+            # over `model` on the batch and `expert` on its width, w whole, wanted over (model,
+            # expert) on the batch: 2 KiB of all-to-all, not an 8 KiB reduce-scatter; 16 KiB where
+            # the reduce-scatter would be 2 KiB).
+            dims, base = (ldims, 0) if a else (rdims, len(lb) + len(lfree))
+            split = a or b
+            spots = [(k, n) for n, k in enumerate(lb)] + [(k, base + n) for n, k in enumerate(lfree if a else rfree)]
+            if b:
+                spots = [(k, n) for n, k in enumerate(rb)] + spots[len(lb) :]
+            spot = _wanted_spot(_norm(wanted_out, len(out_aval.shape)), dims, spots, split)
+            if spot is not None:
+                k, goal = spot
+                dims[k] = list(goal)
+                (ldims if a else rdims)[i if a else j] = []
+                continue
         # One side split on the contraction: gather it there, or slice the other side and sum
         # the partial results (GSPMD weighs the bytes; so do we).
         if (moved := _contraction_moves(walk, lhs, rhs, i, j, ldims, rdims, lb, lfree, rfree)) is not None:
@@ -408,6 +427,19 @@ def _scattered_onto_contraction(
     if left:
         return v
     return resolve(walk, x, v, _tuple(target), mult, "dot_general")
+
+
+def _wanted_spot(
+    wanted: Dims, dims: list, spots: list[tuple[int, int]], split: list
+) -> tuple[int, tuple[str, ...]] | None:
+    """Where a side's contraction split (``split``) goes when the result is ``wanted``: the dim of
+    that side (``spots``: its dim and the result's) whose wanted axes are its own plus ``split``,
+    with the wanted axes; None where there is none."""
+    for k, r in spots:
+        want = tuple(wanted[r])
+        if set(split) <= set(want) and set(want) == set(dims[k]) | set(split) and not set(dims[k]) & set(split):
+            return k, want
+    return None
 
 
 def _contraction_moves(
