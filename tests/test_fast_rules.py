@@ -882,6 +882,23 @@ def test_a_contraction_split_the_result_wants_elsewhere_moves_there_before_the_m
     assert predicted == xla and xla["all-to-all"] and not xla["reduce-scatter"]
 
 
+@pytest.mark.parametrize("fn", [lambda x, r: jnp.tanh(x * r[:, :, None]),
+                                lambda x, r: jnp.sum(jnp.tanh(x * r[:, :, None]), axis=-1)])
+@pytest.mark.parametrize("x_spec, r_spec", [(P("model"), P(("model", "expert"))),
+                                            (P(None, "model"), P(None, ("model", "expert")))])
+def test_a_split_another_operand_extends_is_extended(fn, x_spec, r_spec):
+    """Activations over `model` on the batch (or the sequence) times a row factor over (model,
+    expert) there: XLA computes on the longer split (Shardy merges a dim's shardings where one is
+    a prefix of the other), the activations sliced for free, nothing moved and an eighth of the
+    work per device; fast mode kept the activations' split, gathered the factor over `expert`
+    and counted 4x the FLOPs."""
+    avals, specs = (S(8, 16, 64), S(8, 16)), (x_spec, r_spec)
+    xla, predicted = by_kind(fn, avals, specs, None, _EXPERT_MODEL)
+    assert predicted == xla and not any(xla.values())
+    compiled, fast_flops = flops_of(fn, avals, specs, _EXPERT_MODEL)
+    assert fast_flops == pytest.approx(compiled, rel=0.01)
+
+
 @pytest.mark.parametrize("rows", [2048, 512])
 def test_an_fsdp_table_smaller_than_its_lookup_is_gathered_and_a_larger_one_looked_up_where_it_lies(rows):
     """A table split over its rows by the axis that splits the batch (an FSDP embedding), forward and

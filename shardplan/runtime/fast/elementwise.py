@@ -207,7 +207,7 @@ def elementwise(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
     if free is not None and hint is None:
         used = {a for d in target for a in d}
         merged = tuple(
-            t if t or not f or any(a in used for a in f) else f
+            f if f and f[: len(t)] == t and len(f) > len(t) and not any(a in used for a in f[len(t) :]) else t
             for t, f in zip(_norm(target, len(shape)), free, strict=True)
         )
         if _fits(shape, merged, walk.ctx):
@@ -225,7 +225,10 @@ def elementwise(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
         compute = _computed_at(walk, target, done, as_is, shape)
     for x, v in done:
         if v.shape == shape and not hasattr(x, "val") and x not in walk.constant:
-            whole = tuple(t if not d and t else () for d, t in zip(v.dims, _norm(compute, len(shape)), strict=True))
+            whole = tuple(
+                t if t and (not d or (len(t) > len(d) and t[: len(d)] == d)) else ()
+                for d, t in zip(v.dims, _norm(compute, len(shape)), strict=True)
+            )
             if any(whole) and x not in walk.kept_whole:
                 walk.slices.setdefault(x, whole)
         if hinted and not walk.xla_claims and not broadcasts:
@@ -304,6 +307,17 @@ def _merged(walk: Walker, done: list[tuple[Any, Val]], own: dict[int, Val], shap
             ):
                 target[i] = free
                 used |= set(free)
+            elif (
+                target[i]
+                and len(d) > len(target[i])
+                and tuple(d[: len(target[i])]) == tuple(target[i])
+                and not used & set(d[len(target[i]) :])
+                and _fits(shape, _tuple([list(d) if k == i else t for k, t in enumerate(target)]), walk.ctx)
+            ):
+                # a split another operand extends (its axes free): the longer one (Shardy merges
+                # a dim's shardings where one is a prefix of the other)
+                used |= set(d[len(target[i]) :])
+                target[i] = list(d)
     return _tuple(target)
 
 
