@@ -250,7 +250,6 @@ def _computed_at(
     """Where XLA computes an elementwise op its result is wanted elsewhere from: the hint's
     splits, each operand's (the largest first, a broadcast at its operand's size) added on the
     dims still whole where all their axes are free."""
-
     out = [list(d) for d in _norm(hint, len(shape))]
     used = {a for d in out for a in d}
     for _, v in _largest_first(walk, done, own):
@@ -289,10 +288,10 @@ def _largest_first(walk: Walker, done: list[tuple[Any, Val]], own: dict[int, Val
 
 def _merged(walk: Walker, done: list[tuple[Any, Val]], own: dict[int, Val], shape: tuple[int, ...]) -> Dims:
     """An elementwise op's layout from its operands' (no hint): the largest operand's splits
-    kept, each other's added where their axes are free (a broadcast counted at its operand's
-    size; ties: the most split first). Measured: a norm's scale split over `data` on the width
-    meets activations split over `data` on the batch; XLA gathers the scale (its own bytes),
-    it does not move the activations' split."""
+    kept, each other's added where their axes are free, or in place of a split they extend (a
+    broadcast counted at its operand's size; ties: the most split first). Measured: a norm's
+    scale split over `data` on the width meets activations split over `data` on the batch; XLA
+    gathers the scale (its own bytes), it does not move the activations' split."""
 
     order = _largest_first(walk, done, own)
     target: list[list[str]] = [[] for _ in shape]
