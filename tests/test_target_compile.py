@@ -109,11 +109,15 @@ def test_fsdp_compiled_for_8_h100s_gathers_and_reduce_scatters_every_split_param
 
 
 @pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")
-def test_fsdp_compiled_for_a_tpu_slice_reduce_scatters_every_gradient_and_reports_its_memory():
+def test_a_step_compiled_for_a_tpu_slice_reports_its_memory_against_the_chip():
     r = _check("tpu-v5p:2x2x2", fmt="text")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "exact mode (XLA:TPU tpu-v5p:2x2x2's compiled program)" in r.stdout
     assert "against tpu-v5p's 88.48 GiB: fits" in r.stdout
+
+
+@pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")
+def test_fsdp_compiled_for_a_tpu_slice_reduce_scatters_every_gradient_and_reports_its_memory():
     # gpt_small: dims of 128 and more (XLA:TPU pads a smaller dim to its (8, 128) tiles: gpt_tiny's
     # peak is 2.04 MB compiled, 1.16 MB unpadded)
     small = f"{ROOT / 'examples' / 'models.py'}:gpt_small"
