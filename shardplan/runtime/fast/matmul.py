@@ -96,13 +96,13 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             if k not in rb:
                 rdims[k] = [a for a in rdims[k] if a not in taken_b]
     # Contracting dims: split the same way on both sides -> local, then a pending sum.
-    wanted_out = walk.wants.get(eqn.outvars[0], walk.hints.get(eqn.outvars[0]))
+    wanted = walk.wants.get(eqn.outvars[0], walk.hints.get(eqn.outvars[0]))  # (its readers' layout)
     for i, j in zip(lc, rc, strict=True):
         a, b = ldims[i], rdims[j]
         if a == b:
             partial |= set(a)
             continue
-        if wanted_out is not None and not pending and (not a or not b):
+        if wanted is not None and not pending and (not a or not b):
             # One side split on the contraction, the other whole, the result wanted with those
             # axes on a batch or free dim of the split side: XLA moves them there (an all-to-all)
             # and contracts whole, whatever the sizes (measured on XLA:CPU and XLA:GPU: x @ w, x
@@ -111,10 +111,9 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             # the reduce-scatter would be 2 KiB).
             dims, base = (ldims, 0) if a else (rdims, len(lb) + len(lfree))
             split = a or b
-            spots = [(k, n) for n, k in enumerate(lb)] + [(k, base + n) for n, k in enumerate(lfree if a else rfree)]
-            if b:
-                spots = [(k, n) for n, k in enumerate(rb)] + spots[len(lb) :]
-            spot = _wanted_spot(_norm(wanted_out, len(out_aval.shape)), dims, spots, split)
+            batch, side_free = (lb, lfree) if a else (rb, rfree)
+            spots = [(k, n) for n, k in enumerate(batch)] + [(k, base + n) for n, k in enumerate(side_free)]
+            spot = _wanted_spot(_norm(wanted, len(out_aval.shape)), dims, spots, split)
             if spot is not None:
                 k, goal = spot
                 dims[k] = list(goal)
@@ -195,7 +194,6 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             if ldims[i] != rdims[j] or any(a in taken for a in ldims[i]):
                 ldims[i], rdims[j] = [], []
             partial |= set(ldims[i])
-    wanted = walk.wants.get(eqn.outvars[0], walk.hints.get(eqn.outvars[0]))
     if wanted is not None:
         stand_ins = _idle_split(
             walk, _norm(wanted, len(out_aval.shape)), tuple(out_aval.shape), ldims, rdims, lb, rb, lfree, rfree, partial
