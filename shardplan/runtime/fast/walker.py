@@ -14,6 +14,7 @@ from shardplan.runtime import splitk
 from shardplan.runtime.fast.claims import _claims_back, _spread
 from shardplan.runtime.fast.memory import _fused_outputs, _kernels, _last_wide_readers, _readers, _recomputed
 from shardplan.runtime.fast.opsets import _IN_PLACE, _VIEWS
+from shardplan.runtime.fast.priority import early_values
 from shardplan.runtime.fast.values import (
     _NONE,
     _T,
@@ -121,6 +122,11 @@ class Walker:
         self.peak_without_outputs = 0  # the last jaxpr run's peak, less its outputs held then
         self.virtual_outs: set[int] | frozenset[int] = set()  # outputs of the last run jaxpr that are broadcasts
         self.depth = 0
+        # Loop bodies being run (scan, while), and the values Shardy's first round lays out
+        # (``priority.early_values``, once per trace): inside a body they decide a matmul's clash.
+        self.loops = 0
+        self.early: frozenset = frozenset()
+        self.late: frozenset = frozenset()
         self.backward = False  # in the backward pass (a transpose's equations): for ``Compiler.gather_cse``
         # (id of a matmul, the step input it reads) -> the gather that read uses (``gather_reuse``)
         self.shares: dict[tuple[int, Any], Share] = {}
@@ -167,6 +173,10 @@ class Walker:
         if top:
             self.sum_wants = {}
             self.seed_sum_wants(jaxpr, env, set(jaxpr.invars))
+            hit = self.memo.get(("early", id(jaxpr)))
+            if hit is None or hit[0] is not jaxpr:
+                hit = self.memo[("early", id(jaxpr))] = (jaxpr, early_values(jaxpr))
+            self.early, self.late = hit[1]
         self.depth += 1
         last, uses, keep, fused, (fused_v, soft, shared) = self._structure(jaxpr, boundary)
         live = peak = peak_ex = out_live = 0
@@ -593,6 +603,18 @@ class Walker:
             return got
         self.ctx.unmodeled[name] = self.ctx.unmodeled.get(name, 0) + 1
         return [_replicated(o.aval) for o in eqn.outvars]
+
+    def laid_first(self, lx: Any, rx: Any) -> str | None:
+        """Inside a loop body, the matmul operand (``"lhs"`` or ``"rhs"``) Shardy lays out in its
+        first round where the other is a carried value laid out only in a later one
+        (``priority``); None elsewhere."""
+        if not self.loops:
+            return None
+        if lx in self.early and rx in self.late:
+            return "lhs"
+        if rx in self.early and lx in self.late:
+            return "rhs"
+        return None
 
     def made_beside(self, frame: _Frame, var: Any) -> Dims | None:
         """The layout of a value already made that an elementwise reader of ``var`` combines it
