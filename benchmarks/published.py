@@ -77,7 +77,8 @@ def run() -> list[dict]:
     import shardplan
     from shardplan.core import chips, timing
 
-    plan = shardplan.loads(PLAN, "fsdp-scanned.splan", mesh={"data": 256})
+    # as the recipes run: MaxText's logical-axis rules pin the activations' batch dim (PINNED, below)
+    plan = shardplan.loads(PINNED, "fsdp-scanned.splan", mesh={"data": 256})
     chip = chips.lookup("tpu-v6e")
     rows = []
     for name, seq, per_device, tokens_s, step_s in RUNS:

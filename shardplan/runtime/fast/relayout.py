@@ -313,6 +313,11 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
             if moves and walk.ctx.book.gather_cse is None:  # held to its last use (else: ``matmul._cast_gather``)
                 walk.ctx.gathered_now += nbytes
                 walk.ctx.gathered_peak = max(walk.ctx.gathered_peak, walk.ctx.gathered_now)
+            elif not moves and why == "dot_general":
+                # an activation gathered for a matmul: a buffer of the gathered size while the
+                # matmul runs (XLA's temporaries; the whole batch's activations gathered in a
+                # scanned layer's backward pass are most of a pod-scale step's peak)
+                walk.peak = max(walk.peak, walk.ctx.held(gathered))
     # What a gather freed for the target: a free local slice.
     for i, t in enumerate(target):
         for a in t:
