@@ -12,7 +12,10 @@ Inside a loop body this decides a matmul whose operands split different dims ove
 dim against activations carried in over `data` on the batch): where the weight's slice has its
 layout from the first round and the carried activations only from a later one (they were made by
 a matmul or a slice before the loop), the weight's split wins, and the activations are gathered.
-Where both have it from the first round, the sizes decide (``matmul._rhs_yields``).
+Where both have it from the first round, the sizes decide (``matmul._rhs_yields``). "Late" follows
+the carried value through pass-through ops only while nothing laid out otherwise joins it (an
+elementwise op all of whose operands of its shape are late), and the rule is applied where one
+axis clashes (where two do, XLA's program lies between the two choices: docs/stepcost.md).
 """
 
 from __future__ import annotations
