@@ -230,11 +230,7 @@ def scan(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
     # what the loop reads but does not carry (a layer's slices of stacked weights, weights it reads
     # whole) seeds its sums' layouts
     walk.seed_sum_wants(body, env, {var for k, var in enumerate(body.invars) if not nc <= k < nc + ncarry})
-    walk.loops += 1
-    try:
-        outs = walk.run(body, env, mult * length)
-    finally:
-        walk.loops -= 1
+    outs = walk.run_loop(body, env, mult * length)
     result = list(outs[:ncarry])
     for o, inner, v in zip(eqn.outvars[ncarry:], body.outvars[ncarry:], outs[ncarry:], strict=True):
         # Stacked outputs; a pending sum wanted split (a layer's weight gradient under FSDP)
@@ -306,11 +302,7 @@ def while_loop(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
     for out_var, read in zip(body.outvars, reads, strict=True):
         if read is not None and not hasattr(out_var, "val"):  # the next trip reads it so: made so
             walk.hints.setdefault(out_var, read)
-    walk.loops += 1
-    try:
-        outs = walk.run(body, _branch_env(body, list(ins[nc : nc + nb]) + init), runs)
-    finally:
-        walk.loops -= 1
+    outs = walk.run_loop(body, _branch_env(body, list(ins[nc : nc + nb]) + init), runs)
     for var, v, start in zip(body.outvars, outs, init, strict=True):
         if v.partial or v.dims != start.dims:
             to_layout(walk, var, v, start.dims, runs, "while")

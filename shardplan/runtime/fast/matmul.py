@@ -18,12 +18,11 @@ from shardplan.runtime.fast.walker import Walker
 from shardplan.runtime.primitives import itemsize
 
 
-def _rhs_yields(walk: Walker, lx: Any, rx: Any, lhs: Val, rhs: Val) -> bool:
+def _rhs_yields(lhs: Val, rhs: Val, first: str | None = None) -> bool:
     """Where one axis splits a free dim of each matmul operand: whether the right-hand one gives
-    it up. Inside a loop body, the operand Shardy lays out first keeps its split (``priority``:
+    it up. ``first``: the operand Shardy lays out first, which keeps its split (``Walker.laid_first``:
     a scanned layer's weight slice against activations a matmul made before the loop); else XLA's
     propagation keeps the larger operand's split (ties: the left's)."""
-    first = walk.laid_first(lx, rx)
     if first is not None:
         return first == "lhs"
     return math.prod(rhs.shape) * rhs.itemsize <= math.prod(lhs.shape) * lhs.itemsize
@@ -166,9 +165,8 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             # The same axis splits a free dim of each side: XLA's propagation keeps the split of
             # the larger operand (its whole size) and gathers the other (measured: under sequence
             # parallelism a layer's weights are gathered, the sequence stays split).
-            # (inside a loop body, where one axis clashes: ``_rhs_yields``)
-            one = len(clash) == 1
-            if _rhs_yields(walk, lx if one else None, rx if one else None, lhs, rhs):
+            # (inside a loop body, where one axis clashes, the operand laid out first: ``priority``)
+            if _rhs_yields(lhs, rhs, walk.laid_first(lx, rx) if len(clash) == 1 else None):
                 rdims[j] = [x for x in rdims[j] if x not in used]
             else:
                 for i in lfree:
@@ -464,7 +462,7 @@ def _contraction_moves(
     theirs = [tuple(rdims[k]) for k in rfree]
     taken = {x for d in mine for x in d}
     if any(x in taken for d in theirs for x in d):  # a free dim of each side over one axis: see ``dot``
-        if _rhs_yields(walk, None, None, lhs, rhs):
+        if _rhs_yields(lhs, rhs):
             theirs = [tuple(x for x in d if x not in taken) for d in theirs]
         else:
             clash = {x for d in theirs for x in d}

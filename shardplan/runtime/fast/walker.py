@@ -260,6 +260,14 @@ class Walker:
         self.depth -= 1
         return [self._read(env, x) for x in jaxpr.outvars]
 
+    def run_loop(self, body: Any, env: dict[Any, Val], mult: int) -> list[Val]:
+        """:meth:`run` for a loop's body (a scan's, a while's): ``laid_first`` applies inside it."""
+        self.loops += 1
+        try:
+            return self.run(body, env, mult)
+        finally:
+            self.loops -= 1
+
     def _enter(self, eqn: Any, literals: tuple, variables: tuple, env: dict[Any, Val], this_run: int) -> list[Val]:
         """An equation's operands' layouts, its results defined in this run, and whether they are
         computed from literals alone (``constant``; a scan's never: its body runs per trip)."""
