@@ -748,6 +748,44 @@ def test_a_contraction_split_over_every_device_meeting_a_whole_weight_is_summed(
     assert abs(fast_flops - flops) / flops < 0.02, (fast_flops, flops)
 
 
+
+@pytest.mark.parametrize("made", ["scaled", "sliced"])
+@pytest.mark.parametrize("mesh, spec, d", [
+    ({"seq": 2, "model": 4}, P(None, None, ("seq", "model")), 32),
+    ({"seq": 2, "model": 4}, P(None, None, "model"), 256),
+    ({"seq": 2, "model": 4}, P("seq", None, "model"), 32),
+], ids=["every device, bytes equal", "4 of 8", "rows over seq"])
+def test_a_whole_weight_the_step_computes_takes_the_contractions_split(mesh, spec, d, made):
+    """The same activations times a whole weight the step computes (``w * 2``, a stacked weight's
+    slice ``ws[0]``) rather than reads as its argument: XLA's propagation gives the computed weight
+    the activations' split on its rows (slicing it is free) and all-reduces the result, whatever
+    the bytes; where the weight is the jit's argument (above) its layout is fixed and XLA gathers
+    in these cases. XLA:CPU, 2026-12-06; fast mode had gathered (8x the FLOPs over every device)."""
+    if made == "scaled":
+        fn, w = (lambda x, w: x @ (w * 2)), S(d, 32)
+    else:
+        fn, w = (lambda x, ws: x @ ws[0]), S(2, d, 32)
+    avals, specs = (S(8, 16, d), w), (spec, P())
+    xla, predicted = by_kind(fn, avals, specs, None, mesh)
+    assert predicted == xla
+    assert xla["all-gather"] == 0 and xla["all-reduce"] == 8 * 16 * 32 * 4 // (2 if spec[0] else 1)
+    flops, fast_flops = flops_of(fn, avals, specs, mesh)
+    assert abs(fast_flops - flops) / flops < 0.05, (fast_flops, flops)
+
+
+def test_a_scanned_weight_slice_meeting_a_carry_split_on_its_width_gathers_the_carry():
+    """In a scan whose carry enters split on its width, ``tanh(c @ w)`` carried: the result must
+    come out split as the carry is, so the weight slice cannot take the carry's split on its rows
+    (the two splits would be over the same axes): XLA gathers the carry in every trip (2 x 16 KiB),
+    as fast mode predicts, not the sliced all-reduce of the matmul above (XLA:CPU, 2026-12-06)."""
+    body = lambda c, w: (jnp.tanh(c @ w), None)  # noqa: E731
+    fn = lambda x, ws: jax.lax.scan(body, x, ws)[0]  # noqa: E731
+    avals, specs = (S(8, 16, 32), S(2, 32, 32)), (P(None, None, ("seq", "model")), P())
+    xla, predicted = by_kind(fn, avals, specs, None, {"seq": 2, "model": 4})
+    assert predicted == xla
+    assert xla["all-gather"] == 2 * 8 * 16 * 32 * 4 and xla["all-reduce"] == 0
+
+
 _EXPERT_DATA = {"expert": 4, "data": 2}
 _EXPERT_DATA = {"expert": 4, "data": 2}
 

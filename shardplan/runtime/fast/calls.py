@@ -53,6 +53,8 @@ def inline(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val] | Non
             walk.claimed.setdefault(inner_var, walk.claimed[outer_var])
         if outer_var in walk.back and not hasattr(inner_var, "val"):
             walk.back.setdefault(inner_var, walk.back[outer_var])
+        if outer_var in walk.carried and not hasattr(inner_var, "val"):
+            walk.carried.setdefault(inner_var, walk.carried[outer_var])
     outer_call, walk.call_source = walk.call_source, walk.ctx.source
     outer = walk.frame
     assert outer is not None  # equations run inside a jaxpr
@@ -230,6 +232,8 @@ def scan(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
     # what the loop reads but does not carry (a layer's slices of stacked weights, weights it reads
     # whole) seeds its sums' layouts
     walk.seed_sum_wants(body, env, {var for k, var in enumerate(body.invars) if not nc <= k < nc + ncarry})
+    carries = zip(body.outvars[:ncarry], body.invars[nc : nc + ncarry], strict=True)
+    walk.carry_wants(body, {out: env[var].dims for out, var in carries})
     outs = walk.run_loop(body, env, mult * length)
     result = list(outs[:ncarry])
     for o, inner, v in zip(eqn.outvars[ncarry:], body.outvars[ncarry:], outs[ncarry:], strict=True):

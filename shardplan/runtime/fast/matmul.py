@@ -125,7 +125,11 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
                 continue
         # One side split on the contraction: gather it there, or slice the other side and sum
         # the partial results (GSPMD weighs the bytes; so do we).
-        if (moved := _contraction_moves(walk, lhs, rhs, i, j, ldims, rdims, lb, lfree, rfree)) is not None:
+        if (
+            moved := _contraction_moves(
+                walk, lhs, rhs, i, j, ldims, rdims, lb, lfree, rfree, (lx, rx, eqn.outvars[0]), wanted, pending
+            )
+        ) is not None:
             # One side whole on the dim, or split over different axes free on it, and the
             # result's pending sum cheaper than gathering the other side: that side is gathered
             # whole on the dim (XLA's dot partitioner replicates it there; a whole side or a
@@ -446,7 +450,19 @@ def _wanted_spot(
 
 
 def _contraction_moves(
-    walk, lhs: Val, rhs: Val, i: int, j: int, ldims: list, rdims: list, lb: Any, lfree: list, rfree: list
+    walk,
+    lhs: Val,
+    rhs: Val,
+    i: int,
+    j: int,
+    ldims: list,
+    rdims: list,
+    lb: Any,
+    lfree: list,
+    rfree: list,
+    xs: tuple[Any, Any, Any] = (None, None, None),
+    wanted: Dims | None = None,
+    pending: set[str] | frozenset[str] = frozenset(),
 ) -> str | None:
     """Which operand (``"lhs"``/``"rhs"``) takes the other's split on contracting dims ``i``/``j``
     split over different axes, or None (both gathered there). An operand may take the other's
@@ -469,6 +485,24 @@ def _contraction_moves(
             mine = [tuple(x for x in d if x not in clash) for d in mine]
     dims = tuple(mine) + tuple(theirs)
     out = walk.ctx.local(Val(shape, max(lhs.itemsize, rhs.itemsize), dims))
+    # A whole side that propagation may lay out (a value the step computes, not one of its inputs
+    # with the jit's sharding, and no layouts fixed as XLA's propagation made them,
+    # ``Walker.xla_claims``) takes the split side's axes, whatever the bytes: Shardy propagates the
+    # contraction's split onto it, a free slice, and the result's sum is completed after
+    # (measured 2026-12-06, XLA:CPU: x (8, 16, 32) split over (seq, model) on its width times
+    # ``w * 2`` or ``ws[0]``, all-reduces the (8, 16, 32) or (8, 16, 256) result, where ``w``
+    # itself is gathered; the same over `model` alone, and with the rows split over `seq`). A
+    # whole side whose layout is fixed is XLA's partitioner's to weigh (below).
+    # Not where the result is wanted with those axes (a loop's carry laid out so): the two
+    # splits meet in the matmul and the split side is gathered (measured: the same matmul in a
+    # scan whose carry enters split on its width).
+    fixed = walk.xla_claims
+    lx, rx, _ = xs
+    # Nor where a pending sum rides on the matmul (a partial side is summed first, not sliced).
+    taken_out = {x for d in (*(wanted or ()), *walk.carried.get(xs[2], ())) for x in (d or ())}
+    free = not fixed and not pending
+    open_l = free and lx is not None and not walk.fixed(lx) and not set(b) & taken_out
+    open_r = free and rx is not None and not walk.fixed(rx) and not set(a) & taken_out
     if not any(dims):
         # A result split nowhere: where the split side leaves devices holding copies, XLA gathers
         # the contraction whatever the sizes (measured: 64x1024 @ 1024x16 split over `model` = 4
@@ -478,19 +512,21 @@ def _contraction_moves(
         # all-reduce; (8, 16, 256) @ (256, 32) over all 8 a 16 KiB all-reduce, over 4 of 8 the
         # 128 KiB gather; (8, 16, 32) @ (32, 32) over all 8, the bytes equal: gathered).
         devices = math.prod(walk.ctx.mesh.values())
-        if a and not b and walk.ctx.split(tuple(a)) == devices and not set(a) & used_r and out < ltotal:
+        if a and not b and not set(a) & used_r and (open_r or (walk.ctx.split(tuple(a)) == devices and out < ltotal)):
             return "rhs"
-        if b and not a and walk.ctx.split(tuple(b)) == devices and not set(b) & used_l and out < rtotal:
+        if b and not a and not set(b) & used_l and (open_l or (walk.ctx.split(tuple(b)) == devices and out < rtotal)):
             return "lhs"
         return None
     options = []
     # A whole side is sliced for free and the result's sum completed after. Given the operands'
     # layouts as XLA's propagation made them (``Walker.xla_claims``), only where that sum costs less
-    # than gathering the split side (measured on single matmuls with fixed layouts: x (b, s, d)
-    # over data times a weight split over seq on d all-reduces while the result's bytes are under
-    # the weight's, and gathers the weight from equal on; x split on d meeting a whole weight, the
-    # same). The walker's own propagation would have split the whole side: sliced.
-    fixed = walk.xla_claims
+    # than gathering the split side (measured on single matmuls with fixed layouts: x (b, s, d) over
+    # data times a weight split over seq on d all-reduces while the result's bytes are under the
+    # weight's, and gathers the weight from equal on; x split on d meeting a whole weight, the
+    # same). The walker's own propagation would have split the whole side: sliced. (A whole jit
+    # argument alone, its result read by nothing else, is gathered from equal bytes on too; in a
+    # step, where the readers lay the result out, XLA slices it: the random plans' gate and up
+    # projections.)
     if a and not set(a) & used_r and (out <= ltotal if b else (not fixed or out < ltotal)):
         options.append((rtotal if b else 0, "rhs"))
     if b and not set(b) & used_l and (out <= rtotal if a else (not fixed or out < rtotal)):

@@ -81,6 +81,9 @@ class Walker:
         self.xla_claims = False
         self.back: dict[Any, Dims] = {}  # layouts propagated back from those (see claims._claims_back, back_claim)
         self.wants: dict[Any, Dims] = {}  # splits readers want (see _wants)
+        # A loop body's values that flow into its carry through pass-through ops and matmuls: the
+        # carry's layout, which XLA's propagation gives them (see ``carry_wants``)
+        self.carried: dict[Any, Dims] = {}
         self.sum_wants: dict[Any, Dims] = {}  # contraction splits weights give their matmuls' inputs (seed_sum_wants)
         # Whole values an elementwise op met with split ones (XLA's propagation would have computed
         # them split: slicing a whole value is free); a second propagation takes them as ``free``.
@@ -141,6 +144,9 @@ class Walker:
         # A call's inner variables stand for the outer ones they are bound to (and its outer
         # results for the inner ones): XLA inlines calls and does each reshard of a value once.
         self.origin: dict[Any, Any] = {}
+        # The step's own inputs (params, optimizer state, batch): their layouts are the jit's
+        # argument shardings, which XLA's propagation does not change (see ``fixed``).
+        self.inputs: set[Any] = set()
         self.call_source = ""  # the source line of the call being run (for library code inside it)
         self.runs = 0  # jaxpr runs so far
         self.defined: dict[Any, int] = {}  # variable -> the run that last defined it
@@ -155,6 +161,13 @@ class Walker:
         while var in self.origin:
             var = self.origin[var]
         return var
+
+    def fixed(self, var: Any) -> bool:
+        """Whether ``var``'s layout is one XLA's propagation leaves as it is: one of the step's
+        inputs (a jit argument's sharding), passed through calls or not. Any value the step
+        computes (a cast, a scanned layer's slice of a stacked weight) is open: propagation gives
+        its whole dims the splits its readers and writers have."""
+        return not hasattr(var, "val") and self.root(var) in self.inputs
 
     def key(self, var: Any) -> tuple[int, int | None]:
         """A value's identity for the reshard cache: its root variable and the run that defined it
@@ -171,6 +184,7 @@ class Walker:
         self._wants(jaxpr)
         top = self.depth == 0
         if top:
+            self.inputs = set(jaxpr.invars)
             self.sum_wants = {}
             self.seed_sum_wants(jaxpr, env, set(jaxpr.invars))
             hit = self.memo.get(("early", id(jaxpr)))
@@ -414,8 +428,19 @@ class Walker:
         pending sum is reduce-scattered onto a split its readers keep (the gradient of keys and
         values gathered over a split sequence). Only where a pending sum is resolved."""
         self._spread(jaxpr, self.wants, None if self.ignore_constraints else "seed")
+        if self.carried:
+            self._spread(jaxpr, self.carried, None)
         if self.free:
             self._spread(jaxpr, self.free, "stop")
+
+    def carry_wants(self, body: Any, carries: dict[Any, Dims]) -> None:
+        """A loop body's carried results (``carries``: each with the layout its carry enters
+        with) and what they are computed from: the loop's carry keeps one layout, so XLA's
+        propagation lays them out as it (read by :func:`matmul._contraction_moves`)."""
+        for var, dims in carries.items():
+            if any(dims):
+                self.carried.setdefault(var, dims)
+        self._spread(body, self.carried, None)
 
     def seed_sum_wants(self, jaxpr: Any, env: dict[Any, Val], inputs: set[Any]) -> None:
         """Backward pass: a matmul reading one of ``inputs`` (the step's inputs: its weights; a
