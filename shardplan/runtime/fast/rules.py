@@ -35,6 +35,7 @@ from shardplan.runtime.fast.elementwise import (
 from shardplan.runtime.fast.lookups import gather, scatter
 from shardplan.runtime.fast.matmul import dot, grouped
 from shardplan.runtime.fast.opsets import _FREE, _LAYOUT_PRESERVING
+from shardplan.runtime.fast.slicing import concatenated, sliced
 from shardplan.runtime.fast.values import Val, _replicated
 from shardplan.runtime.fast.walker import RuleBook
 from shardplan.runtime.kernels import FUSED_ATTENTION
@@ -95,6 +96,10 @@ _RULES: dict[str, Callable[..., list[Val] | None]] = {
     # along a dim
     **dict.fromkeys(named(kinds=("along",)) - {"top_k"}, along),
     "top_k": top_k,
+    # static slices and concatenations along a split dim (the others keep their layout as above)
+    "slice": sliced,
+    "split": sliced,
+    "concatenate": concatenated,
 }
 
 
