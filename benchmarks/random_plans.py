@@ -4,8 +4,9 @@
                                       [--xla-propagation]
 
 Draws N (plan, model) pairs: a model from a pool (tests/fixtures/engine_models.py: a Llama-style
-decoder, a GShard-style top-2 MoE, a decoder that builds its KV cache in the step; the example
-models gpt_tiny, llama_tiny, llama_tiny_scan) and a plan drawn from the model's shapes alone: a
+decoder, a GShard-style top-2 MoE, a decoder that builds its KV cache in the step, a GPT-2-style
+decoder with a fused q/k/v projection and a tied head, a GPT-J-style decoder with parallel
+attention and MLP and fused projections; the example models gpt_tiny, llama_tiny, llama_tiny_scan) and a plan drawn from the model's shapes alone: a
 mesh of 2 or 3 axes over 8 devices in a random order, per param family (leaves grouped by shape,
 dims named by what they equal: d_model, a stacked leading dim, or their size) replicated or split
 on one or two dims over one or two axes, the batch over one or two axes or batch x sequence, and
@@ -54,6 +55,8 @@ POOL: dict[str, tuple[str, str]] = {
     "gpt_tiny": (f"{EXAMPLES}:gpt_tiny", f"{TRAIN}:lm_loss"),
     "llama_tiny": (f"{EXAMPLES}:llama_tiny", f"{TRAIN}:lm_loss"),
     "llama_tiny_scan": (f"{EXAMPLES}:llama_tiny_scan", f"{TRAIN}:lm_loss"),
+    "gpt2": (f"{ENGINE}:gpt2", f"{ENGINE}:gpt2_loss"),
+    "parallel": (f"{ENGINE}:parallel", f"{ENGINE}:parallel_loss"),
 }
 BATCH = (8, 16)
 BATCH_ARG = [f"tokens=int32[{BATCH[0]},{BATCH[1]}],labels=int32[{BATCH[0]},{BATCH[1]}]"]
