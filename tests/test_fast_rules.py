@@ -481,7 +481,7 @@ def _on_xla_and_exact(index, model):
     propagation and exact mode."""
     from benchmarks import random_plans as rp
 
-    drawn, text = rp.draw_pair(0, index, rp.leaves_of)
+    drawn, text = rp.draw_pair(0, index, rp.leaves_of, models=rp.FIRST_POOL)
     assert drawn == model
     plan = shardplan.loads(text, "random.splan")
     kw = dict(model=rp.POOL[model][0], step=rp.POOL[model][1], batch=rp.BATCH_ARG, devices=8)
@@ -837,6 +837,33 @@ def test_fused_projections_split_under_tensor_parallelism_are_costed_as_xla_move
     assert fb["all-reduce"] == pytest.approx(eb["all-reduce"], abs=64)  # (the loss's sum: 4 B apart)
     assert 0.5 <= fb["collective-permute"] / eb["collective-permute"] <= 1.0  # 192 vs 256 KiB
     assert f.flops == pytest.approx(e.flops, rel=0.02)
+
+
+
+_WEIGHT_GRAD = (lambda x, g: jnp.einsum("btd,btf->df", x, g), ((8, 16, 64), (8, 16, 160)))
+_MATMUL = (lambda x, w: x @ w, ((8, 16, 64), (64, 160)))
+
+
+@pytest.mark.parametrize("fn_shapes, mesh, specs, moved", [
+    (_WEIGHT_GRAD, {"seq": 2, "data": 2, "model": 2}, (P("seq"), P("data")), True),
+    (_WEIGHT_GRAD, {"seq": 2, "data": 4}, (P("seq"), P("data")), False),
+    (_WEIGHT_GRAD, {"data": 4, "model": 2}, (P("model"), P("data")), False),
+    (_MATMUL, {"seq": 2, "data": 2, "model": 2}, (P(None, None, "seq"), P("data")), True),
+    (_MATMUL, {"seq": 2, "data": 2, "model": 2}, (P("model", None, "seq"), P("data")), True),
+    (_MATMUL, {"seq": 2, "data": 2, "model": 2}, (P(None, None, "seq"), P("data", "model")), True),
+], ids=["weight gradient, 2 and 2", "weight gradient, 2 and 4", "weight gradient, 2 and 4 (model)",
+        "matmul", "matmul, rows over model", "matmul, weight over data x model"])
+def test_a_contraction_split_over_other_axes_of_as_many_devices_is_permuted(fn_shapes, mesh, specs, moved):
+    """A contraction split over one axis on one side and another on the other: where the two
+    split it over as many devices, XLA permutes the smaller side onto the other's split, contracts
+    split and all-reduces the result (a weight gradient with its inputs over `seq` and the
+    cotangents over `data`: 16 KiB permuted, 40 KiB all-reduced); where they do not (2 and 4
+    devices) it gathers both, as fast mode did in every case (114,688 B gathered). XLA:CPU,
+    2026-12-06."""
+    fn, shapes = fn_shapes
+    xla, predicted = by_kind(fn, tuple(S(*s) for s in shapes), specs, None, mesh)
+    assert predicted == xla
+    assert (xla["collective-permute"] > 0 and xla["all-reduce"] > 0) == moved and (xla["all-gather"] == 0) == moved
 
 
 _EXPERT_DATA = {"expert": 4, "data": 2}

@@ -138,12 +138,14 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             # split over `model` on the contraction: XLA gathers the weight and all-reduces the
             # result; a replicated weight meets them: XLA gathers the states, whose bytes are
             # fewer than the result's).
+            # (split over other axes of as many devices: moved across, not gathered: below)
+            across = bool(a and b) and not set(a) & set(b) and walk.ctx.split(tuple(a)) == walk.ctx.split(tuple(b))
             if moved == "rhs":
-                if b != a[: len(b)]:
+                if b != a[: len(b)] and not across:
                     rhs = _gathered_on(walk, rx, rhs, j, eqn, mult)
                 rdims[j] = list(a)
             else:
-                if a != b[: len(a)]:
+                if a != b[: len(a)] and not across:
                     lhs = _gathered_on(walk, lx, lhs, i, eqn, mult)
                 ldims[i] = list(b)
             partial |= set(ldims[i])
@@ -498,6 +500,16 @@ def _contraction_moves(
     # scan whose carry enters split on its width).
     fixed = walk.xla_claims
     lx, rx, _ = xs
+    if a and b and not set(a) & set(b) and walk.ctx.split(tuple(a)) == walk.ctx.split(tuple(b)):
+        # Split over other axes of as many devices: XLA moves the smaller side onto the other's
+        # split (a collective-permute of its bytes) and contracts split, the result's sum pending
+        # (measured 2026-12-06, XLA:CPU: a weight gradient ``btd,btf->df`` with x over `seq` and
+        # the cotangents over `data`, 2 devices each of 8: the smaller permuted, 16 KiB or 4 KiB,
+        # the result all-reduced; over axes of 2 and 4 devices both are gathered, as below).
+        if not set(a) & used_r and not set(b) & used_l:
+            lsize = walk.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims)))
+            rsize = walk.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims)))
+            return "rhs" if rsize <= lsize else "lhs"
     # Nor where a pending sum rides on the matmul (a partial side is summed first, not sliced).
     taken_out = {x for d in (*(wanted or ()), *walk.carried.get(xs[2], ())) for x in (d or ())}
     free = not fixed and not pending
