@@ -6,8 +6,9 @@
 Draws N (plan, model) pairs: a model from a pool (tests/fixtures/engine_models.py: a Llama-style
 decoder, a GShard-style top-2 MoE, a decoder that builds its KV cache in the step, a GPT-2-style
 decoder with a fused q/k/v projection and a tied head, a GPT-J-style decoder with parallel
-attention and MLP and fused projections; the example models gpt_tiny, llama_tiny, llama_tiny_scan) and a plan drawn from the model's shapes alone: a
-mesh of 2 or 3 axes over 8 devices in a random order, per param family (leaves grouped by shape,
+attention and MLP and fused projections; the example models gpt_tiny, llama_tiny,
+llama_tiny_scan) and a plan drawn from the model's shapes alone: a mesh of 2 or 3 axes over 8
+devices in a random order, per param family (leaves grouped by shape,
 dims named by what they equal: d_model, a stacked leading dim, or their size) replicated or split
 on one or two dims over one or two axes, the batch over one or two axes or batch x sequence, and
 sometimes `act` constraints on module outputs. Each pair is costed both ways (auto backend,
