@@ -427,6 +427,25 @@ def test_a_tensor_parallel_plan_is_described_by_the_matrices_it_splits_and_how()
     assert "matrices write" not in words and "wide dim" not in words
 
 
+def test_a_split_of_a_param_no_matmul_reads_names_the_dim():
+    """A GPT-J-style decoder of our own keeps its learned positions as a raw ``(ctx, width)``
+    param that no matmul reads: two runners-up differing only in which of its dims ``model``
+    splits read alike ("the dims of pos"); each now names the dim."""
+    from shardplan import planner
+
+    engine = f"{ROOT / 'tests' / 'fixtures' / 'engine_models.py'}"
+    roles = _roles(f"{engine}:parallel", f"{engine}:parallel_loss")
+    space = search.Space(planner.families(roles), dict(roles.sizes), (8,))
+    space = search.Space(space.families, space.sizes, space.batch, planner._names(space))
+    (pos,) = [f for f in space.families if f.template == "pos"]
+    words = [
+        search.Choice((("data", 4, "ici"), ("model", 2, "ici")), frozenset({u}), "none").describe(space)
+        for u in pos.units
+    ]
+    assert "dim 0 of pos" in words[0] and "dim 1 of pos" in words[1]
+    assert not any("the dims of" in w for w in words)
+
+
 def test_a_runner_up_whose_split_changes_no_matrix_says_why_in_words():
     """On gpt_tiny the head's output dim (the vocabulary) is split over ``model`` only where the
     head's input dim is not: with the residual width split too, adding the vocabulary changes no

@@ -275,13 +275,15 @@ def split_words(space: Space, choice: Choice, axis: str, only: int | None = None
                 else "dims"
             )
             name = short_name(f.template, space)
+            if key == "dims":  # no matmul role: which dim (two plans may differ in it alone)
+                name = f"dim {i} of {name}"
             if name not in groups[key]:
                 groups[key].append(name)
     out = []
     for key, names in groups.items():
         if names:
             shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-            out.append(f"the {key} of {shown}")
+            out.append(shown if key == "dims" else f"the {key} of {shown}")
     return "; ".join(out)
 
 
