@@ -83,11 +83,11 @@ def concatenated(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]
         or eqn.outvars[0].aval.shape[k] % n
     ):
         return layout_preserving(walk, eqn, ins, mult)
-    first = resolve(walk, eqn.invars[0], ins[0], None, mult, "concatenate")
+    summed = [resolve(walk, x, v, None, mult, "concatenate") for x, v in zip(eqn.invars, ins, strict=True)]
+    first = summed[0]
     moved = 0
-    for x, v in zip(eqn.invars, ins, strict=True):
-        laid = reshard(walk, x, resolve(walk, x, v, None, mult, "concatenate"), first.dims, mult, "concatenate")
-        moved += walk.ctx.local(laid)
+    for x, v in zip(eqn.invars, summed, strict=True):  # the others laid out as the first on the other dims
+        moved += walk.ctx.local(reshard(walk, x, v, first.dims, mult, "concatenate"))
     walk.ctx.add("all-to-all", tuple(axes), 2 * moved, mult, "concatenate")
     o = eqn.outvars[0]
     return [Val(tuple(o.aval.shape), itemsize(o.aval), first.dims)]
