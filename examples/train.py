@@ -25,7 +25,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="gpt_tiny", help="a factory in examples/models.py (gpt_tiny, gpt_small, "
                    "llama_tiny, mlp_small, ...), or your own: FILE.py:FACTORY or package.module:FACTORY")
     p.add_argument("--loss", metavar="FILE:FN", help="loss_fn(model, batch) -> scalar (default: next-token "
-                   "cross-entropy for language models, mean square error for the MLP)")
+                   "cross-entropy for language models, mean square error for the MLP); it may call a model "
+                   "that takes more than tokens (positions, a mask): the synthetic tokens are then drawn below "
+                   "its embedding tables' rows")
     p.add_argument("--data", metavar="FILE", help="train on this text file (e.g. examples/data/corpus.txt) "
                    "instead of synthetic sequences; 10%% held out for eval loss")
     p.add_argument("--eval-every", type=int, default=0, help="with --data: eval loss every N steps (default: "
@@ -133,10 +135,21 @@ def vocab_of(model, placement, batch: int, seq: int) -> int:
     return logits_of(output_of(model, placement, batch, seq)).shape[-1]
 
 
-def make_data(model_name: str, model, placement, seed: int, batch: int, seq: int, data: str | None = None):
+def embedding_rows(model) -> int | None:
+    """The fewest rows of the model's embedding tables (its ``nnx.Embed`` modules, by type): token
+    ids below it index every table. None: it has none."""
+    from flax import nnx
+
+    rows = [m.num_embeddings for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Embed)]
+    return min(rows) if rows else None
+
+
+def make_data(model_name: str, model, placement, seed: int, batch: int, seq: int, data: str | None = None,
+              own_loss: bool = False):
     """A batch generator (this process's rows of each global batch), the default loss (the LM
     loss, with the balancing term for a model returning ``(logits, aux)``), and the held-out
-    text data (with --data)."""
+    text data (with --data). ``own_loss``: the user's loss calls the model (--loss), which need
+    not take a token batch alone: then the tokens are drawn below its embedding tables' rows."""
     import numpy as np
 
     from shardplan import distributed
@@ -147,11 +160,20 @@ def make_data(model_name: str, model, placement, seed: int, batch: int, seq: int
         din = model.layers[0].in_features
         dout = model.layers[-1].out_features
         return (lambda: synthetic_regression(rng, batch, din, dout, rows)), mse_loss, None
-    out = output_of(model, placement, batch, seq)
-    vocab = logits_of(out).shape[-1]
-    # (logits, aux) with a scalar aux: a mixture of experts' balancing loss, added to the LM loss.
-    with_aux = isinstance(out, (tuple, list)) and len(out) == 2 and getattr(out[1], "shape", None) == ()
-    loss = moe_lm_loss if with_aux else lm_loss
+    try:
+        out = output_of(model, placement, batch, seq)
+    except Exception as err:  # the user's model, called as a causal LM on tokens alone
+        table = embedding_rows(model) if own_loss else None
+        if table is None:
+            how = "" if own_loss else "; give --loss FILE:FN, a loss that calls it as it is called"
+            raise ValueError(f"the model does not run on a ({batch}, {seq}) token batch alone "
+                             f"({type(err).__name__}: {err}){how}") from None
+        vocab, loss = table, lm_loss  # (the --loss replaces the loss)
+    else:
+        vocab = logits_of(out).shape[-1]
+        # (logits, aux) with a scalar aux: a mixture of experts' balancing loss, added to the LM loss.
+        with_aux = isinstance(out, (tuple, list)) and len(out) == 2 and getattr(out[1], "shape", None) == ()
+        loss = moe_lm_loss if with_aux else lm_loss
     if data:
         import data as text
 
@@ -267,8 +289,12 @@ def main(argv=None) -> int:
             if args.resume and ckpt.latest_step() is not None:
                 step0 = ckpt.restore(model, optimizer)
                 console.print(f"resumed from step {step0} in {args.checkpoint_dir}")
-        next_batch, loss_fn, text = make_data(args.model, model, placement, args.seed, args.batch_size, args.seq_len,
-                                               args.data)
+        try:
+            next_batch, loss_fn, text = make_data(args.model, model, placement, args.seed, args.batch_size,
+                                                   args.seq_len, args.data, own_loss=bool(args.loss))
+        except ValueError as e:
+            console.print(f"[red]{e}[/]")
+            return 2
         if args.loss:
             from shardplan.runtime.model import load_factory as load
 

@@ -68,6 +68,34 @@ def test_train_a_model_defined_elsewhere_on_the_bundled_text(tmp_path):
     assert "eval loss" in r.stdout
 
 
+POSITIONS_MODEL = OWN_MODEL.replace(
+    "def __call__(self, tokens):\n        x = self.tok(tokens) + self.pos(jnp.arange(tokens.shape[1]))[None]",
+    "def __call__(self, tokens, positions):\n        x = self.tok(tokens) + self.pos(positions)",
+)
+POSITIONS_LOSS = OWN_LOSS.replace(
+    'logits = model(batch["tokens"])',
+    'tokens = batch["tokens"]\n    logits = model(tokens, jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape))',
+).replace("import optax", "import jax.numpy as jnp\nimport optax")
+
+
+def test_a_model_that_takes_more_than_tokens_trains_with_its_own_loss(tmp_path):
+    """A model called as ``model(tokens, positions)`` (Flax's Gemma takes positions, a cache and a
+    mask): with its own --loss it trains, the synthetic tokens drawn below its embedding tables'
+    rows (train.py had called it on tokens alone to size them: a TypeError traceback); without a
+    loss the script says what to give and exits 2."""
+    assert "def __call__(self, tokens, positions)" in POSITIONS_MODEL and "arange" in POSITIONS_LOSS
+    (tmp_path / "mymodel.py").write_text(POSITIONS_MODEL)
+    (tmp_path / "myloss.py").write_text(POSITIONS_LOSS)
+    (tmp_path / "own.splan").write_text(OWN_PLAN)
+    args = [ROOT / "examples" / "train.py", "--plan", tmp_path / "own.splan", "--model",
+            f"{tmp_path / 'mymodel.py'}:make", "--steps", 3, "--seq-len", 16, "--batch-size", 8, "--no-show"]
+    r = run(*args, "--loss", f"{tmp_path / 'myloss.py'}:loss")
+    assert "over 3 steps" in r.stdout
+    bare = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert bare.returncode == 2 and "Traceback" not in bare.stdout + bare.stderr
+    assert "does not run on a (8, 16) token batch alone" in bare.stdout and "--loss" in bare.stdout
+
+
 def test_generate_with_a_model_defined_elsewhere_takes_the_plain_path(tmp_path):
     (tmp_path / "mymodel.py").write_text(OWN_MODEL)
     r = run(ROOT / "examples" / "generate.py", "--plan", PLANS / "dp.splan", "--model",
