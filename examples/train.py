@@ -24,10 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plan", required=True, help="the .splan file")
     p.add_argument("--model", default="gpt_tiny", help="a factory in examples/models.py (gpt_tiny, gpt_small, "
                    "llama_tiny, mlp_small, ...), or your own: FILE.py:FACTORY or package.module:FACTORY")
-    p.add_argument("--loss", metavar="FILE:FN", help="loss_fn(model, batch) -> scalar (default: next-token "
-                   "cross-entropy for language models, mean square error for the MLP); it may call a model "
-                   "that takes more than tokens (positions, a mask): the synthetic tokens are then drawn below "
-                   "its embedding tables' rows")
+    p.add_argument("--loss", metavar="FILE:FN", help="loss_fn(model, batch) -> scalar (default: LM cross-entropy; "
+                   "MSE for the MLP); it may call a model that takes more than tokens (tokens then < its tables' rows)")
     p.add_argument("--data", metavar="FILE", help="train on this text file (e.g. examples/data/corpus.txt) "
                    "instead of synthetic sequences; 10%% held out for eval loss")
     p.add_argument("--eval-every", type=int, default=0, help="with --data: eval loss every N steps (default: "

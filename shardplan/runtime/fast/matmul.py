@@ -138,8 +138,7 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             # split over `model` on the contraction: XLA gathers the weight and all-reduces the
             # result; a replicated weight meets them: XLA gathers the states, whose bytes are
             # fewer than the result's).
-            # (split over other axes of as many devices: moved across, not gathered: below)
-            across = bool(a and b) and not set(a) & set(b) and walk.ctx.split(tuple(a)) == walk.ctx.split(tuple(b))
+            across = _across(walk, a, b)
             if moved == "rhs":
                 if b != a[: len(b)] and not across:
                     rhs = _gathered_on(walk, rx, rhs, j, eqn, mult)
@@ -451,6 +450,12 @@ def _wanted_spot(
     return None
 
 
+def _across(walk: Walker, a: list, b: list) -> bool:
+    """Whether one contracting dim is split over other axes of as many devices on each side (a
+    side is then moved across by a collective-permute, not gathered: ``_contraction_moves``)."""
+    return bool(a and b) and not set(a) & set(b) and walk.ctx.split(tuple(a)) == walk.ctx.split(tuple(b))
+
+
 def _contraction_moves(
     walk,
     lhs: Val,
@@ -487,6 +492,15 @@ def _contraction_moves(
             mine = [tuple(x for x in d if x not in clash) for d in mine]
     dims = tuple(mine) + tuple(theirs)
     out = walk.ctx.local(Val(shape, max(lhs.itemsize, rhs.itemsize), dims))
+    if _across(walk, a, b) and not set(a) & used_r and not set(b) & used_l:
+        # Split over other axes of as many devices: XLA moves the smaller side onto the other's
+        # split (a collective-permute of its bytes) and contracts split, the result's sum pending
+        # (measured 2026-12-06, XLA:CPU: a weight gradient ``btd,btf->df`` with x over `seq` and
+        # the cotangents over `data`, 2 devices each of 8: the smaller permuted, 16 KiB or 4 KiB,
+        # the result all-reduced; over axes of 2 and 4 devices both are gathered, as below).
+        lsize = walk.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims)))
+        rsize = walk.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims)))
+        return "rhs" if rsize <= lsize else "lhs"
     # A whole side that propagation may lay out (a value the step computes, not one of its inputs
     # with the jit's sharding, and no layouts fixed as XLA's propagation made them,
     # ``Walker.xla_claims``) takes the split side's axes, whatever the bytes: Shardy propagates the
@@ -499,19 +513,9 @@ def _contraction_moves(
     # splits meet in the matmul and the split side is gathered (measured: the same matmul in a
     # scan whose carry enters split on its width).
     fixed = walk.xla_claims
-    lx, rx, _ = xs
-    if a and b and not set(a) & set(b) and walk.ctx.split(tuple(a)) == walk.ctx.split(tuple(b)):
-        # Split over other axes of as many devices: XLA moves the smaller side onto the other's
-        # split (a collective-permute of its bytes) and contracts split, the result's sum pending
-        # (measured 2026-12-06, XLA:CPU: a weight gradient ``btd,btf->df`` with x over `seq` and
-        # the cotangents over `data`, 2 devices each of 8: the smaller permuted, 16 KiB or 4 KiB,
-        # the result all-reduced; over axes of 2 and 4 devices both are gathered, as below).
-        if not set(a) & used_r and not set(b) & used_l:
-            lsize = walk.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims)))
-            rsize = walk.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims)))
-            return "rhs" if rsize <= lsize else "lhs"
+    lx, rx, result = xs
     # Nor where a pending sum rides on the matmul (a partial side is summed first, not sliced).
-    taken_out = {x for d in (*(wanted or ()), *walk.carried.get(xs[2], ())) for x in (d or ())}
+    taken_out = {x for d in (*(wanted or ()), *walk.carried.get(result, ())) for x in (d or ())}
     free = not fixed and not pending
     open_l = free and lx is not None and not walk.fixed(lx) and not set(b) & taken_out
     open_r = free and rx is not None and not walk.fixed(rx) and not set(a) & taken_out
