@@ -887,6 +887,36 @@ def test_a_contraction_split_over_the_same_axes_laid_out_otherwise_moves_the_sma
     assert xla["all-gather"] == 0 and xla["all-reduce"] > 0
 
 
+_X_W = (lambda x, w: x @ w, ((8, 16, 32), (32, 16)))
+
+
+@pytest.mark.parametrize("mesh, specs, kinds", [
+    ({"expert": 4, "data": 2}, (P(None, None, "data"), P("expert", "data")), {"collective-permute", "all-reduce"}),
+    ({"data": 2, "model": 4}, (P(None, None, "data"), P("model", "data")), {"collective-permute", "all-reduce"}),
+    ({"a": 2, "b": 2, "c": 2}, (P(None, "c", "a"), P("b", "a")), {"collective-permute", "all-reduce"}),
+    ({"expert": 4, "data": 2}, (P("data", None, "expert"), P("data", None)), {"collective-permute", "all-reduce"}),
+    ({"data": 2, "model": 4}, (P("data", None, "model"), P("data", None)), {"collective-permute", "all-reduce"}),
+    ({"data": 4, "model": 2}, (P("data", None, "model"), P("data", None)), {"all-gather", "all-reduce"}),
+    ({"data": 2, "model": 4}, (P(None, None, "model"), P("data", "model")), {"all-gather"}),
+    ({"expert": 4, "data": 2}, (P(None, "expert", "data"), P("expert", "data")), {"all-gather"}),
+], ids=["states moved onto the weight's rows", "the same over model", "three axes", "weight rows permuted finer",
+        "weight rows over model", "coarser: gathered", "states over 4 meet rows over 2: gathered",
+        "the rows' axis taken: gathered"])
+def test_a_contraction_split_the_other_side_takes_elsewhere_is_moved_onto_its_split(mesh, specs, kinds):
+    """Hidden states split over `data` on their width meet a weight over `expert` on its rows and
+    `data` on its columns: XLA permutes the states onto `expert` (4 KiB), contracts split and
+    all-reduces (4 KiB); fast mode gathered both (17 KiB, 4x the FLOPs). A weight over `data` on
+    its rows against states over `data` on the batch and `expert` or `model` (more devices) on the
+    width: the weight permuted onto the width's axis (512 B), not gathered (2 KiB). Where the move
+    would split over fewer devices or the other's axis is taken, both are gathered, as before (with
+    an axis neither side splits, XLA gathers too, by a route of its own that permutes 4 KiB more:
+    not asserted). XLA:CPU, 2026-12-06; XLA:TPU v5e and XLA:GPU H100 move the same."""
+    fn, shapes = _X_W
+    xla, predicted = by_kind(fn, tuple(S(*s) for s in shapes), specs, None, mesh)
+    assert predicted == xla
+    assert {k for k, v in xla.items() if v} == kinds
+
+
 _EXPERT_DATA = {"expert": 4, "data": 2}
 
 
