@@ -917,6 +917,32 @@ def test_a_contraction_split_the_other_side_takes_elsewhere_is_moved_onto_its_sp
     assert {k for k, v in xla.items() if v} == kinds
 
 
+@pytest.mark.parametrize("mesh, shapes, specs, moved", [
+    ({"data": 2, "model": 4}, ((8, 16, 32), (32, 16)), (P(None, None, "data"), P(None, "data")), True),
+    ({"data": 2, "model": 2, "expert": 2}, ((8, 16, 32), (32, 16)), (P(None, None, "data"), P(None, "data")), True),
+    ({"data": 2, "model": 4}, ((8, 16, 64), (64, 16)), (P(None, None, "data"), P(None, "data")), True),
+    ({"data": 2, "model": 4}, ((8, 64, 32), (32, 16)), (P(None, None, "data"), P(None, "data")), True),
+    ({"data": 4, "model": 2}, ((8, 16, 32), (32, 16)), (P(None, None, "data"), P(None, "data")), False),
+    ({"data": 2, "model": 4}, ((8, 16, 32), (32, 16)), (P("model", None, "data"), P(None, "data")), False),
+    ({"expert": 4, "data": 2}, ((8, 16, 32), (32, 16)), (P("data", None, None), P("data", None)), False),
+], ids=["onto model", "onto two idle axes", "wider states", "longer sequence", "fewer idle devices: gathered",
+        "no idle axis: gathered", "a weight's rows: gathered"])
+def test_a_contraction_split_the_other_side_takes_elsewhere_moves_onto_idle_axes(mesh, shapes, specs, moved):
+    """Hidden states over `data` on their width times a weight whole on its rows and over `data` on
+    its columns, with axes neither splits (idle): XLA permutes the states onto the idle axes (as
+    many devices or a multiple), slices the weight, contracts split and all-reduces (4 KiB and
+    4 KiB where fast mode gathered 16 KiB), where that moves fewer bytes than the gather; a
+    weight's rows over `data` against states over `data` on the batch are gathered (2 KiB, where
+    moving them and summing would be 4.5 KiB). XLA:CPU, 2026-12-06."""
+    fn = _X_W[0]
+    xla, predicted = by_kind(fn, tuple(S(*s) for s in shapes), specs, None, mesh)
+    kinds = {k for k, v in xla.items() if v}
+    if moved:
+        assert predicted == xla and kinds == {"collective-permute", "all-reduce"}
+    else:  # gathered (XLA:CPU's route may permute a piece first: not asserted)
+        assert predicted["all-gather"] == xla["all-gather"] > 0 and not xla["all-reduce"]
+
+
 _EXPERT_DATA = {"expert": 4, "data": 2}
 
 
