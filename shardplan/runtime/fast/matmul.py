@@ -100,7 +100,7 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             if k not in rb:
                 rdims[k] = [a for a in rdims[k] if a not in taken_b]
     if not conflict and not pending:
-        lhs, rhs = _crossed(walk, eqn, (lx, rx), (lhs, rhs), (ldims, rdims), (lc, rc), mult)
+        lhs, rhs = _crossed(walk, (lx, rx), (lhs, rhs), (ldims, rdims), (lc, rc), mult)
     # Contracting dims: split the same way on both sides -> local, then a pending sum.
     wanted = walk.wants.get(eqn.outvars[0], walk.hints.get(eqn.outvars[0]))  # (its readers' layout)
     for i, j in zip(lc, rc, strict=True):
@@ -468,7 +468,6 @@ def _wanted_spot(
 
 def _crossed(
     walk: Walker,
-    eqn: Any,
     xs: tuple[Any, Any],
     vals: tuple[Val, Val],
     dims: tuple[list, list],
