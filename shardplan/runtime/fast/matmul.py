@@ -466,6 +466,11 @@ def _wanted_spot(
     return None
 
 
+def _elsewhere(dims: list, k: int) -> set[str]:
+    """The axes an operand's layout ``dims`` splits its dims other than ``k`` over."""
+    return {x for n, d in enumerate(dims) if n != k for x in d}
+
+
 def _crossed(
     walk: Walker,
     xs: tuple[Any, Any],
@@ -517,8 +522,7 @@ def _onto_the_others_split(walk: Walker, a: list, b: list, ldims: list, rdims: l
     permuted onto `expert`, 512 B, not gathered, 2 KiB)."""
     if not a or not b or set(a) & set(b):
         return None
-    used_l = {x for k, d in enumerate(ldims) if k != i for x in d}
-    used_r = {x for k, d in enumerate(rdims) if k != j for x in d}
+    used_l, used_r = _elsewhere(ldims, i), _elsewhere(rdims, j)
     if {x for x, n in walk.ctx.mesh.items() if n > 1} - (used_l | used_r | set(a) | set(b)):
         return None
     split = walk.ctx.split
@@ -551,8 +555,7 @@ def _onto_idle_axes(
     if bool(a) == bool(b):
         return None
     mine, theirs, k, kk, axes, v = (ldims, rdims, i, j, a, lhs) if a else (rdims, ldims, j, i, b, rhs)
-    used_mine = {x for n, d in enumerate(mine) if n != k for x in d}
-    used_theirs = {x for n, d in enumerate(theirs) if n != kk for x in d}
+    used_mine, used_theirs = _elsewhere(mine, k), _elsewhere(theirs, kk)
     if not set(axes) & used_theirs:
         return None
     idle = [x for x, n in walk.ctx.mesh.items() if n > 1 and x not in used_mine | used_theirs | set(axes)]
@@ -605,8 +608,7 @@ def _contraction_moves(
     axes where they split none of its other dims; it does where the result's pending sum costs
     less than gathering the other operand on the contraction (GSPMD weighs the two)."""
     a, b = ldims[i], rdims[j]
-    used_l = {x for k, d in enumerate(ldims) if k != i for x in d}
-    used_r = {x for k, d in enumerate(rdims) if k != j for x in d}
+    used_l, used_r = _elsewhere(ldims, i), _elsewhere(rdims, j)
     ltotal = walk.ctx.local(Val(lhs.shape, lhs.itemsize, _tuple(ldims))) * walk.ctx.split(tuple(a))
     rtotal = walk.ctx.local(Val(rhs.shape, rhs.itemsize, _tuple(rdims))) * walk.ctx.split(tuple(b))
     shape = tuple(lhs.shape[k] for k in (*lb, *lfree)) + tuple(rhs.shape[k] for k in rfree)
