@@ -88,7 +88,8 @@ class Compiler:
       time twice the gather's). XLA:TPU v5p, measured on single gathers of a weight and of an
       activation (2026-12-05): a 1-D mesh over 64 (4x4x4, 2x4x8), 128 and 256 chips all-reduces, over
       8-32 chips it gathers, and so does an axis of 128 of 256 chips; v5e and v6e gather at 64 and
-      256 chips. None: gathered.
+      256 chips. The padded operand, whole and in the value's own type, is alive beside the result
+      (read from a 70B step's buffers: f32[256,1024,28672] beside its bf16 result). None: gathered.
     - ``scatters_whole``: a reduce-scatter is an all-reduce of the whole followed by each device's
       slice (XLA:CPU emits no reduce-scatter for GSPMD): its FLOPs are the all-reduce's, one per
       element of the whole, as XLA's cost analysis counts an all-reduce (a reduce-scatter: none).

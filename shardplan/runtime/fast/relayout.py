@@ -317,7 +317,15 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
                 # an activation gathered for a matmul: a buffer of the gathered size while the
                 # matmul runs (XLA's temporaries; the whole batch's activations gathered in a
                 # scanned layer's backward pass are most of a pod-scale step's peak)
-                walk.peak = max(walk.peak, walk.ctx.held(gathered))
+                alive = walk.ctx.held(gathered)
+                if walk.ctx.gather_reduces(tuple(drop)):
+                    # gathered as an all-reduce of the zero-padded shard: the padded buffer, whole
+                    # and in the value's own type (a narrowing cast is folded into the all-reduce),
+                    # is alive beside the result (XLA:TPU v5p, read from its buffer assignment:
+                    # f32[256,1024,28672] padded beside the bf16 result, 42 GiB of a 70B step's 50)
+                    padded = Val(v.shape, getattr(var.aval.dtype, "itemsize", v.itemsize), _tuple(dims))
+                    alive += walk.ctx.held(padded)
+                walk.peak = max(walk.peak, alive)
     # What a gather freed for the target: a free local slice.
     for i, t in enumerate(target):
         for a in t:

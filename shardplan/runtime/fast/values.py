@@ -100,6 +100,12 @@ class _Ctx:
             n = self.memo[key] = tiled_bytes(local, v.itemsize, tile)
         return n
 
+    def gather_reduces(self, axes: tuple[str, ...]) -> bool:
+        """Whether a gather over ``axes`` is an all-reduce of the zero-padded shard: over the whole
+        slice, where the compiler does so (``Compiler.gathers_reduce``)."""
+        n = self.split(axes)
+        return bool(self.book.gathers_reduce and n >= self.book.gathers_reduce and n == self.split(tuple(self.mesh)))
+
     def add(
         self,
         kind: str,
@@ -119,9 +125,8 @@ class _Ctx:
             # A collective reads its buffer and writes its result (``nbytes``: an all-gather's
             # result, a reduce-scatter's input; the other side is 1/n of it).
             n = self.split(tuple(axes))
-            if kind == "all-gather" and self.book.gathers_reduce and n >= self.book.gathers_reduce:
-                if n == self.split(tuple(self.mesh)):  # over the whole slice: a padded shard all-reduced
-                    kind = "all-reduce"
+            if kind == "all-gather" and self.gather_reduces(tuple(axes)):
+                kind = "all-reduce"
             self.hbm += (nbytes + nbytes // n if kind in ("all-gather", "reduce-scatter") else 2 * nbytes) * mult
             if kind == "all-reduce" or (kind == "reduce-scatter" and self.book.scatters_whole):
                 self.flops += nbytes / itemsize * mult
