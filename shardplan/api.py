@@ -625,8 +625,10 @@ class StepCoster:
             compiler: whose compiler's program is predicted: ``cpu``, ``cuda``, ``tpu`` or a chip
                 with rules of its own (``tpu-v6e``, ``a100-80gb``, ``b200``: ``runtime.fast.COMPILERS``;
                 a target's ``book``, ``core.targets``).
-            propagation: whose layouts fast mode partitions: ``shardplan`` (its own propagation)
-                or ``xla`` (Shardy's, XLA's own pass, run offline; the auto backend only).
+            propagation: whose layouts fast mode partitions: ``shardplan`` (its own propagation),
+                ``xla`` (Shardy's, XLA's own pass, run offline; the auto backend only) or ``auto``
+                (``xla`` where Shardy's propagation runs over the auto backend's step, else
+                ``shardplan``, a note saying why).
 
         Raises:
             ShardPlanError: the plan does not fit the model, batch or devices; the step fails to
@@ -652,6 +654,8 @@ class StepCoster:
                     )
                 ]
             )
+        if propagation == "auto" and name != "auto":
+            propagation = "shardplan"  # Shardy lays out the auto backend's step, not the partitioner's
         if propagation == "shardplan":
             return with_pipeline(run(self.tracer, p, sizes, delta=delta, compiler=compiler), p)
         from shardplan.runtime import shardy
@@ -685,7 +689,7 @@ class StepCoster:
         return roles.roles(traced.closed, paths, len(paths), [d.path for d in res.inputs.decisions], opt_paths)
 
 
-PROPAGATIONS = ("shardplan", "xla")  # whose layouts fast mode partitions (``StepCoster.cost``)
+PROPAGATIONS = ("auto", "shardplan", "xla")  # whose layouts fast mode partitions (``StepCoster.cost``)
 
 
 def _propagation(propagation: str, backend: str) -> None:
@@ -765,7 +769,9 @@ def analyze(
             through the step; ``xla``, every value laid out by Shardy's propagation (the pass XLA
             runs before it partitions the step), run offline, and fast mode's rules saying what
             XLA's partitioner moves for those layouts (auto backend; docs/stepcost.md has how the
-            two compare on random plans).
+            two compare on random plans); ``auto``: ``xla`` where Shardy's
+            propagation runs over the auto backend's step, else ``shardplan`` (a Pallas kernel's
+            call, the shard_map backend), the step's notes saying which.
 
     Raises:
         ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace,
@@ -773,7 +779,7 @@ def analyze(
     """
     p = _plan(plan, mesh)
     _propagation(propagation, backend or p.backend)
-    if propagation != "shardplan" and mode != "fast":
+    if propagation not in ("auto", "shardplan") and mode != "fast":
         raise as_error(
             [
                 error(

@@ -171,6 +171,24 @@ def test_a_kernel_outside_shard_map_gathers_its_operands_and_says_so(tmp_path):
     assert bare.flops > 4 * wrapped.flops  # every device runs the whole batch's attention
 
 
+def test_propagation_auto_lays_a_kernels_step_out_by_fast_modes_own_propagation_and_says_why(tmp_path):
+    """Shardy's import cannot read a step that calls a Pallas kernel on CPU: ``propagation="auto"``
+    costs it on fast mode's own propagation (the same figures) and the notes say why; a step
+    without one it lays out by Shardy's propagation, as ``xla`` does."""
+    models = flash_models(tmp_path)
+    kw = dict(model=f"{models}:flash", step=f"{ROOT / 'examples' / 'train.py'}:lm_loss", mode="fast", devices=8,
+              batch=["tokens=int32[8,512],labels=int32[8,512]"])
+    with pytest.raises(shardplan.ShardPlanError, match="Shardy's propagation could not run"):
+        shardplan.api.analyze(ROOT / "plans" / "dp.splan", propagation="xla", **kw)
+    auto = shardplan.api.analyze(ROOT / "plans" / "dp.splan", propagation="auto", **kw)
+    own = shardplan.api.analyze(ROOT / "plans" / "dp.splan", propagation="shardplan", **kw)
+    assert auto.propagation == "shardplan" and by_kind(auto) == by_kind(own) and auto.memory == own.memory
+    assert any(n.code == "fast-how" and "Shardy's propagation could not run over the step" in n.text for n in auto.notes)
+    kw["model"] = f"{models}:naive"
+    auto, xla = (shardplan.api.analyze(ROOT / "plans" / "llama_tp.splan", propagation=p, **kw) for p in ("auto", "xla"))
+    assert auto.propagation == "xla" and by_kind(auto) == by_kind(xla) and auto.memory == xla.memory
+
+
 def test_scan_operand_groups_are_read_from_either_jax_form():
     """Up to jax 0.10 a scan names its constants and carries by count; jax 0.11 groups its operands
     (consts, carry, xs) in a flat tree, ``ft_in``. Both give the same split."""

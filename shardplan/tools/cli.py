@@ -790,8 +790,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--propagation",
         choices=api.PROPAGATIONS,
         default="shardplan",
-        help="fast mode: whose layouts it partitions: shardplan (its own propagation, default) or xla (Shardy's, "
-        "the pass XLA lays the step out with, run offline; auto backend; about 0.2-1 s more)",
+        help="fast mode: whose layouts it partitions: shardplan (its own propagation, default), xla (Shardy's, the "
+        "pass XLA lays the step out with, run offline; auto backend; about 0.2-1 s more) or auto (xla where "
+        "Shardy's propagation runs over the auto backend's step, else shardplan, the notes saying which)",
     )
     st.add_argument(
         "--layouts",

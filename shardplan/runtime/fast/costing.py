@@ -120,7 +120,9 @@ def cost(
     no more than the walk); ``xla``, by Shardy's propagation, the pass XLA lays the step out with,
     run offline (``runtime.shardy``: 0.2-1 s more for a plan on a fresh trace, its module imported
     once per trace, then 0.15-0.3 s per plan, on the random-plan pool's models), the walker's
-    rules then saying what moves to give each value that layout (XLA's partitioner's part).
+    rules then saying what moves to give each value that layout (XLA's partitioner's part);
+    ``auto``: ``xla`` where Shardy's propagation runs over the step, else ``shardplan`` (a note says
+    why).
 
     Raises:
         ValueError: ``traced`` was traced under other activation rules, mesh or axis types.
@@ -129,7 +131,7 @@ def cost(
     import jax
     import numpy as np
 
-    from shardplan.runtime import specs
+    from shardplan.runtime import shardy, specs
 
     if res is None:
         params, opt = specs.model_resolver(traced.abs_model, traced.abs_opt)(plan, mesh)
@@ -142,7 +144,14 @@ def cost(
     params, opt, inputs = res.params, res.opt, res.inputs
     assert opt is not None
     jaxpr = closed.jaxpr
-    xla = _xla_claims(traced, plan, mesh, res) if propagation == "xla" else None
+    xla, fell_back = None, ""
+    if propagation == "xla":
+        xla = _xla_claims(traced, plan, mesh, res)
+    elif propagation == "auto":
+        try:
+            xla = _xla_claims(traced, plan, mesh, res)
+        except shardy.Failed as err:  # a step Shardy's import cannot read (a Pallas kernel's call)
+            fell_back = str(err)
     decisions = list(params.decisions) + list(opt.decisions) + list(inputs.decisions)
     prefixes = ["param"] * len(params.decisions) + ["opt"] * len(opt.decisions) + ["input"] * len(inputs.decisions)
     if len(decisions) != len(jaxpr.invars):
@@ -234,6 +243,7 @@ def cost(
                     "the collectives that layout needs by GSPMD's rules for common patterns"
                     if xla is not None
                     else "fast mode: shardings propagated through the step's jaxpr as GSPMD does for common patterns"
+                    + (f" (Shardy's propagation could not run over the step: {fell_back})" if fell_back else "")
                 )
                 + (f", with {book.name}'s own choices (its casts, sums and gathers)" if compiler != "cpu" else "")
                 + "; XLA may choose other collectives (compare with --compile)",
@@ -331,7 +341,7 @@ def cost(
         kernels=ctx.launches - sum(c.count for c in combining) + combined_launches(combined(combining)),
         compiler="" if compiler == "cpu" else book.name,
         backward=tuple((kind, axes, n, count) for (kind, axes), (n, count) in backward.items()),
-        propagation=propagation,
+        propagation="xla" if xla is not None else "shardplan",  # what ``auto`` came to
     )
 
 
