@@ -441,24 +441,30 @@ def test_fast_mode_follows_xla_through_a_2d_plan_on_a_scanned_model():
     assert any(n.code == "fast-lookup-ways" for n in fast.notes)
 
 
-def lookup_bytes(tmp_path, model_axis, rule, embed_layout):
-    """Bytes per collective kind, fast and exact, of tests/fixtures/lookup_models.py under a plan
-    with ``rule`` and its token lookup's result constrained to ``embed_layout``, on 8 devices."""
+def lookup_bytes(tmp_path, model_axis, rule, embed_layout, propagation="shardplan"):
+    """Bytes per collective kind, fast (on ``propagation``'s layouts) and exact, of
+    tests/fixtures/lookup_models.py under a plan with ``rule`` and its token lookup's result
+    constrained to ``embed_layout``, on 8 devices."""
     plan = tmp_path / "lookup.splan"
     plan.write_text(f'plan "lookup"\nmesh data = *, model = {model_axis}\nbatch (data, _)\n{rule}\n'
                     f'act "embed" {embed_layout}\ndefault replicated\n')
     models = ROOT / "tests" / "fixtures" / "lookup_models.py"
     kw = dict(model=f"{models}:position_lookup", step=f"{models}:loss", batch=["tokens=int32[32,32]"], devices=8)
-    return tuple(shardplan.api.analyze(plan, mode=m, **kw).bytes_by_kind() for m in ("fast", "exact"))
+    fast = shardplan.api.analyze(plan, mode="fast", propagation=propagation, **kw)
+    return fast.bytes_by_kind(), shardplan.api.analyze(plan, mode="exact", **kw).bytes_by_kind()
 
 
+@pytest.mark.parametrize("propagation", ["shardplan", "xla"])
 @pytest.mark.parametrize("model_axis", [2, 4])
-def test_fast_mode_follows_xla_where_a_position_table_is_split_over_the_batch_axis(tmp_path, model_axis):
+def test_fast_mode_follows_xla_where_a_position_table_is_split_over_the_batch_axis(tmp_path, model_axis, propagation):
     """A position table split over its rows on `data`, looked up for a batch split over `data`: XLA
     moves the rows' split onto `model` (collective-permute; all-gathers the rest where `data` is
     larger), looks up masked and all-reduces the output over `model`; the gradient is all-reduced
-    over `data` and permuted back. Fast mode once gathered the whole table instead."""
-    fast, exact = lookup_bytes(tmp_path, model_axis, 'param "pos_embed/embedding" (data, _)', "(data, _, _)")
+    over `data` and permuted back. Fast mode once gathered the whole table instead; on XLA's own
+    layouts (the output already over `data`) it counted `data` twice on the output's batch and
+    all-reduced a quarter of the bytes."""
+    fast, exact = lookup_bytes(tmp_path, model_axis, 'param "pos_embed/embedding" (data, _)', "(data, _, _)",
+                               propagation)
     assert exact["collective-permute"] > 0 and exact["all-reduce"] > 200_000
     for kind in ("collective-permute", "all-gather", "all-reduce", "reduce-scatter"):
         assert fast[kind] == pytest.approx(exact[kind], abs=64), kind

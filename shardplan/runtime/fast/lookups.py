@@ -119,8 +119,8 @@ def regroup_table(
     free = tuple(a for a in walk.ctx.mesh if a not in table.axes and a not in out.axes and a not in rows)
     spare = walk.ctx.split(free)
     dims = list(out.dims)
-    for k in batch_out:
-        dims[k] = (*dims[k], *(a for a in wanted[k] if a in rows))
+    for k in batch_out:  # (an output laid out already, by XLA's propagation, may hold them)
+        dims[k] = (*dims[k], *(a for a in wanted[k] if a in rows and all(a not in d for d in dims)))
     split = {a for k in batch_out for a in dims[k]}
     fits = _fits(out.shape, _tuple(dims), walk.ctx)
     if spare < 2 or (groups % spare and spare % groups) or split != set(rows) or not fits:

@@ -198,10 +198,13 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             eqn.outvars[0],
             tuple([tuple(ldims[i]) for i in lb] + [tuple(ldims[i]) for i in lfree] + [tuple(rdims[j]) for j in rfree]),
         )
-    if claimed is not None and not lb and partial & {a for d in claimed for a in d}:
-        # A plain matmul whose contraction both sides split over an axis the constraint wants on
-        # the result: the sum stays (reduce-scattered, or all-reduced beside an idle axis that
-        # stands in: ``_idle_split``), the operands are not gathered (measured on single matmuls)
+    if claimed is not None and partial & {a for d in claimed for a in d}:
+        # A matmul whose contraction both sides split over an axis the constraint wants on the
+        # result: the sum stays (reduce-scattered, or all-reduced beside an idle axis that stands
+        # in: ``_idle_split``), the operands are not gathered (measured on single matmuls; and on
+        # experts' weight gradients "egcd,egcf->edf", tokens over (data, expert) on g, the result
+        # over expert on e: a reduce-scatter over expert and an all-reduce over data, where
+        # moving the operands' batch dims onto expert gathered the tokens over (data, expert))
         claimed = None
     if claimed is not None and not pending and len(claimed) == len(lb) + len(lfree) + len(rfree):
         # A constraint's layout given to the matmul's result (Shardy's apply-sharding-constraints):
