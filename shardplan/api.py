@@ -627,8 +627,8 @@ class StepCoster:
                 a target's ``book``, ``core.targets``).
             propagation: whose layouts fast mode partitions: ``shardplan`` (its own propagation),
                 ``xla`` (Shardy's, XLA's own pass, run offline; the auto backend only) or ``auto``
-                (``xla`` where Shardy's propagation runs over the auto backend's step, else
-                ``shardplan``, a note saying why).
+                (``xla`` where Shardy's propagation runs over the auto backend's step on a mesh of
+                automatic axes, else ``shardplan``, a note saying why where Shardy failed).
 
         Raises:
             ShardPlanError: the plan does not fit the model, batch or devices; the step fails to
@@ -654,8 +654,12 @@ class StepCoster:
                     )
                 ]
             )
-        if propagation == "auto" and name != "auto":
-            propagation = "shardplan"  # Shardy lays out the auto backend's step, not the partitioner's
+        if propagation == "auto" and (name != "auto" or p.explicit_axes):
+            # Shardy lays out the auto backend's step, not the partitioner's; over explicit axes the
+            # program's types give the layouts, which fast mode's own walk reads (typed_tp on
+            # typed_tiny: its collectives equal XLA's; on Shardy's layouts an all-gather over
+            # model of 393,216 B and twice the all-reduce over data that XLA does not run)
+            propagation = "shardplan"
         if propagation == "shardplan":
             return with_pipeline(run(self.tracer, p, sizes, delta=delta, compiler=compiler), p)
         from shardplan.runtime import shardy
@@ -770,8 +774,9 @@ def analyze(
             runs before it partitions the step), run offline, and fast mode's rules saying what
             XLA's partitioner moves for those layouts (auto backend; docs/stepcost.md has how the
             two compare on random plans); ``auto``: ``xla`` where Shardy's
-            propagation runs over the auto backend's step, else ``shardplan`` (a Pallas kernel's
-            call, the shard_map backend), the step's notes saying which.
+            propagation runs over the auto backend's step on automatic axes, else ``shardplan``
+            (a Pallas kernel's call, the shard_map backend, explicit axes), the step's notes
+            saying which.
 
     Raises:
         ShardPlanError: bad arguments, a plan that does not fit, a step that fails to trace,

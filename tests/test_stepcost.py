@@ -857,3 +857,15 @@ def test_fast_mode_counts_flops_as_xlas_cost_analysis_does():
     exact = shardplan.api.analyze(PLANS / "fsdp.splan", mode="exact", **kw)
     assert fast.flops == pytest.approx(exact.flops, rel=0.01)
     assert fast.transcendentals == pytest.approx(exact.transcendentals, rel=0.001)
+
+
+def test_propagation_auto_takes_fast_modes_own_walk_over_explicit_axes():
+    """Over explicit axes the program's types lay the step out (plans/typed_tp.splan on typed_tiny):
+    ``auto`` takes fast mode's own walk, which reads them and costs XLA's collectives; on Shardy's
+    layouts fast mode gathers over `model` what XLA never moves."""
+    kw = dict(model=f"{ROOT / 'examples' / 'models.py'}:typed_tiny", step=f"{ROOT / 'examples' / 'train.py'}:lm_loss",
+              batch=["tokens=int32[16,16],labels=int32[16,16]"], devices=8)
+    auto = shardplan.api.analyze(PLANS / "typed_tp.splan", mode="fast", propagation="auto", **kw)
+    exact = shardplan.api.analyze(PLANS / "typed_tp.splan", mode="exact", **kw)
+    assert auto.propagation == "shardplan"
+    assert auto.bytes_by_kind() == pytest.approx(exact.bytes_by_kind(), abs=64)

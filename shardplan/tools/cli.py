@@ -792,7 +792,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="shardplan",
         help="fast mode: whose layouts it partitions: shardplan (its own propagation, default), xla (Shardy's, the "
         "pass XLA lays the step out with, run offline; auto backend; about 0.2-1 s more) or auto (xla where "
-        "Shardy's propagation runs over the auto backend's step, else shardplan, the notes saying which)",
+        "Shardy's propagation runs over the auto backend's step on automatic axes, else shardplan)",
     )
     st.add_argument(
         "--layouts",
