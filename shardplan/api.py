@@ -654,12 +654,8 @@ class StepCoster:
                     )
                 ]
             )
-        if propagation == "auto" and (name != "auto" or p.explicit_axes):
-            # Shardy lays out the auto backend's step, not the partitioner's; over explicit axes the
-            # program's types give the layouts, which fast mode's own walk reads (typed_tp on
-            # typed_tiny: its collectives equal XLA's; on Shardy's layouts an all-gather over
-            # model of 393,216 B and twice the all-reduce over data that XLA does not run)
-            propagation = "shardplan"
+        if propagation == "auto" and name != "auto":
+            propagation = "shardplan"  # Shardy lays out the auto backend's step, not the partitioner's
         if propagation == "shardplan":
             return with_pipeline(run(self.tracer, p, sizes, delta=delta, compiler=compiler), p)
         from shardplan.runtime import shardy

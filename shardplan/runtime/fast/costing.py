@@ -121,8 +121,8 @@ def cost(
     run offline (``runtime.shardy``: 0.2-1 s more for a plan on a fresh trace, its module imported
     once per trace, then 0.15-0.3 s per plan, on the random-plan pool's models), the walker's
     rules then saying what moves to give each value that layout (XLA's partitioner's part);
-    ``auto``: ``xla`` where Shardy's propagation runs over the step, else ``shardplan`` (a note says
-    why).
+    ``auto``: ``xla`` where Shardy's propagation runs over the step on automatic axes, else
+    ``shardplan`` (a note says why Shardy could not).
 
     Raises:
         ValueError: ``traced`` was traced under other activation rules, mesh or axis types.
@@ -147,7 +147,10 @@ def cost(
     xla, fell_back = None, ""
     if propagation == "xla":
         xla = _xla_claims(traced, plan, mesh, res)
-    elif propagation == "auto":
+    elif propagation == "auto" and not plan.explicit_axes:
+        # (over explicit axes the program's types give the layouts, which the walk reads itself:
+        # typed_tp on typed_tiny costs XLA's collectives so, where on Shardy's layouts it adds an
+        # all-gather over model of 393,216 B and twice the all-reduce over data)
         try:
             xla = _xla_claims(traced, plan, mesh, res)
         except shardy.Failed as err:  # a step Shardy's import cannot read (a Pallas kernel's call)
