@@ -1,7 +1,7 @@
 """Fast mode against exact mode on plans nobody wrote (shardplan issue 29).
 
     python -m benchmarks.random_plans [--pairs N] [--seed S] [--json OUT] [--target T] [--layouts]
-                                      [--xla-propagation]
+                                      [--xla-propagation] [--pod]
 
 Draws N (plan, model) pairs: a model from a pool (tests/fixtures/engine_models.py: a Llama-style
 decoder, a GShard-style top-2 MoE, a decoder that builds its KV cache in the step, a GPT-2-style
@@ -25,6 +25,15 @@ fast mode: where XLA went another way (XLA:CPU only).
 ``--xla-propagation`` also costs each pair in fast mode on XLA's own layouts (``check
 --propagation xla``: Shardy's propagation run offline, fast mode's rules for what moves) and
 prints that distribution beside fast mode's own, measured against the same compile.
+
+``--pod`` draws at pod scale instead: Llama-2-70B shapes with scanned layers
+(examples/models.py:llama2_70b_scan) on every chip of a TPU slice or GPU cluster (``--target``,
+default ``tpu-v5p:4x4x4``: 64 chips), one 1,024-token sequence per chip, meshes of 2 or 3 axes over
+that many devices; exact mode is that target's compiler (minutes a pair). Most random plans of a
+70B model do not fit a chip (every param family whole on some axis): a draw whose fast-mode peak
+is over twice the chip's memory is drawn again (listed with the redraws, code
+``fast-peak-over-2x-memory``, so a fast mode that over-predicts by up to 2x still meets the
+compiler); one the compiler refuses for memory is recorded with fast mode's peak beside it.
 
 The generator is pure and seeded: pair i of seed S is ``draw_pair(S, i)`` whatever N is.
 """
@@ -70,6 +79,40 @@ AXIS_NAMES = ("data", "model", "expert", "seq")
 MESH_SIZES = ((2, 4), (4, 2), (2, 2, 2))
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 TARGETS = {"comm": 0.10, "peak": 0.15, "flops": 0.02}  # on the p90 over pairs
+POD_POOL: dict[str, tuple[str, str]] = {"llama2_70b_scan": (f"{EXAMPLES}:llama2_70b_scan", f"{TRAIN}:lm_loss")}
+POD_TARGET = "tpu-v5p:4x4x4"
+POD_SEQ = 1024
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Where pairs are drawn: the model pool, the devices, the batch (sequences, tokens each) and the
+    meshes' axis sizes (in mesh order)."""
+
+    pool: dict[str, tuple[str, str]]
+    devices: int
+    batch: tuple[int, int]
+    meshes: tuple[tuple[int, ...], ...]
+    memory: float = 0.0  # the chip's memory in bytes (a draw fast mode puts over twice it is redrawn)
+
+    @property
+    def batch_arg(self) -> list[str]:
+        n, t = self.batch
+        return [f"tokens=int32[{n},{t}],labels=int32[{n},{t}]"]
+
+
+def mesh_sizes(devices: int) -> tuple[tuple[int, ...], ...]:
+    """Every ordered way of writing ``devices`` as 2 or 3 axis sizes of at least 2 each."""
+    two = [(a, devices // a) for a in range(2, devices // 2 + 1) if devices % a == 0]
+    three = [(a, b, c // b) for a, c in two for b in range(2, c // 2 + 1) if c % b == 0]
+    return tuple(two + three)
+
+
+def pod_scale(devices: int, memory: float = 0.0) -> Scale:
+    """``--pod``: the 70B shapes on ``devices`` chips of ``memory`` bytes, one sequence each."""
+    return Scale(POD_POOL, devices, (devices, POD_SEQ), mesh_sizes(devices), memory)
+
+
 EXACT_TIMEOUT_S = 300.0
 DATA_PARALLEL = 0.15  # the share of plans that keep every param whole (plain data parallel)
 
@@ -161,8 +204,8 @@ def draw_param_spec(rng: random.Random, fam: Family, sizes: dict[str, int]) -> l
     return [[] for _ in range(rank)]
 
 
-def draw_batch(rng: random.Random, sizes: dict[str, int]) -> list[list[str]]:
-    """Batch over one axis, two or three axes, or batch x sequence; always divisible for BATCH."""
+def draw_batch(rng: random.Random, sizes: dict[str, int], batch: tuple[int, int] = BATCH) -> list[list[str]]:
+    """Batch over one axis, two or three axes, or batch x sequence; always divisible for ``batch``."""
     axes = list(sizes)
     for _ in range(20):
         r = rng.random()
@@ -175,7 +218,7 @@ def draw_batch(rng: random.Random, sizes: dict[str, int]) -> list[list[str]]:
         else:
             a, b = rng.sample(axes, 2)
             dims = [[a], [b]]
-        if _divides(BATCH, dims, sizes):
+        if _divides(batch, dims, sizes):
             return dims
     return [[axes[0]], []]
 
@@ -207,13 +250,14 @@ def draw_acts(rng: random.Random, leaves: Leaves, sizes: dict[str, int]) -> list
     return out
 
 
-def draw_plan(rng: random.Random, leaves: Leaves, name: str = "random") -> str:
-    """A plan's text for a model with these param leaves ((path, shape) pairs)."""
-    sizes_t = rng.choice(MESH_SIZES)
+def draw_plan(rng: random.Random, leaves: Leaves, name: str = "random", scale: Scale | None = None) -> str:
+    """A plan's text for a model with these param leaves ((path, shape) pairs); ``scale``: its
+    meshes and batch (default: 8 devices, ``MESH_SIZES``, ``BATCH``)."""
+    sizes_t = rng.choice(MESH_SIZES if scale is None else scale.meshes)
     names = rng.sample(AXIS_NAMES, len(sizes_t))
     sizes = dict(zip(names, sizes_t))
     lines = [f'plan "{name}"', "mesh " + ", ".join(f"{a} = {n}" for a, n in sizes.items())]
-    lines.append("batch " + spec_text(draw_batch(rng, sizes)))
+    lines.append("batch " + spec_text(draw_batch(rng, sizes, BATCH if scale is None else scale.batch)))
     lines += [f'act "{rx}" {spec}' for rx, spec in draw_acts(rng, leaves, sizes)]
     all_paths = [p for p, _ in leaves]
     data_parallel = rng.random() < DATA_PARALLEL
@@ -230,14 +274,15 @@ def pair_rng(seed: int, index: int, attempt: int = 0) -> random.Random:
 
 
 def draw_pair(
-    seed: int, index: int, leaves_of, attempt: int = 0, models: Sequence[str] | None = None
+    seed: int, index: int, leaves_of, attempt: int = 0, models: Sequence[str] | None = None, scale: Scale | None = None
 ) -> tuple[str, str]:
     """(model name, plan text) of pair ``index``; ``leaves_of(name)`` gives a model's param leaves.
     ``models``: the pool's names to draw from (default: all of them; ``FIRST_POOL`` redraws the
-    pairs measured before the pool grew)."""
+    pairs measured before the pool grew); ``scale``: a pod's (default: 8 devices, ``POOL``)."""
     rng = pair_rng(seed, index, attempt)
-    model = rng.choice(sorted(POOL) if models is None else sorted(models))
-    return model, draw_plan(rng, leaves_of(model), f"random-{seed}-{index}-{attempt}")
+    pool = POOL if scale is None else scale.pool
+    model = rng.choice(sorted(pool) if models is None else sorted(models))
+    return model, draw_plan(rng, leaves_of(model), f"random-{seed}-{index}-{attempt}", scale)
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -248,7 +293,7 @@ def leaves_of(name: str) -> list[tuple[str, tuple[int, ...]]]:
     if name not in _LEAVES:
         import shardplan
 
-        params, _ = shardplan.api.model_leaves(model=POOL[name][0], cache=False)
+        params, _ = shardplan.api.model_leaves(model={**POOL, **POD_POOL}[name][0], cache=False)
         _LEAVES[name] = [(leaf.path, tuple(leaf.shape)) for leaf in params]
     return _LEAVES[name]
 
@@ -352,21 +397,29 @@ def _layouts(plan, model: str) -> list[dict]:
     return divergences(chosen(coster.tracer, plan, dict(sizes)), layouts(text, mesh))
 
 
-def measure(model: str, text: str, target: str = "cpu") -> dict:
+class _TooBig(Exception):
+    """A pod-scale draw fast mode puts at over twice the chip's memory (drawn again)."""
+
+
+def measure(model: str, text: str, target: str = "cpu", scale: Scale | None = None) -> dict:
     """Fast and exact mode on one pair, for ``target``'s compiler (fast mode told the target).
     Raises ShardPlanError from fast mode (an invalid draw); an exact-mode failure is recorded in
-    the row."""
+    the row (with fast mode's peak: a compiler's refusal for memory is fast mode's to foresee)."""
     import shardplan
     from shardplan.errors import ShardPlanError
 
     plan = shardplan.loads(text, "random.splan")
-    ref, step = POOL[model]
-    kw = dict(model=ref, step=step, batch=BATCH_ARG, devices=DEVICES, target=target)
+    ref, step = (POOL if scale is None else scale.pool)[model]
+    batch, devices = (BATCH_ARG, DEVICES) if scale is None else (scale.batch_arg, scale.devices)
+    kw = dict(model=ref, step=step, batch=batch, devices=devices, target=target)
     fast = shardplan.api.analyze(plan, mode="fast", **kw)
+    if scale is not None and scale.memory and fast.memory.peak > 2 * scale.memory:
+        raise _TooBig(fast.memory.peak)
     on_xla = shardplan.api.analyze(plan, mode="fast", propagation="xla", **kw) if XLA_PROPAGATION else None
-    row: dict = {"model": model, "plan": text, "fast_s": fast.seconds}
+    row: dict = {"model": model, "plan": text, "fast_s": fast.seconds, "peak_fast": fast.memory.peak}
+    timeout = EXACT_TIMEOUT_S if scale is None else 4 * EXACT_TIMEOUT_S
     try:
-        exact = shardplan.api.analyze(plan, mode="exact", timeout_s=EXACT_TIMEOUT_S, **kw)
+        exact = shardplan.api.analyze(plan, mode="exact", timeout_s=timeout, **kw)
     except ShardPlanError as err:
         row["exact_error"] = str(err)[-600:]
         return row
@@ -482,7 +535,9 @@ def key_lines(text: str) -> list[str]:
     return [line.split("  #")[0] for line in text.splitlines() if line.startswith(keep)]
 
 
-def measure_pair(seed: int, index: int, target: str = "cpu") -> tuple[dict | None, list[dict], dict | None]:
+def measure_pair(
+    seed: int, index: int, target: str = "cpu", scale: Scale | None = None
+) -> tuple[dict | None, list[dict], dict | None]:
     """(row, redraws, crash) of pair ``index``: a draw that fast mode rejects (ShardPlanError: a
     plan invalid for the model) is drawn again (up to 10 times) and listed in ``redraws``; a fast
     mode that raises anything else is the ``crash`` (no row)."""
@@ -490,9 +545,21 @@ def measure_pair(seed: int, index: int, target: str = "cpu") -> tuple[dict | Non
 
     redraws: list[dict] = []
     for attempt in range(10):
-        model, text = draw_pair(seed, index, leaves_of, attempt)
+        model, text = draw_pair(seed, index, leaves_of, attempt, scale=scale)
         try:
-            row = measure(model, text, target)
+            row = measure(model, text, target, scale)
+        except _TooBig as err:
+            peak = err.args[0]
+            redraws.append(
+                {
+                    "index": index,
+                    "attempt": attempt,
+                    "model": model,
+                    "codes": ["fast-peak-over-2x-memory"],
+                    "error": f"fast mode's peak {peak / 2**30:.1f} GiB",
+                }
+            )
+            continue
         except ShardPlanError as err:
             codes = sorted({d.code for d in err.errors})
             redraws.append(
@@ -510,9 +577,11 @@ def measure_pair(seed: int, index: int, target: str = "cpu") -> tuple[dict | Non
     return None, redraws, None
 
 
-def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None, target: str = "cpu") -> dict:
-    """Draw and measure ``pairs`` pairs (:func:`measure_pair`) for ``target``'s compiler; written to
-    ``out`` after every pair."""
+def run_pairs(
+    pairs: int, seed: int = 0, out: str | None = None, log=None, target: str = "cpu", scale: Scale | None = None
+) -> dict:
+    """Draw and measure ``pairs`` pairs (:func:`measure_pair`) for ``target``'s compiler, at
+    ``scale`` (default: 8 devices); written to ``out`` after every pair."""
     rows: list[dict] = []
     redraws: list[dict] = []
     crashes: list[dict] = []
@@ -520,7 +589,7 @@ def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None, targe
     commit = _commit()  # at the start: fast mode is imported once, by the first pair
     res: dict = {}
     for i in range(pairs):
-        row, again, crash = measure_pair(seed, i, target)
+        row, again, crash = measure_pair(seed, i, target, scale)
         redraws += again
         rows += [row] if row else []
         crashes += [crash] if crash else []
@@ -533,9 +602,14 @@ def run_pairs(pairs: int, seed: int = 0, out: str | None = None, log=None, targe
                     f"peak {r['peak_error']:.1%} flops {r['flops_error']:.2%} ({time.perf_counter() - t0:.0f} s)"
                 )
             else:
-                log(f"[{i + 1}/{pairs}] {r['model']:16s} exact mode failed: {r['exact_error'][-160:]}")
+                log(
+                    f"[{i + 1}/{pairs}] {r['model']:16s} exact mode failed (fast mode's peak "
+                    f"{r['peak_fast'] / 2**30:.2f} GiB): {r['exact_error'][-160:]}"
+                )
         res = summarize(rows, redraws, crashes, seed, time.perf_counter() - t0, i + 1, commit)
         res["target"] = target
+        if scale is not None:
+            res["pod"] = {"devices": scale.devices, "batch": list(scale.batch), "models": sorted(scale.pool)}
         if out:
             Path(out).write_text(json.dumps(res, indent=1))
     return res
@@ -655,6 +729,14 @@ def report(res: dict) -> str:
         f"(seed {res['seed']}, {res['seconds']:.0f} s, compiler {res.get('target', 'cpu')}); "
         f"{len(res['exact_failed'])} exact-mode failures, {len(res['fast_crashed'])} fast-mode crashes, "
         f"{len(res['redraws'])} redraws (plans fast mode rejected)",
+        *(
+            [
+                f"at pod scale: {', '.join(res['pod']['models'])} on {res['pod']['devices']} devices, batch "
+                f"{res['pod']['batch'][0]} x {res['pod']['batch'][1]}"
+            ]
+            if res.get("pod")
+            else []
+        ),
         "",
         f"{'error':22s} {'median':>8s} {'p90':>8s} {'worst':>8s}  target (p90)",
     ]
@@ -714,6 +796,12 @@ def main(argv=None) -> int:
         "part (XLA:CPU; the compiles dump their propagated module, the compile cache is off)",
     )
     p.add_argument(
+        "--pod",
+        action="store_true",
+        help="draw at pod scale: Llama-2-70B shapes (scanned) on every chip of --target (default "
+        f"{POD_TARGET}), one {POD_SEQ}-token sequence per chip",
+    )
+    p.add_argument(
         "--xla-propagation",
         action="store_true",
         help="also cost each pair in fast mode on XLA's own layouts (Shardy's propagation, offline) and "
@@ -752,8 +840,19 @@ def main(argv=None) -> int:
             + f" --xla_dump_to={LAYOUT_DUMP[0]} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=shardy-xla"
         )
         os.environ["SHARDPLAN_COMPILE_CACHE"] = "0"
+    scale = None
+    if args.pod:
+        from shardplan.core import targets
+
+        args.target = POD_TARGET if args.target == "cpu" else args.target
+        from shardplan.core import chips
+
+        target = targets.parse(args.target)
+        scale = pod_scale(target.devices, chips.lookup(target.chip).hbm_bytes)
     simulate(DEVICES)
-    res = run_pairs(args.pairs, args.seed, args.json, log=lambda s: print(s, flush=True), target=args.target)
+    res = run_pairs(
+        args.pairs, args.seed, args.json, log=lambda s: print(s, flush=True), target=args.target, scale=scale
+    )
     print(report(res))
     for c in checks(res):
         print(f"{c['measurement']}: {c['value']} (target {c['target']}) {c['met']}")

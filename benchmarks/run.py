@@ -437,7 +437,7 @@ def bench_step_cost(quick: bool) -> dict:
     # models (XLA:TPU pads dims under 128 to its tiles, which fast mode does not count).
     tplans = ["dp.splan", "fsdp.splan", "gpt_tp.splan", "gpt_2d.splan", "llama_tp.splan"]
     batch = ["tokens=int32[32,32],labels=int32[32,32]"]
-    for target in [] if quick else _installed_targets():
+    for target in [] if quick else _installed_targets(every_generation=True):
         for plan in tplans:
             for family in ("gpt", "llama"):
                 rows.append(_fast_vs_exact(plan, f"{family}_small", batch, target))
@@ -463,12 +463,15 @@ def bench_step_cost(quick: bool) -> dict:
     return {"rows": rows}
 
 
-def _installed_targets() -> list[str]:
+def _installed_targets(every_generation: bool = False) -> list[str]:
+    """The target compilers installed here, 8 devices each: XLA:TPU as v5e (and, with
+    ``every_generation``, as v5p and v6e, whose memory-space assignment differs) and XLA:GPU."""
     from shardplan.core import targets
     from shardplan.errors import ShardPlanError
 
+    tpus = ("tpu-v5e:2x4", "tpu-v5p:2x2x2", "tpu-v6e:2x4") if every_generation else ("tpu-v5e:2x4",)
     out = []
-    for name in ("tpu-v5e:2x4", "h100:8"):
+    for name in (*tpus, "h100:8"):
         try:
             targets.require_compiler(targets.parse(name))
         except ShardPlanError:  # target-compiler-missing

@@ -11,6 +11,7 @@ test shows as xfail while any is unmet.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -72,6 +73,24 @@ def test_drawn_plans_load_and_fit_their_model(seed):
     assert {len(m) for m in meshes} == {2, 3}
     assert len(meshes) >= 6
     assert len(specs) >= 10
+
+
+def test_pod_draws_fit_the_70b_shapes_on_every_chip_of_the_slice():
+    """``--pod``: meshes over all 64 chips (2 and 3 axes, each at least 2), one sequence per chip,
+    plans that check against the 70B shapes (no compile); the 8-device draws are as before."""
+    scale = rp.pod_scale(64)
+    assert all(math.prod(m) == 64 and min(m) >= 2 for m in scale.meshes)
+    assert {len(m) for m in scale.meshes} == {2, 3} and len(scale.meshes) == len(set(scale.meshes))
+    model = "llama2_70b_scan"
+    meshes = set()
+    for i in range(6):
+        name, text = rp.draw_pair(0, i, rp.leaves_of, scale=scale)
+        assert name == model
+        plan = shardplan.loads(text, "random.splan")
+        shardplan.api.check(plan, model=rp.POD_POOL[model][0], devices=64)  # raises on any error
+        meshes.add(tuple(a.size for a in plan.mesh))
+    assert len(meshes) >= 3
+    assert rp.draw_pair(0, 0, rp.leaves_of)[0] in rp.POOL
 
 
 @settings(max_examples=1, deadline=None, derandomize=True, database=None)  # more pairs: the quick benchmark below

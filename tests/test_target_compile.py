@@ -2,6 +2,7 @@
 (``check --compile --target``), and the HLO reader on programs they made (stored in
 tests/fixtures/hlo/, so the reader's tests run without the compilers)."""
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 import shardplan
 from shardplan.core import hlo, targets
+from shardplan.runtime.fast import books
 from tests.helpers import FIXTURES, HAS_GPU, HAS_TPU, PLANS, ROOT, compiler_defaults_env
 
 MODEL = f"{ROOT / 'examples' / 'models.py'}:gpt_tiny"
@@ -393,6 +395,44 @@ def test_fast_mode_for_a_v5p_slice_of_64_chips_all_reduces_what_fsdp_gathers():
         assert fast[k] == pytest.approx(n, rel=0.001), k
     smaller = kinds("fast", "tpu-v5p:2x4x4", 32)
     assert smaller["all-gather"] == pytest.approx(4_030_464, rel=0.001) and smaller["all-reduce"] < 10_000
+
+
+@pytest.mark.parametrize("target, compiled", [("tpu-v5e:2x4", 4336.2 * 2**20), ("h100:8", 4647.8 * 2**20)])
+def test_fast_mode_for_a_tpu_or_gpu_target_scatters_a_large_gradient_as_it_is_made(monkeypatch, target, compiled):
+    """XLA:TPU and XLA:GPU reduce-scatter a weight gradient larger than their 30 MiB combine
+    threshold after the matmul that makes it, not where the optimizer reads it, and write a
+    transpose whose operand dies there in the operand's place. Llama-3.2-1B shapes (scanned,
+    vocabulary 128,256) under FSDP, 8 x 512 tokens on 8 chips: the head's gradient (1,002 MiB per
+    chip before its reduce-scatter) was held whole to the update, beside its transpose and the
+    token table's. ``compiled``: the target's peak (measured 2026-12-07, libtpu 0.0.42.1 and
+    jax-cuda12 0.10.2 offline): fast mode 4,304.8 / 4,336.2 MiB on v5e and 4,935 / 4,647.8 on
+    8 H100s, 5,306.8 and 5,933 without the two rules. Fast mode alone (the compiles take 2 min)."""
+    coster = shardplan.api.step_coster(f"{ROOT / 'examples' / 'models.py'}:llama_1b", STEP,
+                                       ["tokens=int32[8,512],labels=int32[8,512]"])
+    book = targets.parse(target).book
+    fast = coster.cost(PLANS / "fsdp_any_rank.splan", devices=8, compiler=book).memory.peak
+    monkeypatch.setitem(books.COMPILERS, book, dataclasses.replace(books.COMPILERS[book], scatters_early=False,
+                                                                   transposes_in_place=False))
+    held = coster.cost(PLANS / "fsdp_any_rank.splan", devices=8, compiler=book).memory.peak
+    assert fast == pytest.approx(compiled, rel=0.07)
+    assert held > 1.2 * compiled
+
+
+def test_fast_mode_scatters_a_scanned_layers_large_gradients_as_the_loop_makes_them(monkeypatch):
+    """In a scanned layer's backward loop XLA:TPU reduce-scatters each weight gradient larger than
+    the combine threshold as its matmul makes it; fast mode held them whole to the loop body's
+    end. Llama-2-70B shapes, scanned, plans/fsdp_any_rank.splan on 256 v5p chips, 256 x 1024
+    tokens: fast mode 50.10 GiB, compiled 50.16 (docs/stepcost.md, 2026-12-06); 53.38 without
+    the rule. Fast mode alone."""
+    coster = shardplan.api.step_coster(f"{ROOT / 'examples' / 'models.py'}:llama2_70b_scan", STEP,
+                                       ["tokens=int32[256,1024],labels=int32[256,1024]"])
+    book = targets.parse("tpu-v5p:4x8x8").book
+    compiled = 50.16 * 2**30
+    fast = coster.cost(PLANS / "fsdp_any_rank.splan", devices=256, compiler=book).memory.peak
+    monkeypatch.setitem(books.COMPILERS, book, dataclasses.replace(books.COMPILERS[book], scatters_early=False))
+    held = coster.cost(PLANS / "fsdp_any_rank.splan", devices=256, compiler=book).memory.peak
+    assert fast == pytest.approx(compiled, rel=0.02)
+    assert held - compiled > 10 * abs(fast - compiled)
 
 
 @pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")

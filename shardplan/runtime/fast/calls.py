@@ -55,6 +55,8 @@ def inline(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val] | Non
             walk.back.setdefault(inner_var, walk.back[outer_var])
         if outer_var in walk.carried and not hasattr(inner_var, "val"):
             walk.carried.setdefault(inner_var, walk.carried[outer_var])
+        if outer_var in walk.scattered and not hasattr(inner_var, "val"):
+            walk.scattered.setdefault(inner_var, walk.scattered[outer_var])
     outer_call, walk.call_source = walk.call_source, walk.ctx.source
     outer = walk.frame
     assert outer is not None  # equations run inside a jaxpr
@@ -234,6 +236,10 @@ def scan(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]:
     walk.seed_sum_wants(body, env, {var for k, var in enumerate(body.invars) if not nc <= k < nc + ncarry})
     carries = zip(body.outvars[:ncarry], body.invars[nc : nc + ncarry], strict=True)
     walk.carry_wants(body, {out: env[var].dims for out, var in carries})
+    for inner, o in zip(body.outvars[ncarry:], eqn.outvars[ncarry:], strict=True):
+        hint = walk.hints.get(o)
+        if hint is not None and len(hint) == len(o.aval.shape) and not hasattr(inner, "val"):
+            walk.scattered.setdefault(inner, tuple(hint[1:]))
     outs = walk.run_loop(body, env, mult * length)
     result = list(outs[:ncarry])
     for o, inner, v in zip(eqn.outvars[ncarry:], body.outvars[ncarry:], outs[ncarry:], strict=True):

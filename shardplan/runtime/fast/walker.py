@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardplan.core.stepcost import Constrained
+from shardplan.core.timing import COMBINE_BYTES
 from shardplan.runtime import splitk
 from shardplan.runtime.fast.claims import _claims_back, _spread
 from shardplan.runtime.fast.memory import _fused_outputs, _kernels, _last_wide_readers, _readers, _recomputed
@@ -116,6 +117,10 @@ class Walker:
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
         # A matmul's result held as its split contraction's float32 partials (``matmul._split_k``)
         self.widened: dict[Any, int] = {}
+        # A scanned body's stacked results whose pending sum the loop reduce-scatters in every
+        # trip (a layer's weight gradient under FSDP) -> the layout it is scattered onto (``scan``;
+        # elsewhere a gradient's own layout, ``hints``: see ``_scattered_cut``)
+        self.scattered: dict[Any, Dims] = {}
         self.aliased: set[Any] = set()  # step outputs written into their donated input buffers
         self.inlined: Any = None  # the last call walked in place (``inline``)
         # a call's result -> the layout of a value already made that an elementwise reader of the
@@ -245,12 +250,23 @@ class Walker:
                     live += copies[x]
             # An update in place (a scatter into zeros, a slice written into a cache) shares its
             # operand's buffer where this is the operand's last reader: one buffer, not two.
-            shared = held.get(eqn.invars[0], 0) if eqn.primitive.name in _IN_PLACE and eqn.invars[0] in dying else 0
+            in_place = eqn.primitive.name in _IN_PLACE or (
+                eqn.primitive.name == "transpose" and self.ctx.book.transposes_in_place
+            )
+            shared = held.get(eqn.invars[0], 0) if in_place and eqn.invars[0] in dying else 0
             if self.inlined is eqn:  # a call's body holds its results, which the caller now holds: once
                 inner = self.inlined_peak
+            # a large gradient's sum scattered as it is made (``Compiler.scatters_early``): whole
+            # only at the op that makes it (a call's body held it whole, not the caller)
+            cuts = [(v, self._scattered_cut(v, env, held)) for v in eqn.outvars] if self.ctx.book.scatters_early else []
+            if self.inlined is eqn:
+                live, out_live = self._cut(cuts, held, live, out_live, results)
+                cuts = []
             # Gathered weights stay alive for their reuse in the backward pass (XLA's CSE).
             peak = max(peak, live - shared + inner + (self.ctx.gathered_now if top else 0))
             peak_ex = max(peak_ex, live - shared - out_live + inner)
+            if cuts:
+                live, out_live = self._cut(cuts, held, live, out_live, results)
             if top and self.ctx.reducing:  # the first gradient reduced: the combined one's moment
                 self.ctx.reducing = False
                 if self.ctx.reduced_from is None:
@@ -273,6 +289,36 @@ class Walker:
         self.virtual_outs = {i for i, x in enumerate(jaxpr.outvars) if x in fused}
         self.depth -= 1
         return [self._read(env, x) for x in jaxpr.outvars]
+
+    @staticmethod
+    def _cut(
+        cuts: list[tuple[Any, int]], held: dict[Any, int], live: int, out_live: int, results: set
+    ) -> tuple[int, int]:
+        """``held`` less ``cuts`` (value, bytes freed); ``live`` and ``out_live`` with them."""
+        for var, cut in cuts:
+            if cut:
+                held[var] -= cut
+                live -= cut
+                out_live -= cut if var in results else 0
+        return live, out_live
+
+    def _scattered_cut(self, var: Any, env: dict[Any, Val], held: dict[Any, int]) -> int:
+        """The bytes a gradient's reduce-scatter frees as soon as its sum is made
+        (``Compiler.scatters_early``): where it is larger than the combine threshold
+        (``COMBINE_BYTES``; smaller ones wait, whole, for the reduce-scatter they are combined
+        into) and its layout (a scanned layer's stacked result's, ``scattered``; a gradient's
+        update's, ``hints``) splits a dim over an axis it sums."""
+        target = self.scattered.get(var, self.hints.get(var))
+        if target is None or var not in held or not env[var].partial or held[var] <= COMBINE_BYTES:
+            return 0  # (a smaller one waits for the collective the compiler combines it into)
+        v = env[var]
+        dims = [list(d) for d in v.dims]
+        for i, t in enumerate(target[: len(dims)]):
+            for a in t:
+                if a in v.partial and a not in dims[i] and v.shape[i] % self.ctx.split((*dims[i], a)) == 0:
+                    dims[i].append(a)
+        after = self.ctx.held(Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims)))
+        return max(0, held[var] - after)
 
     def run_loop(self, body: Any, env: dict[Any, Val], mult: int) -> list[Val]:
         """:meth:`run` for a loop's body (a scan's, a while's): ``laid_first`` applies inside it."""
