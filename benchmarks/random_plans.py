@@ -30,7 +30,8 @@ prints that distribution beside fast mode's own, measured against the same compi
 (examples/models.py:llama2_70b_scan) on every chip of a TPU slice or GPU cluster (``--target``,
 default ``tpu-v5p:4x4x4``: 64 chips), one 1,024-token sequence per chip, meshes of 2 or 3 axes over
 that many devices; exact mode is that target's compiler (minutes a pair). Most random plans of a
-70B model do not fit a chip (every param family whole on some axis): a draw whose fast-mode peak
+70B model do not fit a chip (every param family whole on some axis; at pod scale none is drawn
+whole by choice, and none is plain data parallel): a draw whose fast-mode peak
 is over twice the chip's memory is drawn again (listed with the redraws, code
 ``fast-peak-over-2x-memory``, so a fast mode that over-predicts by up to 2x still meets the
 compiler); one the compiler refuses for memory is recorded with fast mode's peak beside it.
@@ -181,9 +182,10 @@ def _divides(shape: Sequence[int], dims: Sequence[Sequence[str]], sizes: dict[st
     return True
 
 
-def draw_param_spec(rng: random.Random, fam: Family, sizes: dict[str, int]) -> list[list[str]]:
+def draw_param_spec(rng: random.Random, fam: Family, sizes: dict[str, int], split: bool = False) -> list[list[str]]:
     """Replicated, one dim split over one or two axes, or two dims split (different axes);
-    redrawn while a dim is indivisible (replicated after 20 tries)."""
+    redrawn while a dim is indivisible (replicated after 20 tries). ``split``: never replicated
+    by choice (at pod scale, where a whole 70B weight family fits no chip)."""
     axes = list(sizes)
     rank = len(fam.shape)
     for _ in range(20):
@@ -191,7 +193,7 @@ def draw_param_spec(rng: random.Random, fam: Family, sizes: dict[str, int]) -> l
         r = rng.random()
         # A stacked leading dim (layers or experts) is split less often than the others.
         free = [i for i in range(rank) if fam.dims[i] != "L" or rng.random() < 0.3]
-        if r < 0.25 or not free:
+        if (r < 0.25 and not split) or not free:
             return dims
         if r < 0.55 or rank == 1 or len(free) == 1:
             dims[rng.choice(free)] = rng.sample(axes, 2 if r < 0.4 and len(axes) >= 2 else 1)
@@ -260,9 +262,9 @@ def draw_plan(rng: random.Random, leaves: Leaves, name: str = "random", scale: S
     lines.append("batch " + spec_text(draw_batch(rng, sizes, BATCH if scale is None else scale.batch)))
     lines += [f'act "{rx}" {spec}' for rx, spec in draw_acts(rng, leaves, sizes)]
     all_paths = [p for p, _ in leaves]
-    data_parallel = rng.random() < DATA_PARALLEL
+    data_parallel = rng.random() < DATA_PARALLEL and scale is None  # (no 70B fits a chip whole)
     for fam in () if data_parallel else families(leaves):
-        spec = spec_text(draw_param_spec(rng, fam, sizes))
+        spec = spec_text(draw_param_spec(rng, fam, sizes, split=scale is not None))
         if spec != "replicated":
             lines.append(f'param "{regex_for(fam.paths, all_paths)}" {spec}  # {fam.dims}')
     lines.append("default replicated")
