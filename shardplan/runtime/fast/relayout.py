@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from shardplan.runtime.fast.books import WINDOWED_MAX_DEVICES
-from shardplan.runtime.fast.values import Dims, Val, _batch_scatter, _norm, _per_dim, _tuple
+from shardplan.runtime.fast.values import Dims, Val, _batch_scatter, _norm, _per_dim, _tuple, scatter_onto
 from shardplan.runtime.fast.walker import Walker
 
 
@@ -31,26 +31,14 @@ def resolve(walk, var: Any, v: Val, target: Dims | None, mult: int, why: str, co
     hit = walk.ctx.cache.get(key)
     if hit is not None:
         return hit
-    dims = [list(d) for d in v.dims]
     origin = walk.sum_origin.get(var)
     # A matmul's sum is scattered onto a dim (whole, or split further); onto a batch dim its
     # operands split, XLA's dot partitioner all-reduces, gathers that dim and slices (measured:
     # "gsec,egcd->gsd" with g over data, e over expert, the result wanted over (data, expert)).
     batch = walk.dot_batch.get(walk.root(var), 0) if origin is not None and origin[0] == "dot_general" else 0
-    scatter: list[str] = []
     # summed axes an idle axis stands in for (``matmul._idle_split``): all-reduced, then permuted
-    stands_for = set(walk.stand_ins.get(walk.root(var), {}).values())
-    for i, t in enumerate(_norm(target, len(v.shape))):
-        for a in t:
-            if (
-                a in v.partial
-                and a not in dims[i]
-                and not (i < batch and v.dims[i])
-                and a not in stands_for
-                and v.shape[i] % (walk.ctx.split((*dims[i], a))) == 0
-            ):
-                scatter.append(a)
-                dims[i].append(a)
+    stands_for = frozenset(walk.stand_ins.get(walk.root(var), {}).values())
+    dims, scatter = scatter_onto(v, target, walk.ctx.split, batch, stands_for)
     rest = tuple(a for a in sorted(v.partial) if a not in scatter)
     if batch and rest:
         walk.dot_reduced[var] = (frozenset(rest), batch)

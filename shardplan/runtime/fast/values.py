@@ -6,7 +6,7 @@ helpers.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -184,6 +184,29 @@ def _norm(dims: Dims, rank: int) -> Dims:
         except TypeError:
             pass
     return out
+
+
+def scatter_onto(
+    v: Val, target: Dims, split: Callable[[tuple[str, ...]], int], batch: int = 0, keep: frozenset[str] = frozenset()
+) -> tuple[list[list[str]], list[str]]:
+    """Where a pending sum in ``v`` is reduce-scattered to reach ``target``: per dim, ``v``'s axes
+    with the summed axes ``target`` splits it over added where they divide it (not on a batched
+    matmul's first ``batch`` dims that ``v`` splits already, nor the axes in ``keep``), and those
+    axes in order. The rest of the sum is all-reduced (``relayout.resolve``)."""
+    dims = [list(d) for d in v.dims]
+    scatter: list[str] = []
+    for i, t in enumerate(_norm(target, len(v.shape))):
+        for a in t:
+            if (
+                a in v.partial
+                and a not in dims[i]
+                and not (i < batch and v.dims[i])
+                and a not in keep
+                and v.shape[i] % split((*dims[i], a)) == 0
+            ):
+                scatter.append(a)
+                dims[i].append(a)
+    return dims, scatter
 
 
 def _per_dim(axes: tuple[str, ...], dims: tuple[frozenset[str], ...]) -> list[tuple[str, ...]]:

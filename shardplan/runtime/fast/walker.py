@@ -29,6 +29,7 @@ from shardplan.runtime.fast.values import (
     _norm,
     _reads_narrow,
     _replicated,
+    scatter_onto,
 )
 from shardplan.runtime.gather_reuse import Share
 from shardplan.runtime.kernels import FUSED_ATTENTION
@@ -312,11 +313,7 @@ class Walker:
         if target is None or var not in held or not env[var].partial or held[var] <= COMBINE_BYTES:
             return 0  # (a smaller one waits for the collective the compiler combines it into)
         v = env[var]
-        dims = [list(d) for d in v.dims]
-        for i, t in enumerate(target[: len(dims)]):
-            for a in t:
-                if a in v.partial and a not in dims[i] and v.shape[i] % self.ctx.split((*dims[i], a)) == 0:
-                    dims[i].append(a)
+        dims, _ = scatter_onto(v, target, self.ctx.split)
         after = self.ctx.held(Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims)))
         return max(0, held[var] - after)
 
