@@ -104,9 +104,12 @@ class Compiler:
       (the optimizer's update, a scanned layer's stacked gradient at the loop body's end) reads
       it; smaller ones are held whole until then (combined into one reduce-scatter). Measured on
       XLA:TPU and XLA:GPU buffer assignments (docs/stepcost.md, "Weight gradients scattered as
-      they are made"): Llama-2-70B shapes, scanned, on 256 v5p chips 53.38 -> 51.08 GiB against
-      50.16 compiled, on 2,048 v5p chips 9.35 -> 7.79 against 7.61. XLA:CPU all-reduces the whole
-      and slices it: held (``scatters_whole``).
+      they are made"): Llama-2-70B shapes, scanned, on 256 v5p chips 53.38 -> 50.10 GiB against
+      50.16 compiled, on 2,048 v5p chips 9.35 -> 7.31 against 7.61. XLA:GPU may combine a loop's
+      gradients far over the threshold (its combiner's limit for pipelined collectives is the
+      device's free memory), held whole until then: there this frees them too early (a scanned
+      Llama of 8-64 MiB gradients on 8 H100s: 552 / 608 MiB, 692 without the rule). XLA:CPU
+      all-reduces the whole and slices it: held (``scatters_whole``).
     - ``transposes_in_place``: a transpose whose operand has no later reader is its operand's
       buffer laid out anew (layout assignment makes the producer write it transposed: a bitcast),
       not a copy beside it (XLA:TPU, XLA:GPU; measured on a 1.5B Llama's head weight gradient,
