@@ -1111,6 +1111,29 @@ def test_an_fsdp_table_smaller_than_its_lookup_is_gathered_and_a_larger_one_look
     assert (xla["all-gather"] < table) == (rows == 2048)  # the indices and updates, not the table
 
 
+@pytest.mark.parametrize("batch, mesh", [(32, MESH), (40, MESH), (64, MESH), (16, {"data": 2, "model": 4}),
+                                         (32, {"data": 2, "model": 4})])
+def test_a_2d_table_looked_up_for_more_than_its_bytes_is_regathered_not_summed(batch, mesh):
+    """An embedding split over its rows (`model`) and its width (`data`), looked up for a batch
+    split over `data` and wanted so (plans/gpt_2d.splan). Up to the table's bytes of output per
+    device (32 sequences of 32 tokens on data=4: 128 KiB, as the 256 x 128 table) XLA looks the
+    indices up where the width lies, sums over `model` and moves the output onto the batch split
+    (all-to-all); past them (40 sequences: 160 KiB) it regathers the table and all-gathers the
+    output over `model`: no sum, no all-to-all. Fast mode took the first way at every size. (The
+    gradient's way is checked on a whole step: test_stepcost's 2-D plan past the table's bytes.)"""
+
+    def lookup(table, idx):
+        return jnp.sin(jax.lax.with_sharding_constraint(jnp.take(table, idx, axis=0), P("data", None, None)))
+
+    table = 256 * 128 * 4
+    out = batch // mesh["data"] * 32 * 128 * 4
+    xla, predicted = by_kind(lookup, (S(256, 128), S(batch, 32, dtype=jnp.int32)), (P("model", "data"), P("data", None)),
+                             P("data", None, None), mesh=mesh)
+    assert (xla["all-to-all"] == 0) == (out > table), xla
+    assert predicted == pytest.approx(xla, rel=0.35, abs=40_000), (predicted, xla)
+    assert predicted["all-to-all"] == xla["all-to-all"]
+
+
 IDLE = {"data": 2, "expert": 2, "model": 2}
 
 

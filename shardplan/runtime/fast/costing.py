@@ -274,12 +274,12 @@ def cost(
             Note(
                 "fast-lookup-ways",
                 f"lookups in a table split over an axis that also splits their indices ({first}): "
-                "fast mode counts one of XLA's ways (the indices gathered, the lookup where the table's width is "
-                "split, an all-to-all onto the batch split), but XLA's gather partitioner picks its way by a dry-run "
-                "cost of each, which depends on the mesh and the sizes (measured on a 256x128 table on "
-                "data=4,model=2: 32 sequences of 32 tokens looked up this way, 8 or 128 sequences another way; a "
-                "32000x8192 table on data=32,model=8 regathered and the output all-gathered, 1 GiB per device; on "
-                "data=2,model=4 the table gathered): use --compile for this lookup's cost",
+                "fast mode counts two of XLA's ways by size (up to the table's bytes of output per device the "
+                "lookup done where the table's width is split and moved onto the batch split by all-to-all, past "
+                "them the table regathered and the output all-gathered), but XLA's gather partitioner picks its "
+                "way by a dry-run cost of each, which depends on the mesh and the sizes (on a 256x128 table on "
+                "data=4,model=2, 8 sequences of 32 tokens are looked up a third way, the table's rows gathered): "
+                "use --compile for this lookup's cost",
                 "gather",
                 first,
             )
