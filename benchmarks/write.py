@@ -261,7 +261,8 @@ def _step_cost(res: dict) -> list[str]:
         for r in rs:
             comm = "; ".join(f"{k} {c['fast']:,} / {c['exact']:,}" for k, c in r["comm"].items())
             hbm = f"{r['hbm_fast'] / r['hbm_exact']:.2f}" if r.get("hbm_exact") else "-"
-            lines.append(f"| {r['plan']} | {r['model']} | {r['flops_fast'] / r['flops_exact']:.3f} | "
+            model = r["model"] + (f" ({r['tokens']} tokens)" if r.get("tokens") == "256x64" else "")
+            lines.append(f"| {r['plan']} | {model} | {r['flops_fast'] / r['flops_exact']:.3f} | "
                          f"{r['peak_fast']:,} / {r['peak_exact']:,} ({r['peak_fast'] / r['peak_exact']:.2f}) | {hbm} | "
                          f"{comm} |")
         return lines
@@ -276,7 +277,7 @@ def _step_cost(res: dict) -> list[str]:
         misses = [(r, m) for r in rows if r.get("target") == target for m in r.get("misses", [])]
         if misses:
             out += ["", "Where they differ most (per row, by kind and model line; bytes fast / exact, with the ops):", ""]
-            out += [f"- {r['plan']} x {r['model']}: {m['kind']} at {Path(m['source']).name}: {m['fast']:,} / "
+            out += [f"- {r['plan']} x {r['model']}{' (256x64)' if r.get('tokens') == '256x64' else ''}: {m['kind']} at {Path(m['source']).name}: {m['fast']:,} / "
                     f"{m['exact']:,} ({m['fast_op'] or '-'} / {m['exact_op'] or '-'})" for r, m in misses]
     out += [
         "",
