@@ -319,3 +319,25 @@ def test_show_on_two_processes_reports_once_with_every_device():
     assert "every array lives where the plan says" in r.stdout
     # Shards are counted over all 8 devices of both processes, not this process's 4.
     assert re.search(r"\[rank 0\] │ embed/embedding .*│ \(8, 32\) x8 ", r.stdout), r.stdout[-4000:]
+
+
+def test_ranks_output_drops_gloos_notes_and_the_cuda_plugins_notes_on_a_cpu_host():
+    """What each rank prints reaches the user prefixed, less Gloo's connection notes and the notes
+    importing jax prints where the CUDA plugin is installed and no GPU is (``shardplan[gpu]`` on a
+    CPU host, for offline GPU compiles): on such a host every command printed them, rank 1's too."""
+    import io
+    import threading
+
+    from shardplan.tools import launch as launcher
+
+    lines = [
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+        "I0000 00:00:1796614089.929429   20144 cudart_stub.cc:31] Could not find cuda drivers on your machine, "
+        "GPU will not be used.\n",
+        "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+        "loss 4.17 [Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n",
+        "WARNING: the user's own warning\n",
+    ]
+    out = io.StringIO()
+    launcher._pump(io.StringIO("".join(lines)), 1, out, threading.Lock())
+    assert out.getvalue() == "[rank 1] loss 4.17 \n[rank 1] WARNING: the user's own warning\n"

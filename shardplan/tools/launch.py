@@ -53,10 +53,20 @@ GLOO_NOTE = re.compile(
 )
 
 
+# What importing jax prints on a host without a GPU where the CUDA plugin is installed
+# (``shardplan[gpu]``, for compiling for GPUs offline): the plugin's note that it found no driver,
+# after absl's note that it logs before being set up; once per process, and no rank here uses a GPU.
+NATIVE_NOTES = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR"
+    r"|I\d{4} [\d:.]+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine, "
+    r"GPU will not be used\.)\s*$"
+)
+
+
 def _pump(stream, rank: int, out: TextIO, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, ""):
         line = GLOO_NOTE.sub("", raw)
-        if raw != line and not line.strip():
+        if (raw != line and not line.strip()) or NATIVE_NOTES.match(raw):
             continue
         with lock:
             out.write(f"[rank {rank}] {line}" if line.endswith("\n") else f"[rank {rank}] {line}\n")
