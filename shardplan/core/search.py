@@ -563,9 +563,10 @@ class Scored:
 
     @property
     def rank(self) -> tuple:
-        """``key``, ties broken by the plan's text: a total order, so that no choice depends on the
-        order the search meets plans in."""
-        return (*self.key, self.text)
+        """``key``, ties broken by the other figure (a fitting plan's peak, an unfitting one's step
+        time), then by the plan's text: a total order, so that no choice depends on the order the
+        search meets plans in, nor (where the figures differ) on what the model calls its params."""
+        return (*self.key, self.peak if self.fits else self.seconds, self.text)
 
 
 _SCALARS = ("fsdp", "sp", "pin", "micro", "circular")
