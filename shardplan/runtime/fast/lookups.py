@@ -26,6 +26,7 @@ def gather(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
     dims: list[tuple[str, ...]] = [()] * len(shape)
     for k, b in zip(batch_out, range(len(idx.shape)), strict=False):
         dims[k] = idx.dims[b] if b < len(idx.dims) else ()
+    indexed = Val(shape, itemsize(out_aval), tuple(dims))  # split as the indices, the width whole
     kept = [i for i in range(len(table.shape)) if i not in collapsed]
     whole = [k for k, i in zip(offset, kept, strict=False) if table.shape[i] == shape[k]]
     # An axis that splits both a kept dim of the table (an embedding's width) and the
@@ -57,7 +58,7 @@ def gather(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
     activations = idx.axes if eqn.invars[1] not in walk.constant else set(walk.ctx.batch_axes)
     masked = bool(rows) and not any(a in out.axes or a in activations or a in wanted for a in rows)
     if clash and masked:
-        regathered = regather_table(walk, eqn, table, idx, shape, itemsize(out_aval), clash, rows, mult)
+        regathered = regather_table(walk, eqn, table, indexed, clash, rows, mult)
         if regathered is not None:
             return filled(walk, eqn, regathered, valid, mult)
     if clash:
@@ -75,15 +76,7 @@ def gather(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
 
 
 def regather_table(
-    walk: Walker,
-    eqn: Any,
-    table: Val,
-    idx: Val,
-    shape: tuple[int, ...],
-    nbytes: int,
-    clash: set[str],
-    rows: tuple[str, ...],
-    mult: int,
+    walk: Walker, eqn: Any, table: Val, out: Val, clash: set[str], rows: tuple[str, ...], mult: int
 ) -> Val | None:
     """A table split over its rows and, on its width, over axes that split the indices too (an
     embedding ``(model, data)`` under a batch over ``data``), looked up for more bytes per device
@@ -95,14 +88,8 @@ def regather_table(
     clashing axes (measured on XLA:CPU, XLA:TPU v5e and XLA:GPU: a 256 x 128 table on data=4 x
     model=2 switches between 32 and 40 sequences of 32 tokens, 131,072 and 163,840 bytes of
     output per device; 1,024 x 128 on data=4 x model=2 and 256 x 128 on data=2 x model=4 at the
-    same bytes). None at or under the table's bytes (the masked lookup, ``lookup_indices``)."""
-    dn = eqn.params["dimension_numbers"]
-    offset = tuple(dn.offset_dims)
-    batch_out = [k for k in range(len(shape)) if k not in offset]
-    dims: list[tuple[str, ...]] = [()] * len(shape)
-    for k, b in zip(batch_out, range(len(idx.shape)), strict=False):
-        dims[k] = idx.dims[b] if b < len(idx.dims) else ()
-    out = Val(shape, nbytes, tuple(dims))
+    same bytes). ``out``: the lookup's result split as its indices, its width whole. None at or
+    under the table's bytes (the masked lookup, ``lookup_indices``)."""
     whole = math.prod(table.shape) * table.itemsize
     if walk.ctx.local(out) <= whole:
         return None
