@@ -88,8 +88,14 @@ def regather_table(
     clashing axes (measured on XLA:CPU, XLA:TPU v5e and XLA:GPU: a 256 x 128 table on data=4 x
     model=2 switches between 32 and 40 sequences of 32 tokens, 131,072 and 163,840 bytes of
     output per device; 1,024 x 128 on data=4 x model=2 and 256 x 128 on data=2 x model=4 at the
-    same bytes). ``out``: the lookup's result split as its indices, its width whole. None at or
-    under the table's bytes (the masked lookup, ``lookup_indices``)."""
+    same bytes). Only where the result is wanted so (a constraint: plans/gpt_2d.splan's `act
+    "embed"`): left to propagation (a GPT-2-style decoder whose head is the same table, no
+    constraint) XLA lays the result out over the table's width and sums where it lies at every
+    size measured (8-128 sequences). ``out``: the lookup's result split as its indices, its width
+    whole. None at or under the table's bytes (the masked lookup, ``lookup_indices``)."""
+    wanted = walk.claimed.get(eqn.outvars[0]) or walk.wants.get(eqn.outvars[0])
+    if wanted is None or _norm(wanted, len(out.shape)) != out.dims:
+        return None  # a result laid out by propagation (the table's width split): summed where it lies
     whole = math.prod(table.shape) * table.itemsize
     if walk.ctx.local(out) <= whole:
         return None
