@@ -803,6 +803,21 @@ def test_a_fused_projection_split_along_its_split_width_permutes_blocks(case, me
 
 
 @pytest.mark.parametrize("mesh", [{"data": 4, "model": 2}, {"data": 2, "model": 4}], ids=["model=2", "model=4"])
+@pytest.mark.parametrize("read", [0, 1])
+def test_a_split_moves_nothing_for_a_piece_nothing_reads(read, mesh):
+    """``jnp.split(x, 2)[read]`` of a width split over `model`: XLA computes only the piece read and
+    permutes only its blocks; fast mode counted both pieces' (XLA:CPU, 2026-12-07, read / fast
+    mode before: 8,192 / 16,384 B on model=2; 24,576 / 49,152 and 16,384 / 49,152 B on model=4,
+    where XLA moves one block fewer for the second half than fast mode's one per device whose
+    piece is elsewhere, as in the split above)."""
+    fn = lambda x: jnp.split(x, 2, axis=-1)[read] * 2  # noqa: E731
+    xla, predicted = by_kind(fn, (S(8, 16, 256),), (P("data", None, "model"),), None, mesh)
+    assert {k for k, v in xla.items() if v} == {k for k, v in predicted.items() if v} == {"collective-permute"}
+    ratio = predicted["collective-permute"] / xla["collective-permute"]
+    assert ratio == 1.0 if (read, mesh["model"]) != (1, 4) else ratio == 1.5
+
+
+@pytest.mark.parametrize("mesh", [{"data": 4, "model": 2}, {"data": 2, "model": 4}], ids=["model=2", "model=4"])
 @pytest.mark.parametrize("pieces", [2, 3])
 def test_pieces_split_along_the_concatenated_dim_are_moved_by_an_all_to_all(pieces, mesh):
     """Pieces each split over `model` on the dim they are concatenated along (the backward pass of
