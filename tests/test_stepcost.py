@@ -10,7 +10,7 @@ import pytest
 
 import shardplan
 from shardplan.core import hlo
-from tests.helpers import PLANS, ROOT, plan_line
+from tests.helpers import HAS_GPU, PLANS, ROOT, plan_line
 
 MODELS = ROOT / "examples" / "models.py"
 STEP = f"{ROOT / 'examples' / 'train.py'}:lm_loss"
@@ -910,3 +910,44 @@ def test_propagation_auto_takes_fast_modes_own_walk_over_explicit_axes():
     exact = shardplan.api.analyze(PLANS / "typed_tp.splan", mode="exact", **kw)
     assert auto.propagation == "shardplan"
     assert auto.bytes_by_kind() == pytest.approx(exact.bytes_by_kind(), abs=64)
+
+
+# -- a weight gathered along an inner dim -----------------------------------------------------
+
+ENGINE = ROOT / "tests" / "fixtures" / "engine_models.py"
+
+
+def _fsdp_on(dim: int, target: str | None, mode: str, optimizer: str = "adamw"):
+    spec = "(data, _)" if dim == 0 else "(_, data)"
+    plan = shardplan.loads(f'plan "fsdp{dim}"\nmesh data = 8\nbatch (data, _)\nparam ".*/kernel" {spec}\n'
+                           "default replicated\n", f"fsdp{dim}.splan")
+    return shardplan.api.analyze(plan, model=f"{ENGINE}:decoder", step=f"{ENGINE}:decoder_loss",
+                                 batch=["tokens=int32[16,16],labels=int32[16,16]"], mode=mode, devices=8,
+                                 optimizer=optimizer, **({"target": target} if target else {}))
+
+
+@pytest.mark.parametrize("target, optimizer, extra_kernels", [
+    (None, "adamw", 2 * 15),  # XLA:CPU: the shard copied before each gather, the whole after it
+    pytest.param("h100:8", "adamw", 4 * 15, marks=pytest.mark.skipif(not HAS_GPU, reason="needs the CUDA plugin")),
+    pytest.param("h100:8", "sgd", 2 * 15, marks=pytest.mark.skipif(not HAS_GPU, reason="needs the CUDA plugin")),
+])
+def test_fsdp_on_a_weights_inner_dim_costs_the_copies_the_compiler_makes(target, optimizer, extra_kernels):
+    """The Llama-style decoder of tests/fixtures/engine_models.py (15 weight matrices) under FSDP,
+    every matrix split on its second dim against its first: the same bytes gathered and scattered,
+    but a collective concatenates whole buffers, so XLA:CPU gathers a copy of the shard laid out
+    with that dim outermost and copies the whole back (2 kernels a weight), and XLA:GPU transposes
+    the shard before the gather and, scattering the gradient in that layout, copies the param and
+    each of its optimizer states back after the update (4 a weight under AdamW, 2 under SGD).
+    Fast mode counts the same kernels (and on XLA:CPU the same bytes) as the compiled programs."""
+    kernels, traffic = {}, {}
+    for mode in ("exact", "fast"):
+        outer, inner = (_fsdp_on(d, target, mode, optimizer) for d in (0, 1))
+        assert inner.bytes_by_kind() == outer.bytes_by_kind()
+        kernels[mode] = inner.kernels - outer.kernels
+        traffic[mode] = inner.hbm_bytes - outer.hbm_bytes
+    assert kernels["exact"] == extra_kernels
+    assert kernels["fast"] == kernels["exact"]
+    if target is None:
+        assert traffic["fast"] == traffic["exact"] > 0
+    else:  # XLA:GPU also moves some activations' transposes (not counted): at least these copies
+        assert 0 < traffic["fast"] <= traffic["exact"]

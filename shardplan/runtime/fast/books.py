@@ -115,6 +115,23 @@ class Compiler:
       not a copy beside it (XLA:TPU, XLA:GPU; measured on a 1.5B Llama's head weight gradient,
       a 1,002 MiB dot result transposed to the weight's shape: one buffer on XLA:GPU, two on
       XLA:CPU).
+    - ``minor_gather``: what a step input (a param, its state) gathered along a dim that is not its
+      outermost one of more than one element costs besides the gather: a collective concatenates
+      whole buffers, so the layout assignment gathers a copy laid out with that dim outermost.
+      ``"shard"``: the local shard is copied into that layout before the gather (a kernel
+      reading and writing the shard); ``"whole"``: the gathered result is copied back into the
+      layout its reader wants after it (the gathered bytes, read and written). Measured on
+      single gathers of a (512, 256) weight split on its second dim over 8 devices and on whole
+      steps (FSDP of llama_small with every kernel split on its second dim against its first,
+      the same bytes moved): XLA:CPU copies both (+2 kernels a weight: 538 -> 596 kernels for 29
+      weights), XLA:GPU the shard (its matmuls read the gathered layout as it is), XLA:TPU
+      neither (its tiled layouts gather in place).
+    - ``minor_scatter``: a param's gradient reduce-scattered onto a dim that is not its outermost
+      of more than one element is scattered in a layout with that dim outermost (the matmul that
+      makes it writes it so), the optimizer's update reads it so and writes the param and its
+      state likewise, and each of them is copied back into the param's layout: a kernel per
+      updated array, of the shard's bytes (XLA:GPU, the same llama_small steps: 87 copies for 29
+      weights under Adam, 3 arrays each).
     - ``split_k``: the GPU a matmul's contraction is split for (``runtime/splitk.py``: XLA:GPU cuts
       the contraction of a matmul with few output tiles into chunks, computes their partial results
       in float32 side by side and adds them up: a workspace of the result times the chunks is alive
@@ -139,19 +156,30 @@ class Compiler:
     sums_per_dim: bool = False
     scatters_early: bool = False
     transposes_in_place: bool = False
+    minor_gather: frozenset[str] = frozenset()
+    minor_scatter: bool = False
 
 
 _REASSOCIATES = splitk.ADDS  # the ops XLA:GPU and XLA:TPU add partial sums with before reducing them
 
 
 COMPILERS = {
-    "cpu": Compiler(COMPILER_NAMES["cpu"], dense_ragged=True, whole_top_k=True, scatters_whole=True, sums_per_dim=True),
+    "cpu": Compiler(
+        COMPILER_NAMES["cpu"],
+        dense_ragged=True,
+        whole_top_k=True,
+        scatters_whole=True,
+        sums_per_dim=True,
+        minor_gather=frozenset({"shard", "whole"}),
+    ),
     "cuda": Compiler(  # H100 (and H200: the same SMs) unless a chip's book says otherwise
         COMPILER_NAMES["cuda"],
         sums=_REASSOCIATES,
         recomputes=True,
         scatters_early=True,
         transposes_in_place=True,
+        minor_gather=frozenset({"shard"}),
+        minor_scatter=True,
         whole_ragged="dense",
         split_k=splitk.for_gpu(GPUS["h100"].sms, GPUS["h100"].compute_capability),
     ),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -190,6 +191,12 @@ def cost(
         if updates is None:  # what depends on the trace alone: once per trace
             updates = traced.memo["updates"] = update_paths(jaxpr, [d.path for d in params.decisions])
         prop.updates = updates
+        updated = traced.memo.get("updated")
+        if updated is None:  # a param -> the step's outputs its update writes (it and its state)
+            updated = traced.memo["updated"] = dict(
+                Counter(updates[v] for v in jaxpr.outvars if not hasattr(v, "val") and v in updates)
+            )
+        prop.updated = updated
         if book.gather_cse is not None:
             shared = traced.memo.get(("gathers", book.gather_cse))
             if shared is None:

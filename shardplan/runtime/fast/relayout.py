@@ -57,6 +57,11 @@ def resolve(walk, var: Any, v: Val, target: Dims | None, mult: int, why: str, co
             walk.ctx.add("collective-permute", tuple(scatter), ring, mult, why, label, only)
         else:
             walk.ctx.add("reduce-scatter", tuple(scatter), walk.ctx.local(v), mult, why, label, only, v.itemsize)
+            if moves and walk.ctx.book.minor_scatter:
+                scattered = Val(v.shape, v.itemsize, _tuple(dims))
+                if any(_minor(walk, scattered, i) for i, d in enumerate(dims) if set(d) & set(scatter)):
+                    # the update writes the param and its state in the scattered layout, then copies
+                    walk.ctx.copy(walk.ctx.local(scattered), mult, walk.updated.get(moves, 1))
     out = Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims))
     for part in _per_dim(rest, origin[3] if origin is not None else ()):
         walk.ctx.add("all-reduce", part, walk.ctx.local(out), mult, why, label, only, out.itemsize)
@@ -298,6 +303,12 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
             gathered = Val(v.shape, v.itemsize, _tuple(dims))
             nbytes = walk.ctx.local(gathered)
             add("all-gather", tuple(drop), nbytes)
+            if moves and walk.ctx.book.minor_gather and walk.fixed(var) and _minor(walk, gathered, i):
+                # a step input gathered along an inner dim: gathered as a copy with that dim outermost
+                if "shard" in walk.ctx.book.minor_gather:
+                    walk.ctx.copy(nbytes // walk.ctx.split(tuple(drop)), mult)
+                if "whole" in walk.ctx.book.minor_gather:
+                    walk.ctx.copy(nbytes, mult)
             if moves and walk.ctx.book.gather_cse is None:  # held to its last use (else: ``matmul._cast_gather``)
                 walk.ctx.gathered_now += nbytes
                 walk.ctx.gathered_peak = max(walk.ctx.gathered_peak, walk.ctx.gathered_now)
@@ -329,6 +340,12 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
     out = Val(v.shape, v.itemsize, _tuple(dims))
     walk.ctx.cache[key] = out
     return out
+
+
+def _minor(walk: Walker, v: Val, dim: int) -> bool:
+    """Whether ``dim`` of ``v``'s local part is not its outermost dim of more than one element
+    (``Compiler.minor_gather``)."""
+    return any(size // walk.ctx.split(tuple(axes)) > 1 for size, axes in zip(v.shape[:dim], v.dims[:dim], strict=True))
 
 
 def _sliced(dims: Dims, target: Dims) -> bool:

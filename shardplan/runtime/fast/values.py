@@ -106,6 +106,11 @@ class _Ctx:
         n = self.split(axes)
         return bool(self.book.gathers_reduce and n >= self.book.gathers_reduce and n == self.split(tuple(self.mesh)))
 
+    def copy(self, nbytes: int, mult: int, kernels: int = 1) -> None:
+        """``kernels`` kernels that each copy ``nbytes`` into another layout (read and written)."""
+        self.hbm += 2 * nbytes * mult * kernels
+        self.launches += mult * kernels
+
     def add(
         self,
         kind: str,

@@ -76,6 +76,7 @@ class Walker:
         # rows say they move (``scan``); the layouts and the memory read ``names`` alone.
         self.labels: dict[Any, str] = {}
         self.updates: dict[Any, str] = {}  # a value -> the param it updates (a gradient's sums name it)
+        self.updated: dict[str, int] = {}  # a param -> the step's outputs its update writes (it, its state)
         self.hints: dict[Any, Dims] = {}
         self.claimed: dict[Any, Dims] = {}  # values a closed sharding constraint lays out (see _claims)
         # Every value's layout is XLA's own in ``claimed`` (``costing.cost(propagation="xla")``): the
