@@ -10,7 +10,7 @@ in exact mode) is compiled and timed the same way. Targets (issue 30): suggested
 shipped plan, unconstrained and with a device memory so tight that the best unconstrained plan
 does not fit; the search (fast mode) <= 10 s per model. The same for models the search was not
 written against, each judged against plans written by hand for it: the example MoE (``moe_small``,
-its shipped expert plans) and tests/fixtures/engine_models.py's GPT-2-style decoder and GShard MoE
+its shipped expert plans) and tests/fixtures/engine_models.py's GPT-2-style and GPT-J-style decoders and GShard MoE
 (names of their own, no logical axis names). Llama-2-70B shapes (batch 256 x 4096,
 h100, 8 devices per host) on 64 and 2,048 devices: the suggested plan's predicted step against
 FSDP over every device (plans/fsdp.splan) and, on 2,048, FSDP x TP with the residual stream pinned
@@ -215,8 +215,9 @@ FSDP = (
 def _held_out() -> list[dict]:
     """Models the search was not written against, each beside plans written by hand for it: the
     example MoE (its shipped expert plans), and tests/fixtures/engine_models.py's GPT-2-style
-    decoder (a fused q/k/v projection, LayerNorms with biases, a tied head) and GShard MoE (its own
-    names, no logical axis names)."""
+    decoder (a fused q/k/v projection, LayerNorms with biases, a tied head), GPT-J-style decoder
+    (parallel attention and MLP, fused projections, learned positions as a bare param) and GShard
+    MoE (its own names, no logical axis names)."""
     gpt2_tp = (
         'plan "gpt2-megatron"\nmesh data = *, model = 2\nbatch (data, _)\n'
         'param "h/\\d+/(attn/c_attn|mlp/c_fc)/kernel" (_, model)\n'
@@ -233,6 +234,11 @@ def _held_out() -> list[dict]:
         'param "blocks/\\d+/moe/(w_in|w_out)" (expert, data, _)\nparam ".*/embedding" ((data, expert), _)\n'
         'param ".*/kernel" ((data, expert), _)\ndefault replicated\n'
     )
+    gptj_tp = (
+        'plan "gptj-megatron"\nmesh data = *, model = 2\nbatch (data, _)\n'
+        'param "blocks/\\d+/(qkv|wi)/kernel" (_, model)\nparam "blocks/\\d+/wi/bias" (model)\n'
+        'param "blocks/\\d+/(wo|wf)/kernel" (model, _)\ndefault replicated\n'
+    )
     moe_plans = ("dp.splan", "fsdp.splan", "moe_ep.splan", "moe_ep_tp.splan", "moe_ep_fsdp.splan")
     return [
         _model("moe_small", ["tokens=int32[16,64],labels=int32[16,64]"], moe_plans, step=f"{TRAIN}:moe_lm_loss"),
@@ -242,6 +248,13 @@ def _held_out() -> list[dict]:
             (),
             step=f"{ENGINE}:gpt2_loss",
             plans={"dp": DP, "fsdp": FSDP, "gpt2-megatron": gpt2_tp},
+        ),
+        _model(
+            f"{ENGINE}:parallel",
+            ["tokens=int32[16,32],labels=int32[16,32]"],
+            (),
+            step=f"{ENGINE}:parallel_loss",
+            plans={"dp": DP, "fsdp": FSDP, "gptj-megatron": gptj_tp},
         ),
         _model(
             f"{ENGINE}:moe",

@@ -441,7 +441,7 @@ def suggest(
             "mode's: check it with `shardplan check --compile`."
         )
     text = render(
-        best, others + ruled_out, winner, space, hw, devices, budget, len(s.seen), search_s, aim.compiler, status
+        best, others + ruled_out, winner, space, hw, devices, budget, s.costed, search_s, aim.compiler, status
     )
     return Suggestion(
         text,
@@ -450,7 +450,7 @@ def suggest(
         hw.name,
         devices,
         budget,
-        len(s.seen),
+        s.costed,
         coster.traces,
         search_s,
         confirm_s,

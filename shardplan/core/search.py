@@ -138,6 +138,7 @@ class Choice:
     pin: bool = False  # the residual stream (the blocks' outputs) pinned to the batch's layout
     micro: int = 0  # a pipeline over the mesh's stage axis: its microbatches (0: no pipeline)
     circular: bool = False  # the pipeline's schedule: circular with 2 repeats (else GPipe)
+    whole: frozenset[str] = frozenset()  # families FSDP leaves whole (``Search.refine``)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -191,7 +192,7 @@ class Choice:
             )
         parts = [mesh]
         if math.prod(sizes.get(a, 1) for a in DATA_AXES) > 1:
-            parts.append(_FSDP_WORDS[self.fsdp])
+            parts.append(_FSDP_WORDS[self.fsdp] + self._whole_words(space))
         if sizes.get("model", 1) > 1:
             split = split_words(space, self, "model")
             parts.append("tensor parallel over model: " + split if split else "model: replicas (nothing split over it)")
@@ -205,6 +206,12 @@ class Choice:
             parts.append("the residual stream pinned to the batch's layout (act rule)")
         return "; ".join(parts)
 
+    def _whole_words(self, space: Space) -> str:
+        if not self.whole or self.fsdp != "params":
+            return ""
+        names = ", ".join(short_name(t, space) for t in sorted(self.whole))
+        return f" except {names} (whole: splitting costs more time than the memory it saves is worth)"
+
     def _schedule(self) -> str:
         kind = "circular, 2 repeats" if self.circular else "GPipe"
         return f"{self.sizes.get('stage', 1)} stages, {self.micro} microbatches, {kind}"
@@ -214,8 +221,8 @@ class Choice:
         if self.mesh != other.mesh:
             return self.describe(space)
         out = []
-        if self.fsdp != other.fsdp:
-            out.append(_FSDP_WORDS[self.fsdp])
+        if self.fsdp != other.fsdp or self.whole != other.whole:
+            out.append(_FSDP_WORDS[self.fsdp] + self._whole_words(space))
         if (self.micro, self.circular) != (other.micro, other.circular):
             out.append(f"pipeline: {self._schedule()}")
         if self.sp != other.sp:
@@ -436,7 +443,7 @@ def param_dims(f: Family, space: Space, c: Choice) -> list[list[str]]:
             continue
         if u in c.tp and u not in space.experts:
             put(i, "model")
-    if c.fsdp != "none":
+    if c.fsdp != "none" and f.template not in c.whole:
         free = [i for i, u in enumerate(f.units) if u not in stacked and not dims[i]]
         # a table by its rows (split on its width over a batch axis, the lookup carries that split into
         # the activations and XLA moves them: measured), a matrix on its outermost dim: XLA:CPU and
@@ -598,20 +605,27 @@ class Search:
     budget: float | None = None
     progress: Callable[[str], None] | None = None
     seen: dict[str, Scored | None] = field(default_factory=dict)
+    aside: int = 0  # plans costed but not kept among the runners-up (``refine``'s variants)
+
+    @property
+    def costed(self) -> int:
+        """Plans costed so far."""
+        return len(self.seen) + self.aside
 
     def evaluate(self, c: Choice) -> Scored | None:
         text = plan_text(self.space, c)
         if text not in self.seen:
-            got = self.score(text)
-            if got is None:
-                self.seen[text] = None
-            else:
-                cost, time, seconds, peak = got
-                fits = self.budget is None or peak <= self.budget
-                self.seen[text] = Scored(c, text, seconds, peak, fits, cost, time)
-            if self.progress:
-                self.progress(c.describe(self.space))
+            self.seen[text] = self._scored(c, text)
         return self.seen[text]
+
+    def _scored(self, c: Choice, text: str) -> Scored | None:
+        got = self.score(text)
+        if self.progress:
+            self.progress(c.describe(self.space))
+        if got is None:
+            return None
+        cost, time, seconds, peak = got
+        return Scored(c, text, seconds, peak, self.budget is None or peak <= self.budget, cost, time)
 
     def neighbours(self, c: Choice) -> list[Choice]:
         out = []
@@ -737,4 +751,48 @@ class Search:
                         starts.append(got)
         for s in sorted(starts, key=lambda s: s.rank)[:descents]:
             self.descend(s.choice)
+        best = min((s for s in self.seen.values() if s is not None), key=lambda s: s.rank, default=None)
+        if best is not None:
+            self.refine(best)
         return sorted((s for s in self.seen.values() if s is not None), key=lambda s: s.rank)
+
+    def refine(self, best: Scored) -> Scored:
+        """The winner with the families FSDP splits left whole where that still fits and ranks
+        better: a small table or matrix whose split saves less memory than its collectives cost
+        (the GPT-J-style decoder's learned positions, (32, 64) f32: a gather and a reduce-scatter
+        for 24 KiB of params and state). Families alike but for their names (the same shape, roles
+        and count) are left whole together, the groups tried smallest first: nothing here depends
+        on what the model calls its params."""
+        if best.choice.fsdp != "params" or not best.fits:
+            return best
+        groups: dict[tuple, list[str]] = {}
+        for f in self.space.families:
+            if (
+                f.template not in best.choice.whole
+                and any(param_dims(f, self.space, best.choice))
+                and not any(param_dims(f, self.space, replace(best.choice, fsdp="none")))
+            ):
+                key = (f.elements, f.shape, f.count, tuple(tuple(sorted(t)) for t in f.tags))
+                groups.setdefault(key, []).append(f.template)
+        start = best
+        for key in sorted(groups):  # costed aside: the variants are not runners-up of their own
+            c = replace(best.choice, whole=best.choice.whole | set(groups[key]))
+            got = self._scored(c, plan_text(self.space, c))
+            self.aside += 1
+            if got is not None and got.fits and got.key < best.key:
+                best = got
+        if best is not start:
+            self.seen[best.text] = best
+        return best
+        split = [
+            f
+            for f in self.space.families
+            if f.template not in best.choice.whole
+            and any(param_dims(f, self.space, best.choice))
+            and not any(param_dims(f, self.space, replace(best.choice, fsdp="none")))
+        ]
+        for f in sorted(split, key=lambda f: (f.elements, f.template)):
+            got = self.evaluate(replace(best.choice, whole=best.choice.whole | {f.template}))
+            if got is not None and got.fits and got.rank < best.rank:
+                best = got
+        return best
