@@ -648,3 +648,22 @@ def test_fsdp_leaves_whole_the_small_params_whose_split_costs_more_than_it_saves
     steps = json.loads(r.stdout.strip().splitlines()[-1])
     assert steps["suggested"][1] <= budget
     assert steps["suggested"][0] < 0.95 * steps["hand"][0], steps
+
+
+def test_a_runner_up_says_once_what_it_adds_to_model_and_once_what_it_takes_off():
+    """A runner-up differing from the winner on several tensor-parallel dims says so in one phrase
+    per direction ("also over model: ...; ...", "not over model: ..."), not one phrase per dim
+    (gpt_small on 8 H100s under a tight budget: "not over model: the columns of ...; the rows of
+    ...; not over model: the table rows of ...")."""
+    from shardplan import planner
+
+    coster = shardplan.api.step_coster(f"{EXAMPLES}:gpt_tiny", f"{TRAIN}:lm_loss",
+                                       ["tokens=int32[16,32],labels=int32[16,32]"])
+    space = planner.search_space(coster, 8)
+    mesh = next(m for m in search.meshes(space, 8) if dict((a, n) for a, n, _ in m).get("model", 1) > 1)
+    dims = space.tensor
+    assert len(dims) >= 3
+    winner = search.Choice(mesh, frozenset(dims[:1]))
+    other = search.Choice(mesh, frozenset(dims[1:]))
+    text = other.versus(winner, space)
+    assert text.count("also over model:") == 1 and text.count("not over model:") == 1, text

@@ -229,11 +229,13 @@ class Choice:
             out.append("sequence parallel" if self.sp else "no sequence parallelism")
         if self.pin != other.pin:
             out.append("the residual stream pinned" if self.pin else "the residual stream not pinned")
+        moved: dict[str, list[str]] = {"also": [], "not": []}  # one phrase each, whatever the dims
         for u in space.tensor:
             if (u in self.tp) != (u in other.tp):
                 mine = self if u in self.tp else other
                 what = split_words(space, mine, "model", only=u) or _unsplit(space, mine, u)
-                out.append(("also over model: " if u in self.tp else "not over model: ") + what)
+                moved["also" if u in self.tp else "not"].append(what)
+        out += [f"{way} over model: " + "; ".join(whats) for way, whats in moved.items() if whats]
         return "the same " + ("but " + "; ".join(out) if out else "plan")
 
 
