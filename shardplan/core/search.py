@@ -786,15 +786,3 @@ class Search:
         if best is not start:
             self.seen[best.text] = best
         return best
-        split = [
-            f
-            for f in self.space.families
-            if f.template not in best.choice.whole
-            and any(param_dims(f, self.space, best.choice))
-            and not any(param_dims(f, self.space, replace(best.choice, fsdp="none")))
-        ]
-        for f in sorted(split, key=lambda f: (f.elements, f.template)):
-            got = self.evaluate(replace(best.choice, whole=best.choice.whole | {f.template}))
-            if got is not None and got.fits and got.rank < best.rank:
-                best = got
-        return best
