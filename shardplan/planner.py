@@ -202,7 +202,7 @@ def suggest(
     top: int = 5,
     confirm: int = CONFIRM,
     progress: Any = None,
-    target: str = "cpu",
+    target: str | None = None,
     backend: str = "auto",
 ) -> Suggestion:
     """Search plans for ``model`` on ``devices`` devices and return the best as .splan text.
@@ -223,7 +223,9 @@ def suggest(
         target: the compiler the plan is for (``shardplan.core.targets``): ``cpu`` (XLA:CPU on
             simulated devices) or the TPU slice or GPUs the plan is for (``tpu-v5p:2x2x2``,
             ``h100:8``): candidates are ranked by fast mode's rules for its program and the best
-            compiled by it offline at the full mesh; it must have ``devices`` devices.
+            compiled by it offline at the full mesh; it must have ``devices`` devices. Default:
+            ``chip``'s own compiler for ``devices`` of it (``targets.for_chip``) where ``chip`` is
+            named and that compiler is installed, else ``cpu`` (a note says why).
         backend: the backend the plan is for (``auto`` or ``shard_map``): candidates are ranked by
             that backend's step (fast mode costs the shard_map backend from its partitioner's
             record), the best confirmed by compiling that backend's step, and the plan names it.
@@ -271,7 +273,18 @@ def suggest(
                 )
             ]
         )
-    aim = targets.parse(target, "--target")
+    notes: list[Note] = []
+    if chip is not None:
+        chips.lookup(chip)
+    if target is None:
+        chosen, why = targets.for_chip(chip, devices, devices_per_host) if chip is not None else (None, "")
+        aim = chosen or targets.CPU
+        if chosen is None and chip is not None and confirm:
+            by = "XLA:CPU confirms" if devices <= api.MAX_SIMULATED_DEVICES else "nothing here confirms"
+            by += " the plans"
+            notes.append(Note("suggest-confirmed-on-cpu", f"{by}, not {chip}'s compiler: {why}"))
+    else:
+        aim = targets.parse(target, "--target")
     targets.agree(aim, chip)
     if aim.devices is not None and aim.devices != devices:
         raise as_error(
@@ -318,7 +331,6 @@ def suggest(
     if not ranked[0].fits:
         raise _fits_nowhere(min(ranked, key=lambda r: r.peak), budget)
     fitting = _ties_broken([r for r in ranked if r.fits], lambda r: (r.seconds, r.cost.flops, r.peak, r.text))
-    notes: list[Note] = []
     t1 = time.perf_counter()
     confirmed: dict[str, tuple[float, int, StepCost]] = {}
     failed: list[str] = []

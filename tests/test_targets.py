@@ -67,6 +67,33 @@ def test_chip_and_target_must_agree():
         targets.agree(targets.parse("tpu-v5p:2x2x2"), "h100")
 
 
+@pytest.mark.parametrize("chip, chips_, shape", [
+    # every name below compiled for, or was refused by, jax's topology API with libtpu 0.0.42.1
+    # (2026-12-07): v5e:1x2, v5e:2x3, v5p:1x2x2 and v5p:1x1x2 refused
+    ("tpu-v5e", 4, "2x2"), ("tpu-v5e", 8, "2x4"), ("tpu-v5e", 12, "2x6"), ("tpu-v6e", 16, "4x4"),
+    ("tpu-v6e", 256, "16x16"), ("tpu-v5p", 4, "2x2x1"), ("tpu-v5p", 8, "2x2x2"), ("tpu-v5p", 12, "2x2x3"),
+    ("tpu-v5p", 16, "2x2x4"), ("tpu-v5p", 32, "2x4x4"), ("tpu-v5p", 2048, "8x16x16"),
+    ("tpu-v5e", 2, None), ("tpu-v5p", 7, None), ("tpu-v5e", 512, None),
+])
+def test_a_tpu_slice_of_n_chips_is_named_as_its_topology_api_takes_it(chip, chips_, shape):
+    assert targets.tpu_slice(chip, chips_) == shape
+
+
+def test_suggest_confirms_with_the_chips_own_compiler_where_it_is_installed(monkeypatch):
+    """``suggest --chip C`` without ``--target``: C's compiler for that many of C, or XLA:CPU with a
+    reason the user can act on (the ``pip install`` line; GPUs that do not fill hosts)."""
+    monkeypatch.setattr(targets, "installed", lambda target: True)
+    assert targets.for_chip("h100", 8) == (targets.parse("h100:8"), "")
+    assert targets.for_chip("h100", 64, 8)[0] == targets.parse("h100:8x8")
+    assert targets.for_chip("b200", 16, 4)[0] == targets.parse("b200:4x4")
+    assert targets.for_chip("tpu-v5p", 64)[0] == targets.parse("tpu-v5p:4x4x4")
+    assert targets.for_chip("h100", 12) == (None, "12 h100 GPUs do not fill hosts of 8")
+    assert targets.for_chip("tpu-v5e", 6) == (None, "no tpu-v5e slice has 6 chips")
+    monkeypatch.setattr(targets, "installed", lambda target: target.platform != "cuda")
+    aim, why = targets.for_chip("h100", 8)
+    assert aim is None and why == f"XLA:GPU is not installed here: {targets.INSTALL['cuda']}"
+
+
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "shardplan", "check", *map(str, args)], capture_output=True,
                           text=True, timeout=120)

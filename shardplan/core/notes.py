@@ -51,6 +51,7 @@ NOTE_CODES: dict[str, NoteCode] = {
         NoteCode("shard-map-fallback", "an op the partitioner ran on whole operands"),
         # check and suggest
         NoteCode("mesh-star-resolved", "a '*' mesh axis sized from this machine's devices"),
+        NoteCode("suggest-confirmed-on-cpu", "the --chip's own compiler cannot confirm here: XLA:CPU does"),
         NoteCode("suggest-exact-failed", "a candidate exact mode could not compile"),
         NoteCode("suggest-over-budget", "a candidate whose compiled peak did not fit: left out"),
         NoteCode("suggest-reranked", "exact mode re-ranked fast mode's best candidates"),

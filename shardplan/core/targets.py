@@ -114,6 +114,7 @@ TPUS: dict[str, str] = {"tpu-v5e": "v5e", "tpu-v5p": "v5p", "tpu-v6e": "v6e"}
 # chooses otherwise, GPUs whose matmuls split differently from the H100's (runtime/splitk.py)
 BOOKS = frozenset({"tpu-v5p", "tpu-v6e", "a100-80gb", "b200"})
 GPUS_PER_HOST = 8
+MAX_2D = 16  # v5e and v6e slices are at most 16 x 16 chips (256)
 
 INSTALL = {
     "tpu": f"pip install 'shardplan[tpu]'  (that is: pip install 'jax[tpu]=={JAX_VERSION}')",
@@ -193,20 +194,25 @@ def gpu_target_config(chip: str) -> str:
 _PACKAGES = {"tpu": "libtpu", "cuda": "jax_plugins.xla_cuda12"}
 
 
+def installed(target: Target) -> bool:
+    """Whether the target's compiler is installed here (XLA:CPU always is); nothing is imported."""
+    import importlib.util
+
+    package = _PACKAGES.get(target.platform)
+    try:
+        return package is None or importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def require_compiler(target: Target, where: str = "--target") -> None:
     """The target's compiler is installed (XLA:CPU always is).
 
     Raises:
         ArgumentError: it is not (``target-compiler-missing``; the hint is the ``pip install`` line).
     """
-    import importlib.util
-
     package = _PACKAGES.get(target.platform)
-    try:
-        found = package is None or importlib.util.find_spec(package) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+    if not installed(target):
         raise as_error(
             [
                 error(
@@ -217,6 +223,52 @@ def require_compiler(target: Target, where: str = "--target") -> None:
                 )
             ]
         )
+
+
+def tpu_slice(chip: str, chips_: int) -> str | None:
+    """The slice shape of ``chips_`` chips of a TPU generation as its topology API names it, the most
+    even one (None: no slice has that many): v5e and v6e are 2-D, hosts of 2 x 2 chips, so both
+    dims even (8 chips: ``2x4``), at most 16 x 16; v5p is 3-D, hosts of 2 x 2 x 1, the first two dims even, the dims
+    ascending where they can be (16 chips: ``2x2x4``; 4: ``2x2x1``). Read from
+    ``jax.experimental.topologies.get_topology_desc`` with libtpu 0.0.42.1 (2026-12-07): ``v5e:1x2``,
+    ``v5e:2x3`` and ``v5p:1x2x2`` are refused, ``v5p:2x2x3`` is a 12-chip slice."""
+    shapes: list[tuple[int, ...]] = []
+    for x in range(2, chips_ + 1, 2):
+        for y in range(x, chips_ // x + 1, 2):
+            rest, left = divmod(chips_, x * y)
+            if left:
+                continue
+            if chip in ("tpu-v5e", "tpu-v6e"):
+                if rest == 1 and y <= MAX_2D:
+                    shapes.append((x, y))
+            else:
+                shapes.append((x, y, rest))
+    if not shapes:
+        return None
+    best = min(shapes, key=lambda d: (max(d) / min(d), list(d) != sorted(d), d))
+    return "x".join(map(str, best))
+
+
+def for_chip(chip: str, devices: int, devices_per_host: int | None = None) -> tuple[Target | None, str]:
+    """The target that compiles a plan for ``devices`` of ``chip`` as that chip's compiler does,
+    where it is installed here; else None and why not (a line a user can act on)."""
+    if chip in TPUS:
+        shape = tpu_slice(chip, devices)
+        if shape is None:
+            return None, f"no {chip} slice has {devices} chips"
+        aim = parse(f"{chip}:{shape}")
+    elif chip in GPUS:
+        if devices_per_host and devices > devices_per_host:
+            aim = parse(f"{chip}:{devices // devices_per_host}x{devices_per_host}")
+        elif devices > GPUS_PER_HOST and devices % GPUS_PER_HOST:
+            return None, f"{devices} {chip} GPUs do not fill hosts of {GPUS_PER_HOST}"
+        else:
+            aim = parse(f"{chip}:{devices}")
+    else:
+        return None, f"shardplan has no offline compiler for {chip}"
+    if not installed(aim):
+        return None, f"{aim.compiler} is not installed here: {INSTALL[aim.platform]}"
+    return aim, ""
 
 
 def agree(target: Target, chip: str | None, where: str = "--chip") -> None:

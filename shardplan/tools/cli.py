@@ -623,7 +623,7 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
         step=args.step,
         batch=args.batch,
         devices=args.devices,
-        chip=args.chip or targets.parse(args.target).chip or "h100",
+        chip=args.chip,
         device_memory=budget,
         optimizer=args.optimizer,
     )
@@ -633,14 +633,14 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
             or args.top != 5
             or args.confirm != 3
             or args.no_compile
-            or args.target != "cpu"
+            or args.target is not None
             or args.backend != "auto"
         ):
             raise _UsageError(
                 "--from keeps the plan's mesh and backend and proposes rule changes: --devices-per-host, --top, "
                 "--confirm, --no-compile, --target and --backend do not apply"
             )
-        return _improve(args, out, err, common)
+        return _improve(args, out, err, dict(common, chip=args.chip or "h100"))
     if args.devices is None:
         raise _UsageError("--devices: how many devices the plan's mesh has (or --from PLAN.splan)")
     kw = dict(
@@ -1001,13 +1001,14 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument(
         "--chip",
         choices=sorted(chips.CHIPS),
-        help="rank plans by the step time here (default: the --target's chip, else h100)",
+        help="rank plans by the step time here, and confirm them with its compiler where it is installed "
+        "(default: the --target's chip, else h100, confirmed by XLA:CPU)",
     )
     sg.add_argument(
         "--target",
-        default="cpu",
-        help="the compiler that confirms the best plans at the full mesh: cpu (XLA:CPU on simulated devices, "
-        "default), a TPU slice (tpu-v5p:2x2x2) or GPUs (h100:8), compiled offline",
+        help="the compiler that confirms the best plans at the full mesh: cpu (XLA:CPU on simulated devices), "
+        "a TPU slice (tpu-v5p:2x2x2) or GPUs (h100:8), compiled offline (default: the --chip's own compiler for "
+        "--devices of it where it is installed, else cpu)",
     )
     sg.add_argument(
         "--backend",
