@@ -18,6 +18,10 @@ and FLOPs relative to exact mode. ``--target tpu-v5e:2x4`` (or ``h100:8``) measu
 that target against the program its compiler makes offline (the pool's models have dims under 128,
 which XLA:TPU pads to its tiles: read the peak column with that in mind).
 
+A pair among the worst ten for FLOPs lists the model lines whose matmuls' FLOPs per device the two
+modes count most differently (``StepCost.matmul_flops``: fast mode's rules against the compiled
+program's dots, by source line).
+
 ``--layouts`` also reads XLA's module after its sharding propagation (dumped by the compile) and
 lists, per pair, the largest values (source line, op, shape) that XLA lays out otherwise than
 fast mode: where XLA went another way (XLA:CPU only).
@@ -326,6 +330,16 @@ def differences(fast, exact, top: int = 3) -> list[dict]:
     return rows[:top]
 
 
+def flop_differences(fast, exact, top: int = 3) -> list[dict]:
+    """The model source lines whose matmul FLOPs per device the two modes count most differently
+    (``StepCost.matmul_flops``: fast mode's rules; the compiled program's dots and convolutions)."""
+    f, e = dict(fast.matmul_flops), dict(exact.matmul_flops)
+    rows = [{"source": k, "fast": f.get(k, 0.0), "exact": e.get(k, 0.0)} for k in set(f) | set(e)]
+    rows = [r for r in rows if abs(r["fast"] - r["exact"]) > 0.01 * max(r["fast"], r["exact"])]
+    rows.sort(key=lambda r: (-abs(r["fast"] - r["exact"]), r["source"]))
+    return rows[:top]
+
+
 # Values fast mode reads at each reader's layout (a broadcast is sliced for free where it is read),
 # which XLA gives one layout of their own: no layout of fast mode's to set beside XLA's.
 VIEWED = frozenset({"broadcast_in_dim", "iota"})
@@ -444,6 +458,7 @@ def measure(model: str, text: str, target: str = "cpu", scale: Scale | None = No
         state_fast=fast.memory.params + fast.memory.opt_state,
         state_exact=exact.memory.params + exact.memory.opt_state,
         differences=differences(fast, exact),
+        flop_differences=flop_differences(fast, exact),
         # exact mode's collectives by (kind, model line): enough to re-cost fast mode alone later
         exact_by_source=[[k, s, b, o[:120]] for (k, s), (b, o) in sorted(_by_source(exact).items())],
     )
@@ -521,6 +536,7 @@ def worst(rows: Sequence[dict], n: int = 10, comm_only: bool = False) -> list[di
                 "figures": figures,
                 "key_lines": key_lines(r["plan"]),
                 "differences": r["differences"],
+                "flop_differences": r.get("flop_differences", []) if name == "flops" else [],
                 "layouts": r.get("layouts", []),
             }
         )
@@ -717,6 +733,9 @@ def _worst_lines(rows: Sequence[dict]) -> list[str]:
                 f"    {d['kind']} at {where}: fast {d['fast']:,} B vs exact {d['exact']:,} B "
                 f"(fast op {d['fast_op'] or '-'}; exact op {d['exact_op'] or '-'})"
             )
+        for d in w.get("flop_differences", []):
+            where = Path(d["source"]).name if d["source"] else "(no source)"
+            lines.append(f"    matmuls at {where}: fast {d['fast']:,.0f} vs exact {d['exact']:,.0f} FLOPs")
         for d in w.get("layouts", []):
             lines.append(
                 f"    XLA lays out {d['op']} {tuple(d['shape'])} at {d['source']} as {' or '.join(d['xla'])}, "

@@ -10,6 +10,7 @@ import pytest
 
 import shardplan
 from shardplan.core import hlo
+from shardplan.core.stepcost import StepCost
 from tests.helpers import HAS_GPU, PLANS, ROOT, plan_line
 
 MODELS = ROOT / "examples" / "models.py"
@@ -323,6 +324,29 @@ def test_loop_flops_count_every_iteration_of_nested_loops():
         xla = (ca[0] if isinstance(ca, list) else ca)["flops"]
         hand = 2 * 64 * 128 * 128 * inner * trips
         assert xla + hlo.loop_flops(c.as_text()) == pytest.approx(hand, rel=0.01)
+
+
+def _two_lines(w, xs):
+    import jax
+
+    h = xs @ w  # once: 2 x 64 x 128 x 128
+    return jax.lax.scan(lambda g, _: (g @ w.T, None), h, None, length=3)[0]  # three times
+
+
+def test_a_programs_matmul_flops_are_read_by_the_source_line_they_come_from():
+    """``hlo.matmul_by_source``: each matmul's FLOPs (2*M*N*K) under the model line that made it,
+    a loop body's times its trips: the hand count per line of ``_two_lines``."""
+    import inspect
+
+    import jax
+    import jax.numpy as jnp
+
+    c = jax.jit(_two_lines).lower(jnp.ones((128, 128)), jnp.ones((64, 128))).compile()
+    got = hlo.matmul_by_source(c.as_text())
+    lines, first = inspect.getsourcelines(_two_lines)
+    at = {n: f"{__file__}:{first + i}" for i, n in ((3, "once"), (4, "loop"))}
+    hand = 2 * 64 * 128 * 128
+    assert got == {at["once"]: hand, at["loop"]: 3 * hand}
 
 
 # -- exact mode ----------------------------------------------------------------------------------
@@ -891,13 +915,19 @@ def test_fast_mode_counts_flops_as_xlas_cost_analysis_does():
     square roots), a reduction one flop per element reduced, and an all-reduce one per element (its
     gradients' reduce-scatter is an all-reduce of the whole on XLA:CPU). Fast mode counts the same:
     within 1% of the compiled step (measured +0.43%; -1.37% while it counted the square roots as
-    flops and the all-reduces as none), its transcendentals equal."""
+    flops and the all-reduces as none), its transcendentals equal. Its matmuls' FLOPs line by line
+    (``StepCost.matmul_flops``) equal the compiled program's dots under the same lines."""
     kw = dict(model=f"{MODELS}:mlp_small", step=f"{ROOT / 'examples' / 'train.py'}:mse_loss",
               batch=["x=float32[64,64],y=float32[64,16]"], devices=8)
     fast = shardplan.api.analyze(PLANS / "fsdp.splan", mode="fast", **kw)
     exact = shardplan.api.analyze(PLANS / "fsdp.splan", mode="exact", **kw)
     assert fast.flops == pytest.approx(exact.flops, rel=0.01)
     assert fast.transcendentals == pytest.approx(exact.transcendentals, rel=0.001)
+    assert exact.matmul_flops and all("models.py:" in line for line, _ in exact.matmul_flops)
+    assert dict(fast.matmul_flops) == dict(exact.matmul_flops)
+    # as a compile in a child process hands it back (it lost them until 2026-12-07)
+    for cost in (fast, exact):
+        assert StepCost.from_json(json.loads(json.dumps(cost.to_json()))) == cost
 
 
 def test_propagation_auto_takes_fast_modes_own_walk_over_explicit_axes():

@@ -111,6 +111,10 @@ class StepCost:
     # Fast mode: whose layouts it partitioned: its own propagation's ("shardplan") or Shardy's,
     # XLA's own pass run offline ("xla": ``check --propagation xla``)
     propagation: str = "shardplan"
+    # Matmul FLOPs per device per step by the model's source line, largest first: fast mode's
+    # rules, or the compiled program's dots and convolutions (``hlo.matmul_by_source``): where the
+    # two modes' FLOPs part.
+    matmul_flops: tuple[tuple[str, float], ...] = ()
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -153,6 +157,7 @@ class StepCost:
             **({"compiler": self.compiler, "compiler_seconds": self.compiler_seconds} if self.compiler else {}),
             **({"schedule": [_step_json(x) for x in self.schedule]} if self.schedule else {}),
             **({"backward_activations": [[k, list(a), n, c] for k, a, n, c in self.backward]} if self.backward else {}),
+            "matmul_flops_by_source": [[line, n] for line, n in self.matmul_flops],
         }
 
     @staticmethod
@@ -181,6 +186,8 @@ class StepCost:
             doc.get("compiler_seconds"),
             tuple(_step_of(x) for x in doc.get("schedule", ())),
             tuple((k, tuple(a), int(n), int(c)) for k, a, n, c in doc.get("backward_activations", ())),
+            doc.get("propagation", "shardplan"),
+            tuple((line, float(n)) for line, n in doc.get("matmul_flops_by_source", ())),
         )
 
 

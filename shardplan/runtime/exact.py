@@ -254,6 +254,7 @@ def compile_step(
         compiler=target.compiler + ("" if target.platform == "cpu" else f" {target.name}"),
         compiler_seconds=compiler_seconds,
         schedule=_schedule(text, ops, target),
+        matmul_flops=tuple(sorted(hlo.matmul_by_source(text).items(), key=lambda kv: (-kv[1], kv[0]))),
     )
 
 

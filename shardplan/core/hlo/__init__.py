@@ -8,7 +8,7 @@ A package of one concern per module:
 - ``collectives``: the collectives per kind, bytes, count, groups, mesh axes and source
   (``parse``, ``with_axes``, ``summarize``, ``report``);
 - ``flops``: FLOPs as XLA's cost analysis counts them, loops included (``program_flops``,
-  ``loop_flops``);
+  ``loop_flops``), and its matmuls' by source line (``matmul_by_source``);
 - ``traffic``: memory traffic and kernel launches (``memory_bytes``, ``kernel_count``);
 - ``schedule``: kernels in program order with the collectives beside them (``schedule``, ``Step``).
 """
@@ -16,7 +16,7 @@ A package of one concern per module:
 from __future__ import annotations
 
 from shardplan.core.hlo.collectives import CollectiveOp, parse, report, summarize, with_axes
-from shardplan.core.hlo.flops import loop_flops, program_flops
+from shardplan.core.hlo.flops import loop_flops, matmul_by_source, program_flops
 from shardplan.core.hlo.frames import LIBRARY_PATHS
 from shardplan.core.hlo.schedule import Step, schedule
 from shardplan.core.hlo.text import KINDS
@@ -29,6 +29,7 @@ __all__ = [
     "Step",
     "kernel_count",
     "loop_flops",
+    "matmul_by_source",
     "memory_bytes",
     "parse",
     "program_flops",

@@ -193,3 +193,45 @@ def loop_flops(hlo_text: str, entry_only: bool = False, whole: bool = False) -> 
         and body.group(1) in comps
     }
     return sum((runs.get(b, 1) - 1) * own(b, frozenset()) for b in sorted(bodies))
+
+
+def matmul_by_source(hlo_text: str) -> dict[str, float]:
+    """A program's matmul FLOPs per step (dots, and XLA:TPU's convolutions; in fusions too, every
+    loop body times its runs) by the source line each comes from: the innermost frame outside
+    libraries of its stack-frame metadata, else of the fusion or call that holds it ('' where
+    neither says). What fast mode's FLOPs are checked against line by line (benchmarks'
+    ``--flops`` differences)."""
+    from shardplan.core.hlo.frames import _tables
+    from shardplan.core.hlo.text import _FRAME
+
+    comps, entry = _computations(hlo_text)
+    runs = _runs(comps, entry)
+    frames = _tables(hlo_text)
+    out: dict[str, float] = {}
+    memo: dict[str, float] = {}
+
+    def source(ins: _Instr, outer: str) -> str:
+        frame = _FRAME.search(ins.line)
+        return (frames.source(int(frame.group(1))) if frame else "") or outer
+
+    def walk(name: str, times: int, outer: str, stack: frozenset[str]) -> None:
+        instrs = comps.get(name, [])
+        defs = {i.name: i for i in instrs}
+        for ins in instrs:
+            if ins.op in ("dot", "convolution"):
+                flops = _instr_flops(ins, defs, comps, memo, stack)
+                if flops:
+                    where = source(ins, outer)
+                    out[where] = out.get(where, 0.0) + times * flops
+            elif ins.op in ("fusion", "call", "conditional"):
+                for callee in _CALLS.findall(ins.line):
+                    if callee in comps and callee not in stack:
+                        walk(callee, times, source(ins, outer), stack | {callee})
+            elif ins.op == "while":
+                body = _BODY.search(ins.line)
+                if body and body.group(1) in comps and body.group(1) not in stack:
+                    walk(body.group(1), runs.get(body.group(1), times), source(ins, outer), stack | {body.group(1)})
+
+    if entry:
+        walk(entry, 1, "", frozenset({entry}))
+    return out

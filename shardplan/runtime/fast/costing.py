@@ -352,6 +352,7 @@ def cost(
         compiler="" if compiler == "cpu" else book.name,
         backward=tuple((kind, axes, n, count) for (kind, axes), (n, count) in backward.items()),
         propagation="xla" if xla is not None else "shardplan",  # what ``auto`` came to
+        matmul_flops=tuple(sorted(ctx.matmul_flops.items(), key=lambda kv: (-kv[1], kv[0]))),
     )
 
 

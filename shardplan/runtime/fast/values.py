@@ -45,6 +45,7 @@ class _Ctx:
     backward: bool = False  # the equation being costed is in the backward pass (a transpose's)
     backward_rows: set[int] = field(default_factory=set)  # rows of ``comm`` added in the backward pass
     flops: float = 0.0
+    matmul_flops: dict[str, float] = field(default_factory=dict)  # source line -> its matmuls' flops
     transcendentals: float = 0.0
     hbm: float = 0.0  # bytes read and written in memory (XLA's fusion assumed: see Walker.traffic)
     launches: float = 0.0  # kernels launched (equations whose results are stored, collectives)

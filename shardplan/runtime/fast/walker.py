@@ -41,6 +41,9 @@ from shardplan.runtime.sources import eqn_source
 # rule(walker, eqn, operands' layouts, multiplicity) -> results' layouts (None: not modelled here)
 Rule = Callable[["Walker", Any, list[Val], int], "list[Val] | None"]
 
+# Primitives whose FLOPs are matmuls' (``StepCost.matmul_flops``, by source line).
+MATMULS = frozenset({"dot_general", "ragged_dot_general", "conv_general_dilated"})
+
 
 @dataclass(frozen=True)
 class RuleBook:
@@ -728,6 +731,9 @@ class Walker:
             self.ctx.transcendentals += n * mult
         else:
             self.ctx.flops += n * mult
+            if name in MATMULS:
+                where = self.ctx.source or self.call_source
+                self.ctx.matmul_flops[where] = self.ctx.matmul_flops.get(where, 0.0) + n * mult
 
     def _of_frame(self, read: Callable[[Any], _T]) -> _T:
         """``read(jaxpr)`` of the jaxpr being run, once per trace (kept in the memo)."""
