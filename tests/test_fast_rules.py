@@ -958,6 +958,35 @@ def test_a_contraction_split_the_other_side_takes_elsewhere_moves_onto_idle_axes
         assert predicted["all-gather"] == xla["all-gather"] > 0 and not xla["all-reduce"]
 
 
+@pytest.mark.parametrize("specs, wanted, moved", [
+    ((P(None, ("model", "data")), P()), P("model", "data"), {"all-gather": 98_304}),
+    ((P(None, ("model", "data")), P()), P(None, "data"), {"all-gather": 98_304}),
+    ((P(None, "model"), P()), P("data", "model"), {"all-gather": 98_304}),
+    ((P("data", "model"), P()), P("data", "model"), {"all-gather": 49_152}),
+    ((P("data", "model"), P()), P("data"), {"all-reduce": 12_288}),
+    ((P(None, ("model", "data")), P()), None, {"all-reduce": 24_576}),
+], ids=["over both, on both dims", "on the other's columns", "on both dims", "rows kept split", "no contraction axis",
+        "not wanted"])
+def test_a_contraction_split_against_a_whole_side_wanted_split_over_it_elsewhere_is_gathered(specs, wanted, moved):
+    """``h @ w``, w whole, h split on the contraction (8 devices as model = 4, data = 2), the result
+    wanted split over a contraction axis on a dim h's split cannot move to: XLA gathers h whole on
+    the contraction (its other splits kept) and computes only the wanted tile, no partial sum (fast
+    mode had sliced w and reduce-scattered: 24,576 B where XLA gathers 98,304). Wanted over no
+    contraction axis, or not wanted: w sliced, the partial results all-reduced. XLA:CPU; XLA:TPU
+    v5e and XLA:GPU H100 gather the same (the TPU's bf16 copy), 2026-12-07. FLOPs: the tile's."""
+    mesh = {"model": 4, "data": 2}
+    fn, avals = (lambda h, w: h @ w), (S(128, 192), S(192, 48))
+    xla, predicted = by_kind(fn, avals, specs, wanted, mesh)
+    assert predicted == xla and {k: v for k, v in xla.items() if v} == moved
+    m = jax.make_mesh((4, 2), ("model", "data"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+    with jax.set_mesh(m):
+        kw = {} if wanted is None else {"out_shardings": NamedSharding(m, wanted)}
+        compiled = jax.jit(fn, in_shardings=tuple(NamedSharding(m, sp) for sp in specs), **kw).lower(*avals).compile()
+        ledger = fast.propagate_function(fn, avals, tuple(_dims(sp, 2) for sp in specs), mesh,
+                                         None if wanted is None else (_dims(wanted, 2),))
+    assert ledger.flops == pytest.approx(compiled.cost_analysis()["flops"], rel=0.001)
+
+
 _EXPERT_DATA = {"expert": 4, "data": 2}
 
 
