@@ -732,7 +732,9 @@ def _slice_to(
     """Lay a matmul's operands out so that it computes only ``tile`` of its result: each batch and
     free dim whole on its side(s) takes the tile's axes where neither operand splits any dim over
     them: a slice of what the device holds. In place."""
-    spots = [((ldims, i), (rdims, j)) for i, j in zip(lb, rb, strict=True)]
+    spots: list[tuple[tuple[list[list[str]], int], ...]] = [
+        ((ldims, i), (rdims, j)) for i, j in zip(lb, rb, strict=True)
+    ]
     spots += [((ldims, i),) for i in lfree] + [((rdims, j),) for j in rfree]
     taken = {x for d in (*ldims, *rdims) for x in d}
     for want, sides in zip(tile, spots, strict=True):
