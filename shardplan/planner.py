@@ -224,8 +224,11 @@ def suggest(
             simulated devices) or the TPU slice or GPUs the plan is for (``tpu-v5p:2x2x2``,
             ``h100:8``): candidates are ranked by fast mode's rules for its program and the best
             compiled by it offline at the full mesh; it must have ``devices`` devices. Default:
-            ``chip``'s own compiler for ``devices`` of it (``targets.for_chip``) where ``chip`` is
-            named and that compiler is installed, else ``cpu`` (a note says why).
+            a GPU ``chip``'s own compiler for ``devices`` of it (``targets.for_chip``) where
+            ``chip`` is named and that compiler is installed, else ``cpu`` (a note says why; a
+            TPU's program is confirmed only when named: shardplan's time model runs XLA:TPU's
+            windowed einsums' rings one collective after another, 7x fast mode's step on an FSDP
+            step of gpt_small, 16,384 tokens on 8 v5p chips).
         backend: the backend the plan is for (``auto`` or ``shard_map``): candidates are ranked by
             that backend's step (fast mode costs the shard_map backend from its partitioner's
             record), the best confirmed by compiling that backend's step, and the plan names it.
@@ -277,7 +280,7 @@ def suggest(
     if chip is not None:
         chips.lookup(chip)
     if target is None:
-        chosen, why = targets.for_chip(chip, devices, devices_per_host) if chip is not None else (None, "")
+        chosen, why = targets.for_chip(chip, devices, devices_per_host, tpus=False) if chip is not None else (None, "")
         aim = chosen or targets.CPU
         if chosen is None and chip is not None and confirm:
             by = "XLA:CPU confirms" if devices <= api.MAX_SIMULATED_DEVICES else "nothing here confirms"

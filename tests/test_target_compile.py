@@ -186,12 +186,10 @@ def test_the_extras_pin_the_jax_release():
 
 
 @pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")
-def test_suggest_confirms_its_plan_with_the_chips_compiler(tmp_path):
-    """``--chip tpu-v5e`` alone: ranked on the chip, confirmed by XLA:TPU on a slice of 8 of them
-    (``tpu-v5e:2x4``; until 2026-12-07 by XLA:CPU unless ``--target`` said otherwise)."""
+def test_suggest_confirms_its_plan_with_the_targets_compiler(tmp_path):
     out = tmp_path / "s.splan"
     r = subprocess.run([sys.executable, "-m", "shardplan", "suggest", "--model", MODEL, "--step", STEP, "--batch",
-                        BATCH, "--devices", "8", "--chip", "tpu-v5e", "--confirm", "1", "-o", out],
+                        BATCH, "--devices", "8", "--target", "tpu-v5e:2x4", "--confirm", "1", "-o", out],
                        capture_output=True, text=True, timeout=300, env=compiler_defaults_env())
     assert r.returncode == 0, r.stderr[-3000:]
     head = out.read_text()

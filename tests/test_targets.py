@@ -80,8 +80,9 @@ def test_a_tpu_slice_of_n_chips_is_named_as_its_topology_api_takes_it(chip, chip
 
 
 def test_suggest_confirms_with_the_chips_own_compiler_where_it_is_installed(monkeypatch):
-    """``suggest --chip C`` without ``--target``: C's compiler for that many of C, or XLA:CPU with a
-    reason the user can act on (the ``pip install`` line; GPUs that do not fill hosts)."""
+    """``suggest --chip C`` without ``--target``: a GPU's compiler for that many of C, or XLA:CPU with
+    a reason the user can act on (the ``pip install`` line; GPUs that do not fill hosts; a TPU's
+    program named only by ``--target``)."""
     monkeypatch.setattr(targets, "installed", lambda target: True)
     assert targets.for_chip("h100", 8) == (targets.parse("h100:8"), "")
     assert targets.for_chip("h100", 64, 8)[0] == targets.parse("h100:8x8")
@@ -92,6 +93,9 @@ def test_suggest_confirms_with_the_chips_own_compiler_where_it_is_installed(monk
     monkeypatch.setattr(targets, "installed", lambda target: target.platform != "cuda")
     aim, why = targets.for_chip("h100", 8)
     assert aim is None and why == f"XLA:GPU is not installed here: {targets.INSTALL['cuda']}"
+    # suggest's default leaves a TPU's program out (its windowed einsums' rings timed serially)
+    aim, why = targets.for_chip("tpu-v5p", 8, tpus=False)
+    assert aim is None and "--target tpu-v5p:2x2x2" in why
 
 
 def cli(*args):

@@ -249,10 +249,20 @@ def tpu_slice(chip: str, chips_: int) -> str | None:
     return "x".join(map(str, best))
 
 
-def for_chip(chip: str, devices: int, devices_per_host: int | None = None) -> tuple[Target | None, str]:
+def for_chip(
+    chip: str, devices: int, devices_per_host: int | None = None, tpus: bool = True
+) -> tuple[Target | None, str]:
     """The target that compiles a plan for ``devices`` of ``chip`` as that chip's compiler does,
-    where it is installed here; else None and why not (a line a user can act on)."""
+    where it is installed here; else None and why not (a line a user can act on). ``tpus``:
+    False where a TPU's program is not to be judged (``suggest``'s default: see its docs)."""
     if chip in TPUS:
+        if not tpus:
+            return None, (
+                f"XLA:TPU's windowed einsums (rings of collective-permutes inside its matmul loops, "
+                f"which it overlaps) are timed one after another by shardplan's time model, which "
+                f"would rank every plan that scatters gradients so far below the rest; name "
+                f"--target {chip}:{tpu_slice(chip, devices) or '...'} to confirm with XLA:TPU anyway"
+            )
         shape = tpu_slice(chip, devices)
         if shape is None:
             return None, f"no {chip} slice has {devices} chips"
