@@ -280,3 +280,21 @@ def test_chip_registry_is_the_datasheet_table():
     from shardplan.core import chips
 
     assert set(chips.CHIPS) == set(DATASHEETS)
+
+
+def test_the_tpu_estimate_benchmark_counts_pairs_of_plans_ordered_alike():
+    """benchmarks.tpu_estimate: within each model and batch, a pair of plans counts as ordered alike
+    where fast mode's step and XLA:TPU's estimate put them the same way round; a plan XLA gave no
+    estimate for (its loops) is left out and the report says why."""
+    from benchmarks import tpu_estimate
+
+    def r(model, plan, fast, xla):
+        return {"model": model, "batch": "8,8", "plan": plan, "fast_serial_s": fast, "fast_overlapped_s": fast,
+                "program_serial_s": fast, "xla_s": xla, "why_none": [] if xla else ["exact-estimate-loops"]}
+
+    rows = [r("a", "dp", 1.0, 2.0), r("a", "tp", 2.0, 3.0), r("a", "2d", 3.0, 2.5), r("a", "fsdp", 0.5, None),
+            r("b", "dp", 1.0, 1.0), r("b", "tp", 2.0, 0.5)]
+    assert tpu_estimate.agreement(rows, "fast_serial_s") == (2 + 0, 3 + 1)
+    lines = tpu_estimate.report({"rows": rows, "serial": (2, 4), "overlapped": (2, 4)})
+    assert any("fsdp" in line and "none: exact-estimate-loops" in line for line in lines)
+    assert lines[-1].endswith("2 of 4")
