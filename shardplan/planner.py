@@ -227,8 +227,8 @@ def suggest(
             a GPU ``chip``'s own compiler for ``devices`` of it (``targets.for_chip``) where
             ``chip`` is named and that compiler is installed, else ``cpu`` (a note says why; a
             TPU's program is confirmed only when named: shardplan's time model runs XLA:TPU's
-            windowed einsums' rings one collective after another, 7x fast mode's step on an FSDP
-            step of gpt_small, 16,384 tokens on 8 v5p chips).
+            windowed einsums' rings one collective after another, 3.1x fast mode's step on an
+            FSDP step of gpt_small, 16,384 tokens on 8 v5p chips).
         backend: the backend the plan is for (``auto`` or ``shard_map``): candidates are ranked by
             that backend's step (fast mode costs the shard_map backend from its partitioner's
             record), the best confirmed by compiling that backend's step, and the plan names it.

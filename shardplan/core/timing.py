@@ -54,9 +54,14 @@ def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float) -
     return nbytes * factor / bandwidth
 
 
-def collective_latency(count: int, group: int, latency: float) -> float:
-    """``count`` collectives over ``group`` devices: ``latency`` per doubling of the group each."""
-    return count * latency * math.ceil(math.log2(group)) if group > 1 else 0.0
+def collective_latency(count: int, group: int, latency: float, kind: str = "") -> float:
+    """``count`` collectives over ``group`` devices: ``latency`` per doubling of the group each
+    (the steps of a reduction's or a gather's tree or ring); a collective-permute, one send to one
+    device whatever the group (a pipeline's stage hand-off, a windowed einsum's ring step), one
+    ``latency`` each."""
+    if group <= 1:
+        return 0.0
+    return count * latency * (1 if kind == "collective-permute" else math.ceil(math.log2(group)))
 
 
 # XLA combines the collectives that move params or their gradients (all independent of each
@@ -103,7 +108,11 @@ def _one(
     ``axes``, per link, and their latency (``latency=False``: counted elsewhere, see COMBINE_BYTES)."""
     group = math.prod(mesh.get(a, 1) for a in axes)
     link = "dcn" if any(links.get(a) == "dcn" for a in axes) else "ici"
-    lat = collective_latency(count, group, chip.dcn_latency if link == "dcn" else chip.ici_latency) if latency else 0.0
+    lat = (
+        collective_latency(count, group, chip.dcn_latency if link == "dcn" else chip.ici_latency, kind)
+        if latency
+        else 0.0
+    )
     inside = math.prod(mesh.get(a, 1) for a in axes if links.get(a) != "dcn")
     if link == "dcn" and inside > 1 and kind in ("all-reduce", "all-gather", "reduce-scatter"):
         # Over axes inside and across hosts: hierarchically, the fast links first over the whole
