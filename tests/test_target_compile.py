@@ -54,6 +54,10 @@ def test_a_windowed_einsums_unrolled_loop_runs_as_often_as_its_counter_says():
     assert {o.kind for o in ops} == {"collective-permute"}
     assert sum(o.bytes * o.runs for o in ops) == 9 * 32 * 512 * 4
     assert hlo.program_flops(text) == pytest.approx(2 * 32768 * 256 * 512 / 8, rel=0.01)
+    # one loop of matmuls with a ring of permutes (exact mode's note ``exact-matmul-rings``); the
+    # FSDP step beside it gathers and scatters with no ring
+    assert hlo.matmul_rings(text) == 1
+    assert hlo.matmul_rings((HLO / "tpu_v5e_2x4_fsdp_mlp.hlo").read_text()) == 0
 
 
 def test_a_collective_xla_tpu_writes_once_per_overlapping_fusion_is_counted_once():
@@ -298,6 +302,7 @@ def test_fast_mode_for_a_tpu_target_runs_long_weight_gradients_as_windowed_einsu
         exact = exact_result.bytes_by_kind()
         fast = shardplan.api.analyze(PLANS / "fsdp.splan", mode="fast", target=target, **kw).bytes_by_kind()
         flops[target] = exact_result.flops
+        assert ("exact-matmul-rings" in {n.code for n in exact_result.notes}) == ring
         if ring:
             assert not exact.get("reduce-scatter") and not fast.get("reduce-scatter"), (fast, exact)
             assert fast["collective-permute"] == pytest.approx(exact["collective-permute"], rel=0.10)

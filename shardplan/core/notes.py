@@ -44,6 +44,7 @@ NOTE_CODES: dict[str, NoteCode] = {
         NoteCode("exact-offline", "the step compiled offline for a target whose devices are not present"),
         NoteCode("exact-cached", "the compiled program read from shardplan's compile cache"),
         NoteCode("exact-flops-from-hlo", "a compiler without cost analysis: FLOPs counted from its program's HLO"),
+        NoteCode("exact-matmul-rings", "matmul loops with rings of permutes (windowed einsums): timed serially"),
         NoteCode("exact-estimate-loops", "the compiler's own time estimate counts loop bodies once: not shown"),
         NoteCode("exact-loop-flops", "FLOPs of loop iterations XLA's cost analysis leaves out, added"),
         # the shard_map backend

@@ -237,6 +237,16 @@ def compile_step(
                 "(it counts a while body once), counted from the loop bodies' HLO",
             )
         )
+    rings = hlo.matmul_rings(text)
+    if rings:
+        notes.append(
+            Note(
+                "exact-matmul-rings",
+                f"{rings} matmul loop(s) pass partial results around a ring of collective-permutes (windowed "
+                f"einsums), which {target.compiler} overlaps with the matmul's chunks: the step time (--chip) runs "
+                "each permute after the matmul, an upper bound",
+            )
+        )
     notes += acts.notes()
     return StepCost(
         "exact",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from shardplan.core.hlo.text import _BODY, _BRANCHES, _CALLEES, _OPERAND, _TRIP, _Instr
+from shardplan.core.hlo.text import _BODY, _BRANCHES, _CALLEES, _CALLS, _OPERAND, _TRIP, _computations, _Instr
 
 _CONDITION = re.compile(r"\bcondition=%([\w.\-]+)")
 _CONSTANT = re.compile(r"constant\((\d+)\)")
@@ -95,3 +95,30 @@ def _bodies(comps: dict[str, list[_Instr]]) -> set[str]:
         for ins in instrs
         if ins.op == "while" and (body := _BODY.search(ins.line)) and body.group(1) in comps
     }
+
+
+def matmul_rings(hlo_text: str) -> int:
+    """While loops whose body holds a collective-permute beside a matmul (a dot or convolution, in
+    the body or a fusion it calls): XLA:TPU's windowed einsums, a matmul cut into chunks with the
+    partial results (or operands) passed around a ring of devices while the next chunk computes."""
+    comps, _ = _computations(hlo_text)
+
+    def holds(name: str, ops: tuple[str, ...], seen: frozenset[str]) -> bool:
+        for ins in comps.get(name, []):
+            if ins.op in ops:
+                return True
+            for callee in _CALLS.findall(ins.line):
+                if callee not in seen and holds(callee, ops, seen | {callee}):
+                    return True
+        return False
+
+    permutes = ("collective-permute", "collective-permute-start")
+    return sum(
+        1
+        for instrs in comps.values()
+        for ins in instrs
+        if ins.op == "while"
+        and (body := _BODY.search(ins.line))
+        and holds(body.group(1), permutes, frozenset({body.group(1)}))
+        and holds(body.group(1), ("dot", "convolution"), frozenset({body.group(1)}))
+    )
