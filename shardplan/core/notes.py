@@ -50,6 +50,11 @@ NOTE_CODES: dict[str, NoteCode] = {
         # the shard_map backend
         NoteCode("shard-map-how", "the shard_map backend's collectives are its partitioner's own"),
         NoteCode("shard-map-fallback", "an op the partitioner ran on whole operands"),
+        NoteCode(
+            "expert-load-static",
+            "grouped matmuls on each device's experts that the compiler runs densely: their work does not follow "
+            "the routing",
+        ),
         # check and suggest
         NoteCode("mesh-star-resolved", "a '*' mesh axis sized from this machine's devices"),
         NoteCode("suggest-confirmed-on-cpu", "the --chip's own compiler cannot confirm here: XLA:CPU does"),

@@ -115,6 +115,11 @@ class StepCost:
     # rules, or the compiled program's dots and convolutions (``hlo.matmul_by_source``): where the
     # two modes' FLOPs part.
     matmul_flops: tuple[tuple[str, float], ...] = ()
+    # Grouped matmuls each device runs on its own groups of a split, where the compiler's grouped
+    # kernel does as much work as rows were routed to them (the shard_map backend's experts over
+    # an expert axis on XLA:TPU): (source, groups, the groups' axes, FLOPs per device per step with
+    # every group routed alike). A stated routing (``core.routing``) scales the busiest shard's.
+    grouped: tuple[tuple[str, int, tuple[str, ...], float], ...] = ()
 
     def bytes_by_kind(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -158,6 +163,7 @@ class StepCost:
             **({"schedule": [_step_json(x) for x in self.schedule]} if self.schedule else {}),
             **({"backward_activations": [[k, list(a), n, c] for k, a, n, c in self.backward]} if self.backward else {}),
             "matmul_flops_by_source": [[line, n] for line, n in self.matmul_flops],
+            **({"grouped_matmuls": [[src, g, list(a), n] for src, g, a, n in self.grouped]} if self.grouped else {}),
         }
 
     @staticmethod
@@ -188,6 +194,7 @@ class StepCost:
             tuple((k, tuple(a), int(n), int(c)) for k, a, n, c in doc.get("backward_activations", ())),
             doc.get("propagation", "shardplan"),
             tuple((line, float(n)) for line, n in doc.get("matmul_flops_by_source", ())),
+            tuple((src, int(g), tuple(a), float(n)) for src, g, a, n in doc.get("grouped_matmuls", ())),
         )
 
 

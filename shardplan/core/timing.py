@@ -15,9 +15,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shardplan.core import hlo
+from shardplan.core import hlo, routing
 from shardplan.core.chips import Chip
 from shardplan.core.plan import Plan
+from shardplan.core.routing import ExpertLoad
 from shardplan.core.stepcost import StepCost
 from shardplan.ledger import Communication
 
@@ -39,6 +40,11 @@ class StepTime:
     # kernels between their start and their done run, the others wait (see :func:`scheduled`).
     scheduled_s: float = 0.0
     exposed_s: float = 0.0  # of comm_s, what the schedule does not hide
+    # A stated expert load (``core.routing``): the busiest expert shard's tokens over the mean,
+    # the largest of the step's split grouped matmuls', and the compute it adds to the step (the
+    # step waits for that shard: compute_s includes it).
+    imbalance: float = 1.0
+    imbalance_s: float = 0.0
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -152,7 +158,24 @@ def scheduled(steps: tuple[hlo.Step, ...], mesh: dict[str, int], links: dict[str
     return max([t, *pending.values()])
 
 
-def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
+def busiest(cost: StepCost, mesh: dict[str, int], load: ExpertLoad | None) -> tuple[float, float]:
+    """(the largest busiest-shard factor, the FLOPs the busiest expert shard does beyond the
+    mean) of the step's split grouped matmuls under ``load``; (1.0, 0.0) without one."""
+    if load is None:
+        return 1.0, 0.0
+    worst, extra = 1.0, 0.0
+    for _, groups, axes, flops in cost.grouped:
+        f = routing.imbalance(load, groups, math.prod(mesh.get(a, 1) for a in axes))
+        worst, extra = max(worst, f), extra + (f - 1) * flops
+    return worst, extra
+
+
+def step_time(cost: StepCost, plan: Plan, chip: Chip, load: ExpertLoad | None = None) -> StepTime:
+    """``load``: how tokens are routed to experts (default: alike, every expert shard the mean).
+
+    Raises:
+        ArgumentError: ``load`` does not fit the step's grouped matmuls (``routing.shares``).
+    """
     links = {a.name: a.link for a in plan.mesh}
     by_link: dict[str, float] = {}
     latency = 0.0
@@ -184,7 +207,9 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
         latency += lat
         by_link[link] = by_link.get(link, 0.0) + lat
         (gathers if key[0] == "all-gather" else sums)[0] += lat
-    compute = cost.flops / chip.peak_flops
+    worst, extra = busiest(cost, cost.mesh, load)
+    useful = cost.flops / chip.peak_flops
+    compute = useful + extra / chip.peak_flops  # the busiest expert shard's
     memory = cost.hbm_bytes / chip.hbm_bandwidth
     launch = cost.kernels * chip.launch_s
     comm = sum(by_link.values())
@@ -219,10 +244,12 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip) -> StepTime:
         by_link,
         serial,
         overlapped,
-        compute / serial if serial else 0.0,
-        compute / overlapped if overlapped else 0.0,
+        useful / serial if serial else 0.0,
+        useful / overlapped if overlapped else 0.0,
         latency,
         launch,
         sched,
         sched - work,
+        worst,
+        extra / chip.peak_flops,
     )

@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 
 from shardplan import api
-from shardplan.core import backends, callables, chips, lock, optimizers, targets, timing
+from shardplan.core import backends, callables, chips, lock, optimizers, routing, targets, timing
 from shardplan.core.format import fmt_bytes, parse_bytes
 from shardplan.core.meshes import parse_links_arg, parse_mesh_arg, with_links
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD
@@ -158,7 +158,10 @@ def cmd_check(args, out: Console, err: Console) -> int:
     if chip_name and costs is not None:
         links = parse_links_arg(args.link or [])
         chip = chips.lookup(chip_name)
-        times = [timing.step_time(c, with_links(r.plan, links), chip) for c, r in zip(costs, results, strict=True)]
+        times = [
+            timing.step_time(c, with_links(r.plan, links), chip, args.expert_load)
+            for c, r in zip(costs, results, strict=True)
+        ]
     all_diags = [d for w in shown for d in w]
     laid_out = _layouts(args, first.plan) if args.layouts is not None else None
     if args.format == "json":
@@ -186,7 +189,9 @@ def cmd_check(args, out: Console, err: Console) -> int:
             if costs is None:
                 report.print_step_hint(out, first.plan)
         if costs is not None:
-            report.print_step_cost(out, first.plan.name or args.plan, costs[0], times[0] if times else None)
+            report.print_step_cost(
+                out, first.plan.name or args.plan, costs[0], times[0] if times else None, load=args.expert_load
+            )
         if laid_out is not None:
             report.print_layouts(out, laid_out[0], laid_out[1], args.layouts)
         if others:
@@ -383,6 +388,18 @@ def _check_step_args(args) -> None:
         raise _UsageError("--layouts lists a step's values: name the step with --step and --batch")
     if (args.chip or args.link) and not args.step:
         raise _UsageError("--chip and --link estimate a step's time: name the step with --step and --batch")
+    if args.expert_load is not None:
+        if not (args.step and (args.chip or targets.parse(args.target).chip)):
+            raise _UsageError(
+                "--expert-load changes a step's time estimate: name the step (--step, --batch) and the chip "
+                "(--chip or a --target's)"
+            )
+        if args.compile:
+            raise _UsageError(
+                "--expert-load scales fast mode's estimate of the busiest expert shard; the compiled program's "
+                "work is fixed when it compiles: drop --compile"
+            )
+        args.expert_load = routing.parse(args.expert_load)
     target = targets.parse(args.target)
     targets.agree(target, args.chip)
     if args.devices is None and target.devices is not None and not args.mesh:
@@ -804,6 +821,13 @@ def build_parser() -> argparse.ArgumentParser:
         "offline (no compile, any mesh size)",
     )
     st.add_argument("--chip", choices=sorted(chips.CHIPS), help="estimate the step time and MFU on this accelerator")
+    st.add_argument(
+        "--expert-load",
+        metavar="LOAD",
+        help="how tokens are routed to experts, for the step time: tokens per expert (a router histogram: "
+        "900,100,500,548, or a JSON file of them) or the busiest expert shard's tokens over the mean (1.3); "
+        "the step waits for the busiest shard's grouped matmuls (default: every expert alike)",
+    )
     st.add_argument(
         "--link",
         action="append",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -12,11 +13,12 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from shardplan.core import chips
+from shardplan.core import chips, routing
 from shardplan.core.cost import communication, summary
 from shardplan.core.format import fmt_bytes, fmt_op, fmt_seconds, fmt_shape, layer_group
 from shardplan.core.leaves import Decision, Resolution
 from shardplan.core.plan import Plan
+from shardplan.core.routing import ExpertLoad
 from shardplan.core.stepcost import KINDS, StepCost
 from shardplan.core.timing import StepTime
 from shardplan.errors import MAX_SHOWN, Diagnostic
@@ -82,10 +84,39 @@ def print_step_hint(console: Console, plan: Plan) -> None:
     )
 
 
+def print_expert_load(console: Console, cost: StepCost, time: StepTime, load: ExpertLoad) -> None:
+    """What a stated routing does to the step: the busiest expert shard's share per grouped
+    matmul and the compute the step waits for, or why it changes nothing."""
+    if not cost.grouped:
+        console.print(
+            f"expert load ({escape(load.describe())}): no effect on this step: no grouped matmul runs on split "
+            "experts with a kernel whose work follows the routing (the experts' work is fixed by the program: "
+            "capacity buffers, grouped matmuls run densely, or experts whole on every device)"
+        )
+        return
+    sites = "; ".join(
+        f"{escape(os.path.basename(src))} ({groups} experts over {'x'.join(axes)}: busiest shard "
+        f"{routing.imbalance(load, groups, math.prod(cost.mesh.get(a, 1) for a in axes)):.2f}x)"
+        for src, groups, axes, _ in cost.grouped
+    )
+    console.print(
+        f"expert load ({escape(load.describe())}): the step waits for the busiest expert shard, "
+        f"{time.imbalance:.2f}x the mean tokens: +{fmt_seconds(time.imbalance_s)} of compute (in the figures "
+        f"above) on its grouped matmuls: {sites}"
+    )
+
+
 def print_step_cost(
-    console: Console, name: str, cost: StepCost, time: StepTime | None = None, *, limit: int = 15
+    console: Console,
+    name: str,
+    cost: StepCost,
+    time: StepTime | None = None,
+    *,
+    limit: int = 15,
+    load: ExpertLoad | None = None,
 ) -> None:
-    """One step's cost: FLOPs, memory, and every collective with where it comes from."""
+    """One step's cost: FLOPs, memory, and every collective with where it comes from; ``load``:
+    the stated expert load ``time`` was estimated under."""
     mesh = ",".join(f"{k}={v}" for k, v in cost.mesh.items())
     what = (
         f"{cost.compiler or 'XLA'}'s compiled program"
@@ -194,6 +225,8 @@ def print_step_cost(
             f"scheduled step {fmt_seconds(time.scheduled_s)}, communication exposed {fmt_seconds(time.exposed_s)} "
             f"of {fmt_seconds(time.comm_s)} ({how})"
         )
+        if load is not None:
+            print_expert_load(console, cost, time, load)
     for n in cost.notes:
         console.print(f"[dim]note: {escape(n.text)}[/]")
 

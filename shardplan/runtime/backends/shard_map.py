@@ -131,6 +131,22 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
         )
         for f in record.fallbacks
     ]
+    # Grouped matmuls on each device's own experts: the work follows the routing where the
+    # compiler's grouped matmul is a kernel over the rows routed (XLA:TPU's); where it runs every
+    # row through every local group (jax's dense decomposition on XLA:CPU, XLA:GPU's), it is fixed.
+    grouped = tuple(_merged(record.grouped))
+    if grouped and fast.COMPILERS[compiler].whole_ragged != "kernel":
+        notes.append(
+            Note(
+                "expert-load-static",
+                f"{fast.COMPILERS[compiler].name} runs each grouped matmul densely (every row through every local "
+                "expert): the step's work does not follow how tokens are routed, and a stated expert load does "
+                "not change it",
+                "ragged_dot_general",
+                grouped[0][0],
+            )
+        )
+        grouped = ()
     return replace(
         base,
         backend="shard_map",
@@ -139,7 +155,17 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
         seconds=time.perf_counter() - t0,
         constraint_delta=(),
         fallbacks=tuple((f.op, f.source, f.bytes) for f in record.fallbacks),
+        grouped=grouped,
     )
+
+
+def _merged(rows: list[tuple[str, int, tuple[str, ...], float]]) -> list[tuple[str, int, tuple[str, ...], float]]:
+    """One row per source line, groups and axes: the FLOPs summed (a layer's forward and
+    backward grouped matmuls at one line, a scanned layer's trips)."""
+    out: dict[tuple[str, int, tuple[str, ...]], float] = {}
+    for src, g, axes, flops in rows:
+        out[src, g, axes] = out.get((src, g, axes), 0.0) + flops
+    return [(*k, v) for k, v in sorted(out.items(), key=lambda kv: -kv[1])]
 
 
 def _dims(dims, rank: int) -> partition.Dims:

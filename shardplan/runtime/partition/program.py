@@ -47,6 +47,7 @@ def local_step(
         part.labels = labels
         record.issued.clear()
         record.fallbacks.clear()
+        record.grouped.clear()
         args = []
         for x, d, var in zip(params, param_dims, closed.jaxpr.invars[: len(params)], strict=True):
             args.append(V(x, tuple(var.aval.shape), var.aval.dtype, d))

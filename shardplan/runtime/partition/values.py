@@ -69,6 +69,10 @@ class Fallback:
 class Record:
     issued: list[Communication] = field(default_factory=list)  # the collective ledger's rows
     fallbacks: list[Fallback] = field(default_factory=list)
+    # Grouped matmuls run on this device's groups of a split (the experts over an expert axis):
+    # (source, groups, the groups' axes, FLOPs per device per step were every group routed alike).
+    # Their work follows the routing: the busiest shard's is the step's (``core.routing``).
+    grouped: list[tuple[str, int, tuple[str, ...], float]] = field(default_factory=list)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """{kind: {"count", "bytes"}} per device per step, as ``shardplan.core.hlo.summarize``."""

@@ -1,0 +1,177 @@
+"""A stated expert load (a router histogram, or the busiest shard's factor): parsed where it
+enters, mapped onto the expert shards as a sharded dim splits them, and the step waiting for the
+busiest shard's grouped matmuls where the compiler's grouped kernel follows the routing."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from shardplan.core import chips, routing, timing
+from shardplan.errors import ArgumentError
+from tests.helpers import PLANS, ROOT
+
+MOE = dict(
+    model=f"{ROOT / 'examples' / 'models.py'}:moe_tiny_dropless",
+    step=f"{ROOT / 'examples' / 'train.py'}:moe_lm_loss",
+    batch=["tokens=int32[16,32],labels=int32[16,32]"],
+)
+
+
+def test_a_histogram_a_factor_and_a_file_are_read(tmp_path):
+    assert routing.parse("900,100,500,500").counts == (900, 100, 500, 500)
+    assert routing.parse(" 1.5 ").factor == 1.5
+    listed = tmp_path / "load.json"
+    listed.write_text(json.dumps([3, 1, 0, 4]))
+    assert routing.parse(str(listed)).counts == (3, 1, 0, 4)
+    logged = tmp_path / "router.json"
+    logged.write_text(json.dumps({"step": 100, "tokens_per_expert": [1, 2, 3, 4]}))
+    assert routing.parse(str(logged)).counts == (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("0.8", "at least the mean"),
+    ("nan", "at least the mean"),
+    ("3,-1,2", "negative"),
+    ("0,0,0", "every count is zero"),
+    ("3,x,2", "not all numbers"),
+    ("no_such_histogram.json", "not a factor, a list of counts or a file"),
+])
+def test_a_bad_load_is_an_argument_error_at_the_flag(text, words):
+    with pytest.raises(ArgumentError) as e:
+        routing.parse(text)
+    assert words in str(e.value) and "--expert-load" in str(e.value)
+
+
+def test_a_file_without_counts_says_so(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text('{"a": 1}')
+    with pytest.raises(ArgumentError, match="holds no list of counts"):
+        routing.parse(str(bad))
+    bad.write_text("[1, 2")
+    with pytest.raises(ArgumentError, match="not a JSON file"):
+        routing.parse(str(bad))
+
+
+def test_the_shards_hold_the_experts_in_contiguous_blocks_as_jax_splits_a_dim():
+    """The ground truth of which experts a shard holds: jax's own sharding of a stacked experts'
+    dim over an 'expert' axis of 4 devices (each device's index into the dim)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("expert",))
+    held = NamedSharding(mesh, PartitionSpec("expert")).devices_indices_map((8,))
+    blocks = sorted(tuple(range(8))[idx[0]] for idx in held.values())
+    assert blocks == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    counts = (5, 3, 0, 0, 1, 1, 2, 4)
+    load = routing.ExpertLoad(counts=counts)
+    want = tuple(sum(counts[i] for i in b) / sum(counts) for b in blocks)
+    assert routing.shares(load, 8, 4) == pytest.approx(want)
+    assert routing.imbalance(load, 8, 4) == pytest.approx(8 / 16 * 4)  # the first shard: 8 of 16 tokens
+    assert routing.imbalance(load, 8, 1) == 1.0  # one shard holds every expert
+    assert routing.imbalance(routing.ExpertLoad(counts=(1,) * 8), 8, 8) == 1.0
+
+
+def test_a_factor_sets_the_busiest_shard_and_cannot_exceed_the_shards():
+    load = routing.ExpertLoad(factor=1.6)
+    assert routing.imbalance(load, 8, 4) == pytest.approx(1.6)
+    assert sum(routing.shares(load, 8, 4)) == pytest.approx(1.0)
+    with pytest.raises(ArgumentError, match="at most 2x"):
+        routing.shares(routing.ExpertLoad(factor=3.0), 8, 2)
+    with pytest.raises(ArgumentError, match="histogram has 4 experts, the step's grouped matmuls 8"):
+        routing.shares(routing.ExpertLoad(counts=(1, 2, 3, 4)), 8, 4)
+
+
+def _shard_map_cost(target: str):
+    import shardplan
+
+    return shardplan.api.analyze(PLANS / "moe_ep.splan", mode="fast", backend="shard_map", target=target,
+                                 devices=8, **MOE)
+
+
+def test_the_busiest_expert_shard_sets_the_step_on_xla_tpu():
+    """moe_tiny_dropless (2 MoE layers, 4 experts of d_model 32 -> 64, top-2) over `expert = 4`,
+    16 x 32 tokens: each grouped matmul runs 1,024 routed rows. By hand, per device with every
+    expert alike: 4 grouped matmuls a layer whose work follows the rows (the two forward and
+    their input gradients; XLA:TPU runs the weight gradients over every row), each 2 x 1,024 / 4
+    rows x 32 x 64 FLOPs, 8,388,608 in all. A histogram that sends 10 of 13 tokens to the first
+    expert makes its shard 40/13 of the mean: the step waits for (40/13 - 1) x those FLOPs more."""
+    cost = _shard_map_cost("tpu-v5e:2x4")
+    assert sum(n for *_, n in cost.grouped) == 2 * 4 * 2 * 1024 / 4 * 32 * 64
+    assert {(g, axes) for _, g, axes, _ in cost.grouped} == {(4, ("expert",))}
+    plan = __import__("shardplan").load(PLANS / "moe_ep.splan")
+    chip = chips.lookup("tpu-v5e")
+    even = timing.step_time(cost, plan, chip)
+    assert timing.step_time(cost, plan, chip, routing.ExpertLoad(counts=(3, 3, 3, 3))) == even
+    skewed = timing.step_time(cost, plan, chip, routing.ExpertLoad(counts=(10, 1, 1, 1)))
+    extra = (40 / 13 - 1) * 8_388_608 / chip.peak_flops
+    assert skewed.imbalance == pytest.approx(40 / 13)
+    assert skewed.imbalance_s == pytest.approx(extra)
+    assert skewed.compute_s - even.compute_s == pytest.approx(extra)
+    assert skewed.serial_s - even.serial_s == pytest.approx(extra)
+    assert skewed.mfu_serial < even.mfu_serial
+    # the stated load is the step's: a histogram of another expert count is refused
+    with pytest.raises(ArgumentError, match="histogram has 3 experts"):
+        timing.step_time(cost, plan, chip, routing.ExpertLoad(counts=(1, 1, 1)))
+    assert replace(cost, grouped=()).grouped == ()  # a step without split grouped matmuls:
+    assert timing.step_time(replace(cost, grouped=()), plan, chip, routing.ExpertLoad(factor=2.0)).imbalance == 1.0
+
+
+@pytest.mark.parametrize("target", ["cpu", "h100:8"])
+def test_a_compiler_that_runs_grouped_matmuls_densely_is_not_slowed_by_the_routing(target):
+    """XLA:CPU (jax's dense decomposition) and XLA:GPU run every row through every local expert:
+    the work is fixed, whatever the routing, and a note says so."""
+    cost = _shard_map_cost(target)
+    assert cost.grouped == ()
+    assert any(n.code == "expert-load-static" for n in cost.notes)
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "shardplan", "check", str(PLANS / "moe_ep.splan"),
+                           "--model", MOE["model"], "--step", MOE["step"], "--batch", MOE["batch"][0],
+                           "--backend", "shard_map", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_check_prints_what_the_busiest_expert_shard_costs():
+    r = cli("--target", "tpu-v5e:2x4", "--expert-load", "10,1,1,1")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "the step waits for the busiest expert shard, 3.08x the mean tokens" in text
+    assert "models.py:620 (4 experts over expert: busiest shard 3.08x)" in text
+    r = cli("--target", "h100:8", "--expert-load", "10,1,1,1")
+    assert r.returncode == 0, r.stderr
+    assert "no effect on this step" in " ".join(r.stdout.split())
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--expert-load", "1.5"], "name the step (--step, --batch) and the chip"),
+    (["--chip", "tpu-v5e", "--compile", "--expert-load", "1.5"], "drop --compile"),
+    (["--chip", "tpu-v5e", "--expert-load", "0.5"], "--expert-load"),
+])
+def test_the_load_flag_is_checked_before_any_work(args, words):
+    argv = ["check", str(PLANS / "moe_ep.splan"), *args]
+    if "--chip" in args:
+        argv += ["--model", MOE["model"], "--step", MOE["step"], "--batch", MOE["batch"][0]]
+    code = f"import sys; from shardplan.tools import cli; rc = cli.main({argv!r}); print(rc, 'jax' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["2", "False"], r.stdout + r.stderr
+    assert words in " ".join(r.stderr.split()) and "Traceback" not in r.stderr
+
+
+def test_a_routed_layer_of_our_own_counts_its_grouped_work_by_hand():
+    """tests/fixtures/engine_models.py's sorted_experts (top-1, SiLU between two grouped matmuls,
+    its own names; 4 experts of 64 -> 96) over `expert = 4`, 8 x 16 tokens: 128 routed rows, 4
+    grouped matmuls whose work follows the rows (two forward, their input gradients), each
+    2 x 128 / 4 rows x 64 x 96 FLOPs per device."""
+    import shardplan
+    from tests.helpers import FIXTURES
+
+    cost = shardplan.api.analyze(
+        FIXTURES / "experts_ep.splan", mode="fast", backend="shard_map", target="tpu-v5e:2x4", devices=8,
+        model=f"{FIXTURES / 'engine_models.py'}:sorted_experts", step=f"{FIXTURES / 'engine_models.py'}:lm_loss",
+        batch=["tokens=int32[8,16],labels=int32[8,16]"])
+    assert sum(n for *_, n in cost.grouped) == 4 * 2 * 128 / 4 * 64 * 96
+    assert {src.rsplit(":", 1)[1] for src, *_ in cost.grouped} == {"371", "372"}
