@@ -57,7 +57,7 @@ def check(fn, args, in_dims, dims=None, issued=(), out_hints=None):
     got, layouts, record, before = partitioned(fn, args, in_dims, out_hints)
     want = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
     for g, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-5)  # float32 sums reordered
     assert record.fallbacks == []
     if dims is not None:
         assert layouts[0][0] == dims, layouts

@@ -13,6 +13,7 @@ emitted module's ``make_gather_whole_step``, and the benchmarks' baseline.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -103,7 +104,9 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
 
     t0 = time.perf_counter()
     res = tracer.resolve(plan, mesh)
-    base = fast.cost(tracer.step(plan, mesh, res), plan, mesh, delta=False, res=res, compiler=compiler, how=False)
+    base = fast.cost(
+        tracer.step(plan, mesh, res), plan, mesh, delta=False, res=res, compiler=compiler, how=False, grouped=False
+    )
     params, inputs = res.params, res.inputs
     record = partition.predict(
         tracer.gradients(plan, mesh, res),
@@ -116,8 +119,9 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
         Note(
             "shard-map-how",
             "fast mode, shard_map backend: the collectives are the partitioned per-device code's own (a dry run "
-            "of shardplan's partitioner; the compiled step issues exactly these, tests/test_shard_map.py); FLOPs, "
-            "memory and memory traffic are the auto backend's propagation; the optimizer update runs on global "
+            "of shardplan's partitioner; the compiled step issues exactly these, tests/test_shard_map.py); FLOPs"
+            + (" (the grouped matmuls' aside: counted as this backend runs them)" if record.grouped else "")
+            + ", memory and memory traffic are the auto backend's propagation; the optimizer update runs on global "
             "arrays outside shard_map, and collectives XLA adds there (a global-norm clip's all-reduce) are not "
             "listed",
         )
@@ -131,11 +135,15 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
         )
         for f in record.fallbacks
     ]
+    book = fast.COMPILERS[compiler]
+    counted, grouped = grouped_flops(record.grouped, mesh, book.whole_ragged == "kernel")
+    matmuls = dict(base.matmul_flops)
+    for line, n in counted.items():
+        matmuls[line] = matmuls.get(line, 0.0) + n
     # Grouped matmuls on each device's own experts: the work follows the routing where the
     # compiler's grouped matmul is a kernel over the rows routed (XLA:TPU's); where it runs every
     # row through every local group (jax's dense decomposition on XLA:CPU, XLA:GPU's), it is fixed.
-    grouped = tuple(_merged(record.grouped))
-    if grouped and fast.COMPILERS[compiler].whole_ragged != "kernel":
+    if not grouped and any(axes and forward for _, _, axes, forward, _, _ in record.grouped):
         notes.append(
             Note(
                 "expert-load-static",
@@ -143,10 +151,9 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
                 "expert): the step's work does not follow how tokens are routed, and a stated expert load does "
                 "not change it",
                 "ragged_dot_general",
-                grouped[0][0],
+                record.grouped[0][0],
             )
         )
-        grouped = ()
     return replace(
         base,
         backend="shard_map",
@@ -155,17 +162,32 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
         seconds=time.perf_counter() - t0,
         constraint_delta=(),
         fallbacks=tuple((f.op, f.source, f.bytes) for f in record.fallbacks),
+        flops=base.flops + sum(counted.values()),
+        matmul_flops=tuple(sorted(matmuls.items(), key=lambda kv: (-kv[1], kv[0]))),
         grouped=grouped,
     )
 
 
-def _merged(rows: list[tuple[str, int, tuple[str, ...], float]]) -> list[tuple[str, int, tuple[str, ...], float]]:
-    """One row per source line, groups and axes: the FLOPs summed (a layer's forward and
-    backward grouped matmuls at one line, a scanned layer's trips)."""
-    out: dict[tuple[str, int, tuple[str, ...]], float] = {}
-    for src, g, axes, flops in rows:
-        out[src, g, axes] = out.get((src, g, axes), 0.0) + flops
-    return [(*k, v) for k, v in sorted(out.items(), key=lambda kv: -kv[1])]
+def grouped_flops(
+    rows: list[tuple[str, int, tuple[str, ...], bool, int, float]], mesh: dict[str, int], kernel: bool
+) -> tuple[dict[str, float], tuple[tuple[str, int, tuple[str, ...], float], ...]]:
+    """The partitioner's grouped matmuls (``Record.grouped``) as the compiler runs them: (FLOPs
+    per device per step by line, as its program counts them; the rows whose work follows the
+    routing, ``StepCost.grouped``). ``kernel``: the compiler runs a grouped matmul as a kernel
+    that takes each row through its own group's weights (XLA:TPU: the rows whole in the program,
+    each device's groups' rows, a mean share with every group routed alike, at run time); else
+    every row through every local group (jax's dense decomposition on XLA:CPU, XLA:GPU's dense
+    matmuls). A weight gradient (the ragged rows contracted) runs densely on every compiler."""
+    counted: dict[str, float] = {}
+    routed: dict[tuple[str, int, tuple[str, ...]], float] = {}
+    for src, groups, axes, forward, ragged, other in rows:
+        shards = math.prod(mesh[a] for a in axes)
+        each = 1 if forward and kernel else groups // shards
+        counted[src] = counted.get(src, 0.0) + 2.0 * ragged * other * each
+        if forward and kernel and axes:
+            key = (src, groups, axes)
+            routed[key] = routed.get(key, 0.0) + 2.0 * ragged / shards * other
+    return counted, tuple((*k, v) for k, v in sorted(routed.items(), key=lambda kv: -kv[1]))
 
 
 def _dims(dims, rank: int) -> partition.Dims:

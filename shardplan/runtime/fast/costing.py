@@ -109,6 +109,7 @@ def cost(
     how: bool = True,
     seen: list | None = None,
     propagation: str = "shardplan",
+    grouped: bool = True,
 ) -> StepCost:
     """``plan``'s step cost on ``mesh`` over a step traced once (:func:`trace`), without tracing
     again: the plan's shardings resolved (``res``: already, by ``Tracer.resolve``) and propagated
@@ -123,7 +124,8 @@ def cost(
     once per trace, then 0.15-0.3 s per plan, on the random-plan pool's models), the walker's
     rules then saying what moves to give each value that layout (XLA's partitioner's part);
     ``auto``: ``xla`` where Shardy's propagation runs over the step on automatic axes, else
-    ``shardplan`` (a note says why Shardy could not).
+    ``shardplan`` (a note says why Shardy could not). ``grouped``: False leaves the grouped
+    matmuls' FLOPs out (a caller that counts them its own way: the shard_map backend).
 
     Raises:
         ValueError: ``traced`` was traced under other activation rules, mesh or axis types.
@@ -333,11 +335,17 @@ def cost(
         temporaries=temporaries,
         peak=p_bytes + o_bytes + b_bytes + temporaries,
     )
+    matmuls = dict(ctx.matmul_flops)
+    flops = ctx.flops
+    if not grouped:
+        flops -= ctx.grouped_total
+        matmuls = {k: v - ctx.grouped_flops.get(k, 0.0) for k, v in matmuls.items()}
+        matmuls = {k: v for k, v in matmuls.items() if v > 0}
     return StepCost(
         "fast",
         "auto",
         dict(mesh),
-        ctx.flops,
+        flops,
         memory,
         tuple(comm),
         ctx.transcendentals,
@@ -352,7 +360,7 @@ def cost(
         compiler="" if compiler == "cpu" else book.name,
         backward=tuple((kind, axes, n, count) for (kind, axes), (n, count) in backward.items()),
         propagation="xla" if xla is not None else "shardplan",  # what ``auto`` came to
-        matmul_flops=tuple(sorted(ctx.matmul_flops.items(), key=lambda kv: (-kv[1], kv[0]))),
+        matmul_flops=tuple(sorted(matmuls.items(), key=lambda kv: (-kv[1], kv[0]))),
     )
 
 

@@ -763,6 +763,17 @@ def _cast_gather(walk: Walker, eqn: Any, x: Any, v: Val, target: Dims, mult: int
 
 
 def grouped(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val] | None:
+    """:func:`grouped_rule`, its FLOPs also tallied by line apart (``_Ctx.grouped_flops``)."""
+    before, total = dict(walk.ctx.matmul_flops), walk.ctx.flops
+    out = grouped_rule(walk, eqn, ins, mult)
+    walk.ctx.grouped_total += walk.ctx.flops - total
+    for line, n in walk.ctx.matmul_flops.items():
+        if n != before.get(line, 0.0):
+            walk.ctx.grouped_flops[line] = walk.ctx.grouped_flops.get(line, 0.0) + n - before.get(line, 0.0)
+    return out
+
+
+def grouped_rule(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val] | None:
     """A grouped matmul (``ragged_dot_general``): jax's dense decomposition walked in place where
     the compiler runs that (``Compiler.dense_ragged``), else the compiler's own with the group
     dim and the ragged rows whole (the experts' weights gathered over their group split, the

@@ -249,15 +249,10 @@ def op_ragged_dot_general(part: Partitioner, eqn: Any, ins: list[V]) -> list[V] 
         rhs = part.resolve(rhs)
     l2 = part.to(lhs, lt, keep_partial=True)
     r2 = part.to(rhs, rt, keep_partial=True)
-    if group and forward:
-        # A grouped kernel's work: this device's groups' rows (a mean share of the ragged rows
-        # when tokens are routed alike) times the other dims' local sizes on both sides. (A
-        # weight gradient, the ragged rows contracted, runs every row through every local group
-        # on XLA:TPU: its work does not follow the routing.)
-        other = math.prod(s // part.n(d) for i, (s, d) in enumerate(zip(lhs.shape, lt, strict=True)) if i != r)
-        other *= math.prod(rhs.shape[j] // part.n(rt[j]) for j in rfree)
-        flops = 2.0 * lhs.shape[r] / part.n(group) * other * part.mult
-        part.record.grouped.append((part.source, g, group, flops))
+    # What it runs: the ragged rows (whole) against the other dims' local sizes on both sides.
+    other = math.prod(s // part.n(d) for i, (s, d) in enumerate(zip(lhs.shape, lt, strict=True)) if i != r)
+    other *= math.prod(rhs.shape[j] // part.n(rt[j]) for j in rfree)
+    part.record.grouped.append((part.source, g, group, forward, lhs.shape[r], float(other * part.mult)))
     xs: list | None = None
     start: Any = None
     count: Any = None

@@ -69,10 +69,13 @@ class Fallback:
 class Record:
     issued: list[Communication] = field(default_factory=list)  # the collective ledger's rows
     fallbacks: list[Fallback] = field(default_factory=list)
-    # Grouped matmuls run on this device's groups of a split (the experts over an expert axis):
-    # (source, groups, the groups' axes, FLOPs per device per step were every group routed alike).
-    # Their work follows the routing: the busiest shard's is the step's (``core.routing``).
-    grouped: list[tuple[str, int, tuple[str, ...], float]] = field(default_factory=list)
+    # Every grouped matmul (``ragged_dot_general``) as this device runs it: (source, groups, the
+    # axes the groups are split over (this device runs its own), forward (the weights' group dim
+    # kept: each row through its group's weights) or not (the ragged rows contracted: a weight
+    # gradient), the ragged rows (whole), the product of the other dims' local sizes times the
+    # runs per step). FLOPs follow from them as each compiler runs grouped matmuls
+    # (``backends.shard_map.grouped_flops``).
+    grouped: list[tuple[str, int, tuple[str, ...], bool, int, float]] = field(default_factory=list)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """{kind: {"count", "bytes"}} per device per step, as ``shardplan.core.hlo.summarize``."""
