@@ -688,6 +688,32 @@ class StepCoster:
         opt_paths = [d.path for d in res.opt.decisions] if res.opt is not None else []
         return roles.roles(traced.closed, paths, len(paths), [d.path for d in res.inputs.decisions], opt_paths)
 
+    def capacities(self, devices: int = 1) -> tuple[Any, ...]:
+        """The step's capacity-style expert dispatches (``core.routing.Capacity``), read from its
+        computation (``runtime.roles``): each matmul batched over stacked experts' weights against
+        a buffer of dispatched tokens, with the top-k over as many experts that routes them (none
+        found, an argmax chain say: ``k`` 0, the slots alone)."""
+        from shardplan.core.routing import Capacity
+
+        r = self.roles(devices)
+        out = []
+        for experts, slots in r.expert_slots:
+            routed = [(k, tokens) for e, k, tokens in r.routers if e == experts]
+            out += [Capacity(experts, k, tokens, slots) for k, tokens in routed] or [Capacity(experts, 0, 0, slots)]
+        return tuple(out)
+
+
+def expert_capacity(
+    model: str, step: str, batch: dict | list[str], optimizer: str = "adamw", devices: int = 1
+) -> tuple[Any, ...]:
+    """The capacity-style expert dispatches of ``model``'s step (:meth:`StepCoster.capacities`):
+    what a stated routing drops (``core.routing.dropped``). Empty for a dropless step.
+
+    Raises:
+        ShardPlanError: the model, step or batch cannot be loaded or traced.
+    """
+    return StepCoster(model, step, batch, optimizer).capacities(devices)
+
 
 PROPAGATIONS = ("auto", "shardplan", "xla")  # whose layouts fast mode partitions (``StepCoster.cost``)
 

@@ -147,7 +147,7 @@ def test_check_prints_what_the_busiest_expert_shard_costs():
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--expert-load", "1.5"], "name the step (--step, --batch) and the chip"),
+    (["--expert-load", "1.5"], "name the step (--step, --batch)"),
     (["--chip", "tpu-v5e", "--compile", "--expert-load", "1.5"], "drop --compile"),
     (["--chip", "tpu-v5e", "--expert-load", "0.5"], "--expert-load"),
 ])
@@ -175,3 +175,65 @@ def test_a_routed_layer_of_our_own_counts_its_grouped_work_by_hand():
         batch=["tokens=int32[8,16],labels=int32[8,16]"])
     assert sum(n for *_, n in cost.grouped) == 4 * 2 * 128 / 4 * 64 * 96
     assert {src.rsplit(":", 1)[1] for src, *_ in cost.grouped} == {"371", "372"}
+
+
+def test_tokens_over_capacity_are_the_ones_the_models_dispatch_drops(tmp_path):
+    """The ground truth: examples/models.py's own capacity dispatch (its one-hot mask) run on one
+    device with a routing every group shares, at capacity factor 1: 16 groups of 32 tokens, top-2
+    over 4 experts, 16 slots per expert and group. Each group sends all 32 first choices to expert
+    0 and its second choices 20 / 8 / 4 to experts 1 / 2 / 3: the mask keeps 16 + 16 + 8 + 4 of 64.
+    The capacity read from the step's computation and the histogram of the choices give the same
+    fraction dropped."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    import shardplan
+    from examples import models
+
+    cfg = models.MoEConfig(capacity_factor=1.0)
+    factory = tmp_path / "tight.py"
+    factory.write_text("from flax import nnx\nfrom examples import models\n\n\ndef tight():\n"
+                       "    return models.MoE(models.MoEConfig(capacity_factor=1.0), nnx.Rngs(0))\n")
+    (cap,) = shardplan.api.expert_capacity(f"{factory}:tight", MOE["step"], MOE["batch"])
+    assert (cap.experts, cap.k, cap.tokens, cap.slots) == (4, 2, 512, 256)
+    assert cap.factor == 1.0
+
+    second = np.array([1] * 20 + [2] * 8 + [3] * 4)
+    index = np.stack([np.zeros(32, int), second], -1)[None].repeat(16, 0)  # (g, s, k)
+    layer = models.MoEFeedForward(cfg, nnx.Rngs(0))
+    # experts that return 1 for each token they were dispatched: the combine then sums, per token,
+    # the kept choices' weights (1 each)
+    e, d, f = layer.w_in[...].shape
+    layer.w_in[...] = jnp.full((e, d, f), 1.0 / d)
+    layer.w_out[...] = jnp.full((e, f, d), 1.0 / (f * float(jax.nn.gelu(1.0))))
+    y = layer._capacity(jnp.ones((16, 32, d)), jnp.ones((16, 32, 2)), jnp.asarray(index))
+    kept = round(float(jnp.sum(y[..., 0])))
+    assert kept == 16 * (16 + 16 + 8 + 4)
+    load = routing.ExpertLoad(counts=tuple(np.bincount(index.reshape(-1), minlength=4).tolist()))
+    fraction, busiest = routing.dropped(load, cap)
+    assert fraction == pytest.approx(1 - kept / (512 * 2))  # 20 of 64: 31.25%
+    assert busiest == pytest.approx(2.0)  # expert 0: 32 choices a group for 16 slots
+    assert routing.dropped(None, cap) == (0.0, 1.0)  # every expert alike fills its slots exactly
+
+
+def test_check_prints_the_tokens_a_capacity_dispatch_drops_and_says_when_it_cannot():
+    model = f"{ROOT / 'examples' / 'models.py'}:moe_tiny"
+    r = subprocess.run([sys.executable, "-m", "shardplan", "check", str(PLANS / "moe_ep.splan"), "--model", model,
+                        "--step", MOE["step"], "--batch", MOE["batch"][0],
+                        "--devices", "8", "--expert-load", "10,1,1,1", "--format", "json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)["step_cost"]["expert_capacity"]
+    # 512 tokens x top-2 over 4 experts, 512 slots each; 10/13 of 1,024 choices to expert 0
+    assert (row["experts"], row["k"], row["tokens"], row["slots"], row["capacity_factor"]) == (4, 2, 512, 512, 2.0)
+    assert row["dropped_fraction"] == pytest.approx((10 / 13 * 1024 - 512) / 1024)
+    # a router of argmaxes (tests/fixtures/fast_models.py's routed_moe): its slots, and no guess at drops
+    fixture = ROOT / "tests" / "fixtures" / "fast_models.py"
+    r = subprocess.run([sys.executable, "-m", "shardplan", "check", str(PLANS / "moe_ep.splan"), "--model",
+                        f"{fixture}:routed_moe", "--step", f"{fixture}:moe_loss", "--batch", MOE["batch"][0],
+                        "--devices", "8", "--expert-load", "10,1,1,1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "256 slots per expert) routed by no top-k over the experts: the tokens it drops are not estimated" in (
+        " ".join(r.stdout.split()))

@@ -77,6 +77,50 @@ def imbalance(load: ExpertLoad, experts: int, shards: int) -> float:
     return max(shares(load, experts, shards)) * shards
 
 
+@dataclass(frozen=True)
+class Capacity:
+    """A capacity-style dispatch read from the step: ``experts`` experts, each token choosing
+    ``k`` of them (``tokens`` tokens per step), each expert's buffers holding ``slots`` tokens
+    per step (over all groups). Tokens routed to an expert beyond its slots are dropped."""
+
+    experts: int
+    k: int  # 0: no top-k over the experts routes them (an argmax chain, ...): drops not estimated
+    tokens: int
+    slots: int
+
+    @property
+    def factor(self) -> float:
+        """The capacity factor: slots over the mean tokens an expert is routed (0: unknown)."""
+        return self.slots * self.experts / (self.tokens * self.k) if self.k else 0.0
+
+    def describe(self) -> str:
+        if not self.k:
+            return f"{self.experts} experts, {self.slots:,} slots per expert"
+        return (
+            f"{self.experts} experts, top-{self.k} of {self.tokens:,} tokens, {self.slots:,} slots per expert "
+            f"(capacity factor {self.factor:.2f})"
+        )
+
+
+def dropped(load: ExpertLoad | None, cap: Capacity) -> tuple[float, float]:
+    """(the fraction of token choices over capacity, the busiest expert's tokens over its slots)
+    under ``load`` (None: every expert alike), each group routed as the whole step is: a lower
+    bound where groups differ (an expert over capacity in one group cannot use another's slots).
+    A factor puts the busiest expert at that multiple of the mean, the others even."""
+    if not cap.k:
+        raise ValueError("no top-k router found for these experts: the tokens routed are not known")
+    routed = cap.tokens * cap.k
+    if load is None:
+        each = (1.0 / cap.experts,) * cap.experts
+    elif load.counts:
+        shares(load, cap.experts, cap.experts)  # the histogram's length checked
+        each = tuple(c / sum(load.counts) for c in load.counts)
+    else:
+        each = shares(load, cap.experts, cap.experts)
+    over = sum(max(0.0, e * routed - cap.slots) for e in each)
+    return over / routed, max(each) * routed / cap.slots
+
+
 def parse(text: str, where: str = "--expert-load") -> ExpertLoad:
     """``1.3`` (a factor), ``900,100,500,548`` (tokens per expert) or a JSON file holding a list
     of counts, or an object with one (``{"tokens_per_expert": [...]}``).

@@ -20,6 +20,7 @@ computation, and each param dim tagged by how the step uses it:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,12 @@ class Roles:
     sizes: dict[int, int]  # class -> size
     inputs: tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]  # input path, shape, classes
     opt_prefixes: tuple[str, ...] = ()  # what optimizer-state paths put before the param path they mirror
+    # A mixture of experts' routing, read from the computation: each top-k over a dim (experts,
+    # k, the tokens choosing: its operand's other dims), and each matmul batched over a stacked
+    # param's dim against an activation (experts, the activation's free dims' product: the slots
+    # each expert's buffer holds, capacity-style dispatch; a grouped matmul has none).
+    routers: tuple[tuple[int, int, int], ...] = ()
+    expert_slots: tuple[tuple[int, int], ...] = ()
 
 
 def template(path: str) -> str:
@@ -74,6 +81,8 @@ class _Walk:
         self.views: dict[Any, tuple[int, tuple[int | None, ...]]] = {}  # var -> (param, param dim per dim)
         self.first: dict[tuple[int, str], int] = {}  # (param, use) -> the var of its first use
         self.parts: dict[int, tuple[int, ...]] = {}  # whole -> its parts (settle)
+        self.routers: set[tuple[int, int, int]] = set()  # (experts, k, tokens) of each top-k
+        self.slots: set[tuple[int, int]] = set()  # (experts, slots) of each matmul batched over a param's dim
 
     def new(self, size: int) -> int:
         self.parent.append(len(self.parent))
@@ -228,7 +237,11 @@ class _Walk:
                 src = k if tuple_through else 0
                 at = {fs[0]: d for d, fs in enumerate(f.operands[src]) if len(fs) == 1}
                 self.view(v, eqn.invars[src], [at.get(fs[0]) if len(fs) == 1 else None for fs in f.results[k]])
+        if name == "top_k":
+            shape = tuple(int(n) for n in eqn.invars[0].aval.shape)
+            self.routers.add((shape[-1], int(eqn.params["k"]), math.prod(shape[:-1])))
         if name == "dot_general":
+            self.expert_buffers(eqn, f)
             for i, x in enumerate(eqn.invars):
                 for d, fs in enumerate(f.operands[i]):
                     if len(fs) != 1:
@@ -241,6 +254,29 @@ class _Walk:
             if set(fs) & f.indexed:
                 self.tag(eqn.invars[0], d, "rows", "gather", eqn)
         return outs
+
+    def is_param(self, x: Any) -> bool:
+        return not hasattr(x, "val") and x in self.views
+
+    def expert_buffers(self, eqn: Any, f: Any) -> None:
+        """A matmul batched over a dim of a param (stacked experts' weights) against an activation
+        (the tokens dispatched to them): (the batch dims' size, the activation's free dims'
+        product, the slots each expert's buffer holds)."""
+        for i, (x, y) in enumerate(zip(eqn.invars, eqn.invars[::-1], strict=True)):
+            if not self.is_param(x) or self.is_param(y):
+                continue
+
+            def role(fs: tuple[int, ...]) -> str:
+                if any(k in f.reduced for k in fs):
+                    return "contract"
+                return "batch" if any(len(f.occurs(k)[0]) > 1 for k in fs) else "free"
+
+            batch = [d for d, fs in enumerate(f.operands[i]) if fs and role(fs) == "batch"]
+            if not batch:
+                continue
+            free = [d for d, fs in enumerate(f.operands[1 - i]) if fs and role(fs) == "free"]
+            experts = math.prod(int(x.aval.shape[d]) for d in batch)
+            self.slots.add((experts, math.prod(int(y.aval.shape[d]) for d in free)))
 
     def scan(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
         p = eqn.params
@@ -376,4 +412,11 @@ def roles(closed: Any, paths: list[str], n_params: int, input_paths: list[str], 
             if "/".join(parts[k:]) in names:
                 prefixes.add("/".join(parts[:k]) + "/")
                 break
-    return Roles(tuple(params), {c: w.size[c] for c in sorted(used)}, inputs, tuple(sorted(prefixes)))
+    return Roles(
+        tuple(params),
+        {c: w.size[c] for c in sorted(used)},
+        inputs,
+        tuple(sorted(prefixes)),
+        tuple(sorted(w.routers)),
+        tuple(sorted(w.slots)),
+    )

@@ -162,6 +162,11 @@ def cmd_check(args, out: Console, err: Console) -> int:
             timing.step_time(c, with_links(r.plan, links), chip, args.expert_load)
             for c, r in zip(costs, results, strict=True)
         ]
+    capacities = (
+        api.expert_capacity(args.model, args.step, args.batch, _step_optimizer(args))
+        if args.expert_load is not None
+        else ()
+    )
     all_diags = [d for w in shown for d in w]
     laid_out = _layouts(args, first.plan) if args.layouts is not None else None
     if args.format == "json":
@@ -170,6 +175,8 @@ def cmd_check(args, out: Console, err: Console) -> int:
             doc["step_cost"] = cost.to_json()
             if times is not None:
                 doc["step_cost"]["time"] = times[i].to_json()
+            if args.expert_load is not None:
+                doc["step_cost"]["expert_capacity"] = report.capacity_json(capacities, args.expert_load)
             if budget is not None:
                 doc["step_cost"]["fits"] = cost.memory.peak <= budget
         if laid_out is not None:
@@ -189,9 +196,9 @@ def cmd_check(args, out: Console, err: Console) -> int:
             if costs is None:
                 report.print_step_hint(out, first.plan)
         if costs is not None:
-            report.print_step_cost(
-                out, first.plan.name or args.plan, costs[0], times[0] if times else None, load=args.expert_load
-            )
+            report.print_step_cost(out, first.plan.name or args.plan, costs[0], times[0] if times else None)
+            if args.expert_load is not None:
+                report.print_expert_load(out, costs[0], times[0] if times else None, args.expert_load, capacities)
         if laid_out is not None:
             report.print_layouts(out, laid_out[0], laid_out[1], args.layouts)
         if others:
@@ -389,10 +396,10 @@ def _check_step_args(args) -> None:
     if (args.chip or args.link) and not args.step:
         raise _UsageError("--chip and --link estimate a step's time: name the step with --step and --batch")
     if args.expert_load is not None:
-        if not (args.step and (args.chip or targets.parse(args.target).chip)):
+        if not args.step:
             raise _UsageError(
-                "--expert-load changes a step's time estimate: name the step (--step, --batch) and the chip "
-                "(--chip or a --target's)"
+                "--expert-load costs a step's experts (tokens over capacity; with --chip, the busiest shard's "
+                "time): name the step (--step, --batch)"
             )
         if args.compile:
             raise _UsageError(
@@ -824,9 +831,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--expert-load",
         metavar="LOAD",
-        help="how tokens are routed to experts, for the step time: tokens per expert (a router histogram: "
-        "900,100,500,548, or a JSON file of them) or the busiest expert shard's tokens over the mean (1.3); "
-        "the step waits for the busiest shard's grouped matmuls (default: every expert alike)",
+        help="how tokens are routed to experts: tokens per expert (a router histogram: 900,100,500,548, or a "
+        "JSON file of them) or the busiest expert's tokens over the mean (1.3); prints the tokens a capacity "
+        "dispatch drops and, with --chip, the time the busiest expert shard's grouped matmuls add",
     )
     st.add_argument(
         "--link",

@@ -18,7 +18,7 @@ from shardplan.core.cost import communication, summary
 from shardplan.core.format import fmt_bytes, fmt_op, fmt_seconds, fmt_shape, layer_group
 from shardplan.core.leaves import Decision, Resolution
 from shardplan.core.plan import Plan
-from shardplan.core.routing import ExpertLoad
+from shardplan.core.routing import Capacity, ExpertLoad
 from shardplan.core.stepcost import KINDS, StepCost
 from shardplan.core.timing import StepTime
 from shardplan.errors import MAX_SHOWN, Diagnostic
@@ -84,26 +84,55 @@ def print_step_hint(console: Console, plan: Plan) -> None:
     )
 
 
-def print_expert_load(console: Console, cost: StepCost, time: StepTime, load: ExpertLoad) -> None:
+def print_expert_load(
+    console: Console, cost: StepCost, time: StepTime | None, load: ExpertLoad, capacities: Sequence[Capacity]
+) -> None:
     """What a stated routing does to the step: the busiest expert shard's share per grouped
-    matmul and the compute the step waits for, or why it changes nothing."""
-    if not cost.grouped:
-        console.print(
-            f"expert load ({escape(load.describe())}): no effect on this step: no grouped matmul runs on split "
-            "experts with a kernel whose work follows the routing (the experts' work is fixed by the program: "
-            "capacity buffers, grouped matmuls run densely, or experts whole on every device)"
+    matmul and the compute the step waits for (with a chip's time); the tokens a capacity-style
+    dispatch drops; or why it changes nothing."""
+    said = f"expert load ({escape(load.describe())})"
+    if cost.grouped and time is not None:
+        sites = "; ".join(
+            f"{escape(os.path.basename(src))} ({groups} experts over {'x'.join(axes)}: busiest shard "
+            f"{routing.imbalance(load, groups, math.prod(cost.mesh.get(a, 1) for a in axes)):.2f}x)"
+            for src, groups, axes, _ in cost.grouped
         )
-        return
-    sites = "; ".join(
-        f"{escape(os.path.basename(src))} ({groups} experts over {'x'.join(axes)}: busiest shard "
-        f"{routing.imbalance(load, groups, math.prod(cost.mesh.get(a, 1) for a in axes)):.2f}x)"
-        for src, groups, axes, _ in cost.grouped
-    )
-    console.print(
-        f"expert load ({escape(load.describe())}): the step waits for the busiest expert shard, "
-        f"{time.imbalance:.2f}x the mean tokens: +{fmt_seconds(time.imbalance_s)} of compute (in the figures "
-        f"above) on its grouped matmuls: {sites}"
-    )
+        console.print(
+            f"{said}: the step waits for the busiest expert shard, {time.imbalance:.2f}x the mean tokens: "
+            f"+{fmt_seconds(time.imbalance_s)} of compute (in the figures above) on its grouped matmuls: {sites}"
+        )
+    elif cost.grouped:
+        console.print(f"{said}: name a chip (--chip) for the time the busiest expert shard adds")
+    for cap in capacities:
+        if not cap.k:
+            console.print(
+                f"{said}: capacity dispatch ({cap.describe()}) routed by no top-k over the experts: the tokens "
+                "it drops are not estimated"
+            )
+            continue
+        fraction, busiest = routing.dropped(load, cap)
+        even, _ = routing.dropped(None, cap)
+        console.print(
+            f"{said}: capacity dispatch ({cap.describe()}): {fraction:.1%} of token choices over capacity, "
+            f"dropped (every expert alike: {even:.1%}); the busiest expert is routed {busiest:.2f}x its slots. "
+            "At least this many where groups route differently; the step's time does not change (fixed buffers)"
+        )
+    if not cost.grouped and not capacities:
+        console.print(
+            f"{said}: no effect on this step: no grouped matmul runs on split experts with a kernel whose work "
+            "follows the routing, and no capacity dispatch (the experts' work is fixed by the program: grouped "
+            "matmuls run densely, or experts whole on every device)"
+        )
+
+
+def capacity_json(capacities: Sequence[Capacity], load: ExpertLoad) -> list[dict]:
+    out = []
+    for cap in capacities:
+        row: dict[str, Any] = dict(cap.__dict__, capacity_factor=cap.factor)
+        if cap.k:
+            row["dropped_fraction"], row["busiest_over_slots"] = routing.dropped(load, cap)
+        out.append(row)
+    return out
 
 
 def print_step_cost(
@@ -113,10 +142,8 @@ def print_step_cost(
     time: StepTime | None = None,
     *,
     limit: int = 15,
-    load: ExpertLoad | None = None,
 ) -> None:
-    """One step's cost: FLOPs, memory, and every collective with where it comes from; ``load``:
-    the stated expert load ``time`` was estimated under."""
+    """One step's cost: FLOPs, memory, and every collective with where it comes from."""
     mesh = ",".join(f"{k}={v}" for k, v in cost.mesh.items())
     what = (
         f"{cost.compiler or 'XLA'}'s compiled program"
@@ -225,8 +252,6 @@ def print_step_cost(
             f"scheduled step {fmt_seconds(time.scheduled_s)}, communication exposed {fmt_seconds(time.exposed_s)} "
             f"of {fmt_seconds(time.comm_s)} ({how})"
         )
-        if load is not None:
-            print_expert_load(console, cost, time, load)
     for n in cost.notes:
         console.print(f"[dim]note: {escape(n.text)}[/]")
 
