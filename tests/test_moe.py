@@ -286,3 +286,41 @@ def test_fast_mode_counts_the_shard_map_backends_grouped_matmuls_as_each_compile
               batch=["tokens=int32[16,32],labels=int32[16,32]"], devices=8, backend="shard_map", target=target)
     fast, exact = (shardplan.api.analyze(PLANS / "moe_ep.splan", mode=m, **kw) for m in ("fast", "exact"))
     assert fast.flops == pytest.approx(exact.flops, rel=0.08)
+
+
+def test_xla_tpu_runs_a_grouped_matmuls_weight_gradient_densely_and_fast_mode_says_so():
+    """XLA:TPU's own cost analysis of jax.lax.ragged_dot, compiled offline for one v5e chip, 32
+    groups of a 4,096 x 256 by 256 x 128 product: the forward counts the useful FLOPs (each row once),
+    the weights' gradient every row through each of the 32 groups. Fast mode counts it so and says
+    where, on both backends; with one expert per device (moe_ep) there is nothing dense to say."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardplan.core import targets
+    from shardplan.runtime import exact
+
+    dev = exact._topology_devices(targets.parse("tpu-v5e:2x4"))[0]
+    sh = jax.sharding.SingleDeviceSharding(dev)
+    x = jax.ShapeDtypeStruct((4096, 256), jnp.bfloat16, sharding=sh)
+    w = jax.ShapeDtypeStruct((32, 256, 128), jnp.bfloat16, sharding=sh)
+    s = jax.ShapeDtypeStruct((32,), jnp.int32, sharding=sh)
+    useful = 2 * 4096 * 256 * 128
+
+    def flops(fn):
+        ca = jax.jit(fn).lower(x, w, s).compile().cost_analysis()
+        return (ca[0] if isinstance(ca, list) else ca)["flops"]
+
+    assert flops(jax.lax.ragged_dot) == useful
+    grad = flops(lambda x, w, s: jax.grad(lambda w: jnp.sum(jax.lax.ragged_dot(x, w, s).astype(jnp.float32)))(w))
+    assert grad >= 32 * useful
+
+    kw = dict(model=f"{PLANS.parent / 'examples' / 'models.py'}:moe_tiny_dropless",
+              step=f"{PLANS.parent / 'examples' / 'train.py'}:moe_lm_loss",
+              batch=["tokens=int32[16,32],labels=int32[16,32]"], devices=8, target="tpu-v5e:2x4")
+    for backend, mesh, dense in (("auto", None, True), ("shard_map", None, False),
+                                 ("shard_map", {"data": 4, "expert": 2}, True)):
+        cost = shardplan.api.analyze(PLANS / "moe_ep.splan", mode="fast", backend=backend, mesh=mesh, **kw)
+        notes = [n for n in cost.notes if n.code == "grouped-dense"]
+        assert bool(notes) == dense, (backend, mesh, cost.notes)
+        if dense:
+            assert "weight gradients" in notes[0].text and notes[0].source.endswith("models.py:620")

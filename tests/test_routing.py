@@ -148,7 +148,6 @@ def test_check_prints_what_the_busiest_expert_shard_costs():
 
 @pytest.mark.parametrize("args, words", [
     (["--expert-load", "1.5"], "name the step (--step, --batch)"),
-    (["--chip", "tpu-v5e", "--compile", "--expert-load", "1.5"], "drop --compile"),
     (["--chip", "tpu-v5e", "--expert-load", "0.5"], "--expert-load"),
 ])
 def test_the_load_flag_is_checked_before_any_work(args, words):
@@ -237,3 +236,12 @@ def test_check_prints_the_tokens_a_capacity_dispatch_drops_and_says_when_it_cann
     assert r.returncode == 0, r.stderr
     assert "256 slots per expert) routed by no top-k over the experts: the tokens it drops are not estimated" in (
         " ".join(r.stdout.split()))
+
+
+def test_exact_mode_takes_the_busiest_shard_from_the_program_it_compiled():
+    """--compile: XLA:TPU's program of the shard_map backend (compiled offline for a v5e 2x4), the
+    rows each device's grouped kernel runs from the partitioner's dry run of that program."""
+    r = cli("--target", "tpu-v5e:2x4", "--compile", "--expert-load", "10,1,1,1")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "XLA:TPU" in text and "the step waits for the busiest expert shard, 3.08x the mean tokens" in text

@@ -6,6 +6,7 @@ Exit codes: 0 clean, 1 errors (or warnings with --strict), 2 usage errors.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import math
@@ -401,11 +402,6 @@ def _check_step_args(args) -> None:
                 "--expert-load costs a step's experts (tokens over capacity; with --chip, the busiest shard's "
                 "time): name the step (--step, --batch)"
             )
-        if args.compile:
-            raise _UsageError(
-                "--expert-load scales fast mode's estimate of the busiest expert shard; the compiled program's "
-                "work is fixed when it compiles: drop --compile"
-            )
         args.expert_load = routing.parse(args.expert_load)
     target = targets.parse(args.target)
     targets.agree(target, args.chip)
@@ -428,21 +424,31 @@ def _layouts(args, plan) -> tuple[tuple, dict[str, int]]:
 
 def _step_costs(args, results) -> list:
     optimizer = _step_optimizer(args)
-    return [
-        api.analyze(
-            r.plan,
+
+    def cost(plan, mode: str):
+        return api.analyze(
+            plan,
             model=args.model,
             step=args.step,
             batch=args.batch,
             optimizer=optimizer,
             backend=args.backend,
-            mode="exact" if args.compile else "fast",
+            mode=mode,
             devices=args.devices,
             target=args.target,
             propagation=args.propagation,
         )
-        for r in results
-    ]
+
+    costs = [cost(r.plan, "exact" if args.compile else "fast") for r in results]
+    if args.compile and args.expert_load is not None:
+        # The compiled program's rows are fixed when it compiles; which of them a device's
+        # grouped kernel runs follows the routing: the partitioner's dry run says which (the
+        # shard_map backend compiles exactly its program; the auto backend has none).
+        costs = [
+            dataclasses.replace(c, grouped=cost(r.plan, "fast").grouped) if c.backend == "shard_map" else c
+            for c, r in zip(costs, results, strict=True)
+        ]
+    return costs
 
 
 def cmd_show(args, out: Console, err: Console) -> int:

@@ -154,15 +154,24 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
                 record.grouped[0][0],
             )
         )
+    dense: dict[str, tuple[int, float]] = {}
+    for src, groups, axes, forward, ragged, other in record.grouped:
+        each = groups // math.prod(mesh[a] for a in axes)
+        if each > 1 and not (forward and book.whole_ragged == "kernel"):
+            g, n = dense.get(src, (each, 0.0))
+            dense[src] = (g, n + 2.0 * ragged * other * each)
+    flops = base.flops + sum(counted.values())
+    if dense and not book.dense_ragged:
+        notes.append(fast.dense_grouped_note(book.name, dense, flops, book.whole_ragged == "kernel"))
     return replace(
         base,
         backend="shard_map",
         communication=fast.merge_communication(record.issued, params, params),
-        notes=tuple(notes) + base.notes,
+        notes=tuple(notes) + tuple(n for n in base.notes if n.code != "grouped-dense"),  # its own, above
         seconds=time.perf_counter() - t0,
         constraint_delta=(),
         fallbacks=tuple((f.op, f.source, f.bytes) for f in record.fallbacks),
-        flops=base.flops + sum(counted.values()),
+        flops=flops,
         matmul_flops=tuple(sorted(matmuls.items(), key=lambda kv: (-kv[1], kv[0]))),
         grouped=grouped,
     )

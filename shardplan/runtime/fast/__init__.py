@@ -38,11 +38,19 @@ The package, in the order a costing runs:
 """
 
 from shardplan.runtime.fast.books import COMPILERS, Compiler
-from shardplan.runtime.fast.costing import Ledger, cost, merge_communication, propagate_function, step_cost
+from shardplan.runtime.fast.costing import (
+    Ledger,
+    cost,
+    dense_grouped_note,
+    merge_communication,
+    propagate_function,
+    step_cost,
+)
 from shardplan.runtime.fast.rules import rule_book
 
 __all__ = [
     "COMPILERS",
+    "dense_grouped_note",
     "Compiler",
     "Ledger",
     "cost",

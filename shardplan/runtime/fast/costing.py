@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -293,6 +294,8 @@ def cost(
                 first,
             )
         )
+    if ctx.dense_grouped:
+        notes.append(dense_grouped_note(book.name, ctx.dense_grouped, ctx.flops, book.whole_ragged == "kernel"))
     notes += acts.notes()
     notes += ctx.kernels
     if ctx.loops:
@@ -361,6 +364,28 @@ def cost(
         backward=tuple((kind, axes, n, count) for (kind, axes), (n, count) in backward.items()),
         propagation="xla" if xla is not None else "shardplan",  # what ``auto`` came to
         matmul_flops=tuple(sorted(matmuls.items(), key=lambda kv: (-kv[1], kv[0]))),
+    )
+
+
+def dense_grouped_note(compiler: str, lines: dict[str, tuple[int, float]], flops: float, gradients: bool) -> Note:
+    """``compiler`` runs grouped matmuls densely at ``lines`` (line -> (groups, the FLOPs of it
+    there)): every row through each group, the groups' multiple of the useful work.
+    ``gradients``: only their weight gradients (the rows contracted; XLA:TPU's forward is a kernel)."""
+    worst = max(g for g, _ in lines.values())
+    spent = sum(n for _, n in lines.values())
+    where = ", ".join(f"{os.path.basename(k)} ({g} experts)" for k, (g, _) in sorted(lines.items()))
+    what = (
+        "the weight gradients of grouped matmuls (jax.lax.ragged_dot, the rows contracted)"
+        if gradients
+        else ("grouped matmuls (jax.lax.ragged_dot)")
+    )
+    return Note(
+        "grouped-dense",
+        f"{compiler} runs {what} densely at {where}: every row through each expert, up to {worst}x the useful "
+        f"work ({spent / flops:.0%} of the step's FLOPs); a grouped kernel does each row once (on TPU, the "
+        "Pallas megablox kernels jax ships: gmm, tgmm)",
+        "ragged_dot_general",
+        sorted(lines)[0],
     )
 
 

@@ -821,4 +821,8 @@ def grouped_rule(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]
     k = math.prod(lhs.shape[i] for i in lc) / walk.ctx.split(tuple(summed))
     dense = gd and book.whole_ragged == "dense"
     walk.count_flops(2 * local * k * (groups if dense else 1), mult, "ragged_dot_general")
+    if (dense or not gd) and groups > 1:  # every row through every group (a weight gradient's, XLA:GPU's)
+        where = walk.ctx.source or walk.call_source
+        g, n = walk.ctx.dense_grouped.get(where, (groups, 0.0))
+        walk.ctx.dense_grouped[where] = (g, n + 2 * local * k * (groups if dense else 1) * mult)
     return [result]

@@ -48,6 +48,7 @@ class _Ctx:
     matmul_flops: dict[str, float] = field(default_factory=dict)  # source line -> its matmuls' flops
     grouped_flops: dict[str, float] = field(default_factory=dict)  # of those, the grouped matmuls'
     grouped_total: float = 0.0  # every flop of the grouped matmuls (jax's dense decomposition's masks too)
+    dense_grouped: dict[str, tuple[int, float]] = field(default_factory=dict)  # line -> (groups, FLOPs) run densely
     transcendentals: float = 0.0
     hbm: float = 0.0  # bytes read and written in memory (XLA's fusion assumed: see Walker.traffic)
     launches: float = 0.0  # kernels launched (equations whose results are stored, collectives)
