@@ -53,6 +53,16 @@ def test_a_file_without_counts_says_so(tmp_path):
     bad.write_text("[1, 2")
     with pytest.raises(ArgumentError, match="not a JSON file"):
         routing.parse(str(bad))
+    bad.write_text("[1, true, 3]")
+    with pytest.raises(ArgumentError, match="not all numbers"):
+        routing.parse(str(bad))
+    bad.write_text("[1, NaN, 3]")
+    with pytest.raises(ArgumentError, match="not finite"):
+        routing.parse(str(bad))
+    with open(bad, "wb") as f:  # a file that is something else: refused by its size, not read
+        f.truncate(routing.MAX_FILE_BYTES + 1)
+    with pytest.raises(ArgumentError, match="not a histogram"):
+        routing.parse(str(bad))
 
 
 def test_the_shards_hold_the_experts_in_contiguous_blocks_as_jax_splits_a_dim():

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from shardplan.errors import as_error, error
 
+MAX_FILE_BYTES = 16 * 2**20  # a histogram file larger than this is something else (read whole)
 UNIFORM_HINT = "give tokens per expert (e.g. 900,100,500,548), a JSON file of them, or a factor >= 1 (e.g. 1.3)"
 
 
@@ -146,6 +147,12 @@ def parse(text: str, where: str = "--expert-load") -> ExpertLoad:
         return _counts(text.split(","), where)
     if not os.path.isfile(text):
         raise _bad(ExpertLoad(where=where), f"'{text}' is not a factor, a list of counts or a file", UNIFORM_HINT)
+    if os.path.getsize(text) > MAX_FILE_BYTES:
+        raise _bad(
+            ExpertLoad(where=where),
+            f"{text}: {os.path.getsize(text):,} bytes, not a histogram of tokens per expert",
+            f"write the counts alone (under {MAX_FILE_BYTES // 2**20} MiB)",
+        )
     try:
         with open(text) as f:
             doc = json.load(f)
@@ -165,6 +172,8 @@ def parse(text: str, where: str = "--expert-load") -> ExpertLoad:
 
 def _counts(items: list, where: str) -> ExpertLoad:
     try:
+        if any(isinstance(x, bool) for x in items):
+            raise TypeError("a boolean")
         counts = tuple(float(x) for x in items)
     except (TypeError, ValueError):
         raise _bad(ExpertLoad(where=where), f"counts {items!r} are not all numbers", UNIFORM_HINT) from None
