@@ -79,13 +79,31 @@ def bench_fast_vs_exact(quick: bool) -> list[dict]:
     batch = [f"tokens=int32[32,{seq}],labels=int32[32,{seq}]"]
     factory = "moe_tiny" if quick else "moe_small"
     rows = []
-    for plan in plans:
-        kw = dict(model=f"{ROOT / 'examples' / 'models.py'}:{factory}",
-                  step=f"{ROOT / 'examples' / 'train.py'}:moe_lm_loss", batch=batch, devices=8)
+    # (plan, model, backend, target): the capacity path on the auto backend; in the full run also the
+    # dropless path on the shard_map backend (its grouped matmuls as each compiler runs them)
+    cases = [(plan, factory, "auto", "cpu") for plan in plans]
+    if not quick:
+        cases += [(plan, "moe_small_dropless", "shard_map", "cpu") for plan in plans]
+        cases += [("moe_ep.splan", "moe_small_dropless", "shard_map", t) for t in ("tpu-v5e:2x4", "h100:8")]
+    for plan, model, backend, target in cases:
+        kw = dict(model=f"{ROOT / 'benchmarks' / 'moe.py'}:{model}" if model.endswith("_dropless") else
+                  f"{ROOT / 'examples' / 'models.py'}:{model}",
+                  step=f"{ROOT / 'examples' / 'train.py'}:moe_lm_loss", batch=batch, devices=8, backend=backend,
+                  target=target)
         fast = shardplan.api.analyze(ROOT / "plans" / plan, mode="fast", **kw)
         exact = shardplan.api.analyze(ROOT / "plans" / plan, mode="exact", **kw)
-        rows.append({"plan": plan, "model": factory, **fast_vs_exact(fast, exact)})
+        rows.append({"plan": plan, "model": model, "backend": backend, "target": target,
+                     **fast_vs_exact(fast, exact)})
     return rows
+
+
+def moe_small_dropless():
+    """moe_small with the dropless dispatch (tokens sorted by expert, grouped matmuls)."""
+    from flax import nnx
+
+    from examples import models
+
+    return models.MoE(_config(False, "dropless"), nnx.Rngs(0))
 
 
 def run(quick: bool) -> dict:
@@ -103,8 +121,15 @@ def checks(res: dict) -> list[dict]:
         out.append(_check(f"{name}: shard_map ops on whole operands (fallbacks)", r["shard_map_fallbacks"], 0, "<=",
                           "{:d}"))
     for r in res["fast_vs_exact"]:
-        out += fast_vs_exact_checks(f"fast vs exact {r['plan']} x {r['model']}", r)
+        out += fast_vs_exact_checks(f"fast vs exact {_name(r)}", r)
     return out
+
+
+def _name(r: dict) -> str:
+    """A row's name: the plan and model, and the backend and target where not the auto backend on XLA:CPU."""
+    where = "" if (r.get("backend"), r.get("target")) in ((None, None), ("auto", "cpu")) else (
+        f" ({r['backend']}, {r['target']})")
+    return f"{r['plan']} x {r['model']}{where}"
 
 
 def report(res: dict) -> list[str]:
@@ -116,7 +141,7 @@ def report(res: dict) -> list[str]:
                      f"{r['dp_ms']:13.1f} {r['shard_map_vs_auto']:7.2f}x {r['ep_vs_dp']:5.2f}x "
                      f"{r['shard_map_fallbacks']:9d}")
     for r in res["fast_vs_exact"]:
-        lines.append(f"fast vs exact, {r['plan']} x {r['model']}:")
+        lines.append(f"fast vs exact, {_name(r)}:")
         lines += fast_vs_exact_lines(r)
     return lines
 

@@ -14,7 +14,7 @@ import shardplan
 from examples import models
 from examples import train as example
 from tests import reference
-from tests.helpers import PLANS
+from tests.helpers import HAS_GPU, HAS_TPU, PLANS
 
 # float32 round-off differs with the reduction order (the dispatch einsums, the experts' split)
 
@@ -273,7 +273,11 @@ def test_exact_mode_of_the_shard_map_backend_compiles_the_step_that_trains():
     assert sum(c.bytes for c in cost.communication) == sum(b for _, b in got.values())
 
 
-@pytest.mark.parametrize("target", ["cpu", "tpu-v5e:2x4", "h100:8"])
+@pytest.mark.parametrize("target", [
+    "cpu",
+    pytest.param("tpu-v5e:2x4", marks=pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: 'shardplan[tpu]'")),
+    pytest.param("h100:8", marks=pytest.mark.skipif(not HAS_GPU, reason="needs XLA:GPU: 'shardplan[gpu]'")),
+])
 def test_fast_mode_counts_the_shard_map_backends_grouped_matmuls_as_each_compiler_runs_them(target):
     """The shard_map backend runs each grouped matmul on its device's own experts, over the whole
     sorted rows: XLA:TPU's grouped kernel takes each row through its expert's weights once, XLA:GPU
@@ -288,6 +292,7 @@ def test_fast_mode_counts_the_shard_map_backends_grouped_matmuls_as_each_compile
     assert fast.flops == pytest.approx(exact.flops, rel=0.08)
 
 
+@pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")
 def test_xla_tpu_runs_a_grouped_matmuls_weight_gradient_densely_and_fast_mode_says_so():
     """XLA:TPU's own cost analysis of jax.lax.ragged_dot, compiled offline for one v5e chip, 32
     groups of a 4,096 x 256 by 256 x 128 product: the forward counts the useful FLOPs (each row once),

@@ -11,7 +11,7 @@ import pytest
 
 from shardplan.core import chips, routing, timing
 from shardplan.errors import ArgumentError
-from tests.helpers import PLANS, ROOT
+from tests.helpers import HAS_TPU, PLANS, ROOT
 
 MOE = dict(
     model=f"{ROOT / 'examples' / 'models.py'}:moe_tiny_dropless",
@@ -248,6 +248,7 @@ def test_check_prints_the_tokens_a_capacity_dispatch_drops_and_says_when_it_cann
         " ".join(r.stdout.split()))
 
 
+@pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")
 def test_exact_mode_takes_the_busiest_shard_from_the_program_it_compiled():
     """--compile: XLA:TPU's program of the shard_map backend (compiled offline for a v5e 2x4), the
     rows each device's grouped kernel runs from the partitioner's dry run of that program."""
