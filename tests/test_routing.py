@@ -139,19 +139,28 @@ def test_a_compiler_that_runs_grouped_matmuls_densely_is_not_slowed_by_the_routi
     assert any(n.code == "expert-load-static" for n in cost.notes)
 
 
-def cli(*args):
-    return subprocess.run([sys.executable, "-m", "shardplan", "check", str(PLANS / "moe_ep.splan"),
-                           "--model", MOE["model"], "--step", MOE["step"], "--batch", MOE["batch"][0],
-                           "--backend", "shard_map", *args], capture_output=True, text=True, timeout=120)
+def run_check(capsys, *args) -> subprocess.CompletedProcess:
+    """`shardplan check ARGS` in this process (the CLI's own main; no interpreter started)."""
+    from shardplan.tools import cli as cli_main
+
+    capsys.readouterr()
+    rc = cli_main.main(["check", *map(str, args)])
+    got = capsys.readouterr()
+    return subprocess.CompletedProcess(args, rc, got.out, got.err)
 
 
-def test_check_prints_what_the_busiest_expert_shard_costs():
-    r = cli("--target", "tpu-v5e:2x4", "--expert-load", "10,1,1,1")
+def cli(capsys, *args):
+    return run_check(capsys, PLANS / "moe_ep.splan", "--model", MOE["model"], "--step", MOE["step"],
+                     "--batch", MOE["batch"][0], "--backend", "shard_map", *args)
+
+
+def test_check_prints_what_the_busiest_expert_shard_costs(capsys):
+    r = cli(capsys, "--target", "tpu-v5e:2x4", "--expert-load", "10,1,1,1")
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
     assert "the step waits for the busiest expert shard, 3.08x the mean tokens" in text
     assert "models.py:620 (4 experts over expert: busiest shard 3.08x)" in text
-    r = cli("--target", "h100:8", "--expert-load", "10,1,1,1")
+    r = cli(capsys, "--target", "h100:8", "--expert-load", "10,1,1,1")
     assert r.returncode == 0, r.stderr
     assert "no effect on this step" in " ".join(r.stdout.split())
 
@@ -227,12 +236,10 @@ def test_tokens_over_capacity_are_the_ones_the_models_dispatch_drops(tmp_path):
     assert routing.dropped(None, cap) == (0.0, 1.0)  # every expert alike fills its slots exactly
 
 
-def test_check_prints_the_tokens_a_capacity_dispatch_drops_and_says_when_it_cannot():
+def test_check_prints_the_tokens_a_capacity_dispatch_drops_and_says_when_it_cannot(capsys):
     model = f"{ROOT / 'examples' / 'models.py'}:moe_tiny"
-    r = subprocess.run([sys.executable, "-m", "shardplan", "check", str(PLANS / "moe_ep.splan"), "--model", model,
-                        "--step", MOE["step"], "--batch", MOE["batch"][0],
-                        "--devices", "8", "--expert-load", "10,1,1,1", "--format", "json"],
-                       capture_output=True, text=True, timeout=120)
+    r = run_check(capsys, PLANS / "moe_ep.splan", "--model", model, "--step", MOE["step"], "--batch", MOE["batch"][0],
+                  "--devices", "8", "--expert-load", "10,1,1,1", "--format", "json")
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)["step_cost"]["expert_capacity"]
     # 512 tokens x top-2 over 4 experts, 512 slots each; 10/13 of 1,024 choices to expert 0
@@ -240,19 +247,18 @@ def test_check_prints_the_tokens_a_capacity_dispatch_drops_and_says_when_it_cann
     assert row["dropped_fraction"] == pytest.approx((10 / 13 * 1024 - 512) / 1024)
     # a router of argmaxes (tests/fixtures/fast_models.py's routed_moe): its slots, and no guess at drops
     fixture = ROOT / "tests" / "fixtures" / "fast_models.py"
-    r = subprocess.run([sys.executable, "-m", "shardplan", "check", str(PLANS / "moe_ep.splan"), "--model",
-                        f"{fixture}:routed_moe", "--step", f"{fixture}:moe_loss", "--batch", MOE["batch"][0],
-                        "--devices", "8", "--expert-load", "10,1,1,1"], capture_output=True, text=True, timeout=120)
+    r = run_check(capsys, PLANS / "moe_ep.splan", "--model", f"{fixture}:routed_moe", "--step", f"{fixture}:moe_loss",
+                  "--batch", MOE["batch"][0], "--devices", "8", "--expert-load", "10,1,1,1")
     assert r.returncode == 0, r.stderr
     assert "256 slots per expert) routed by no top-k over the experts: the tokens it drops are not estimated" in (
         " ".join(r.stdout.split()))
 
 
 @pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")
-def test_exact_mode_takes_the_busiest_shard_from_the_program_it_compiled():
+def test_exact_mode_takes_the_busiest_shard_from_the_program_it_compiled(capsys):
     """--compile: XLA:TPU's program of the shard_map backend (compiled offline for a v5e 2x4), the
     rows each device's grouped kernel runs from the partitioner's dry run of that program."""
-    r = cli("--target", "tpu-v5e:2x4", "--compile", "--expert-load", "10,1,1,1")
+    r = cli(capsys, "--target", "tpu-v5e:2x4", "--compile", "--expert-load", "10,1,1,1")
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
     assert "XLA:TPU" in text and "the step waits for the busiest expert shard, 3.08x the mean tokens" in text
