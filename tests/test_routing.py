@@ -45,21 +45,22 @@ def test_a_bad_load_is_an_argument_error_at_the_flag(text, words):
     assert words in str(e.value) and "--expert-load" in str(e.value)
 
 
-def test_a_file_without_counts_says_so(tmp_path):
+@pytest.mark.parametrize("text, words", [
+    ('{"a": 1}', "holds no list of counts"),
+    ("[1, 2", "not a JSON file"),
+    ("[1, true, 3]", "not all numbers"),
+    ("[1, NaN, 3]", "not finite"),
+])
+def test_a_file_without_counts_says_so(tmp_path, text, words):
     bad = tmp_path / "x.json"
-    bad.write_text('{"a": 1}')
-    with pytest.raises(ArgumentError, match="holds no list of counts"):
+    bad.write_text(text)
+    with pytest.raises(ArgumentError, match=words):
         routing.parse(str(bad))
-    bad.write_text("[1, 2")
-    with pytest.raises(ArgumentError, match="not a JSON file"):
-        routing.parse(str(bad))
-    bad.write_text("[1, true, 3]")
-    with pytest.raises(ArgumentError, match="not all numbers"):
-        routing.parse(str(bad))
-    bad.write_text("[1, NaN, 3]")
-    with pytest.raises(ArgumentError, match="not finite"):
-        routing.parse(str(bad))
-    with open(bad, "wb") as f:  # a file that is something else: refused by its size, not read
+
+
+def test_a_file_too_large_for_a_histogram_is_refused_unread(tmp_path):
+    bad = tmp_path / "x.json"
+    with open(bad, "wb") as f:
         f.truncate(routing.MAX_FILE_BYTES + 1)
     with pytest.raises(ArgumentError, match="not a histogram"):
         routing.parse(str(bad))
