@@ -25,7 +25,9 @@ UNIFORM_HINT = "give tokens per expert (e.g. 900,100,500,548), a JSON file of th
 @dataclass(frozen=True)
 class ExpertLoad:
     """Tokens routed to each expert (``counts``, in the experts' order: expert ``e`` is row ``e``
-    of the stacked weights), or the busiest expert shard's tokens over the mean (``factor``)."""
+    of the stacked weights), or the busiest's tokens over the mean (``factor``: the busiest expert
+    shard's for the step time, :func:`shares`; the busiest expert's for tokens dropped,
+    :func:`dropped`)."""
 
     counts: tuple[float, ...] = ()
     factor: float = 1.0
@@ -34,7 +36,7 @@ class ExpertLoad:
     def describe(self) -> str:
         if self.counts:
             return f"tokens per expert over {len(self.counts)} experts, the busiest expert {self._peak():.2f}x the mean"
-        return f"the busiest expert shard at {self.factor:g}x the mean"
+        return f"the busiest at {self.factor:g}x the mean (an expert, for tokens dropped; an expert shard, for time)"
 
     def _peak(self) -> float:
         return max(self.counts) * len(self.counts) / sum(self.counts)

@@ -158,14 +158,14 @@ def scheduled(steps: tuple[hlo.Step, ...], mesh: dict[str, int], links: dict[str
     return max([t, *pending.values()])
 
 
-def busiest(cost: StepCost, mesh: dict[str, int], load: ExpertLoad | None) -> tuple[float, float]:
+def busiest(cost: StepCost, load: ExpertLoad | None) -> tuple[float, float]:
     """(the largest busiest-shard factor, the FLOPs the busiest expert shard does beyond the
     mean) of the step's split grouped matmuls under ``load``; (1.0, 0.0) without one."""
     if load is None:
         return 1.0, 0.0
     worst, extra = 1.0, 0.0
     for _, groups, axes, flops in cost.grouped:
-        f = routing.imbalance(load, groups, math.prod(mesh.get(a, 1) for a in axes))
+        f = routing.imbalance(load, groups, math.prod(cost.mesh.get(a, 1) for a in axes))
         worst, extra = max(worst, f), extra + (f - 1) * flops
     return worst, extra
 
@@ -207,7 +207,7 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip, load: ExpertLoad | None = 
         latency += lat
         by_link[link] = by_link.get(link, 0.0) + lat
         (gathers if key[0] == "all-gather" else sums)[0] += lat
-    worst, extra = busiest(cost, cost.mesh, load)
+    worst, extra = busiest(cost, load)
     useful = cost.flops / chip.peak_flops
     compute = useful + extra / chip.peak_flops  # the busiest expert shard's
     memory = cost.hbm_bytes / chip.hbm_bandwidth
