@@ -105,7 +105,8 @@ def _shard_map_cost(target: str):
 
 def test_the_busiest_expert_shard_sets_the_step_on_xla_tpu():
     """moe_tiny_dropless (2 MoE layers, 4 experts of d_model 32 -> 64, top-2) over `expert = 4`,
-    16 x 32 tokens: each grouped matmul runs 1,024 routed rows. By hand, per device with every
+    16 x 32 tokens: each grouped matmul's buffer holds 1,024 routed rows, a quarter of them each
+    device's. By hand, per device with every
     expert alike: 4 grouped matmuls a layer whose work follows the rows (the two forward and
     their input gradients; XLA:TPU runs the weight gradients over every row), each 2 x 1,024 / 4
     rows x 32 x 64 FLOPs, 8,388,608 in all. A histogram that sends 10 of 13 tokens to the first
@@ -116,6 +117,9 @@ def test_the_busiest_expert_shard_sets_the_step_on_xla_tpu():
     plan = __import__("shardplan").load(PLANS / "moe_ep.splan")
     chip = chips.lookup("tpu-v5e")
     even = timing.step_time(cost, plan, chip)
+    # with every expert alike a shard's kernels run a quarter of the rows the program's FLOPs count
+    assert even.compute_s == pytest.approx((cost.flops - 3 * 8_388_608) / chip.peak_flops)
+    assert any(n.code == "grouped-routed" for n in cost.notes)
     assert timing.step_time(cost, plan, chip, routing.ExpertLoad(counts=(3, 3, 3, 3))) == even
     skewed = timing.step_time(cost, plan, chip, routing.ExpertLoad(counts=(10, 1, 1, 1)))
     extra = (40 / 13 - 1) * 8_388_608 / chip.peak_flops

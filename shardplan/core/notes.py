@@ -50,6 +50,7 @@ NOTE_CODES: dict[str, NoteCode] = {
         # the shard_map backend
         NoteCode("shard-map-how", "the shard_map backend's collectives are its partitioner's own"),
         NoteCode("shard-map-fallback", "an op the partitioner ran on whole operands"),
+        NoteCode("grouped-routed", "grouped kernels on each device's experts: timed by the rows routed to them"),
         NoteCode("grouped-dense", "grouped matmuls the compiler runs densely: every row through each expert"),
         NoteCode(
             "expert-load-static",

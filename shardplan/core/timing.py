@@ -40,9 +40,10 @@ class StepTime:
     # kernels between their start and their done run, the others wait (see :func:`scheduled`).
     scheduled_s: float = 0.0
     exposed_s: float = 0.0  # of comm_s, what the schedule does not hide
-    # A stated expert load (``core.routing``): the busiest expert shard's tokens over the mean,
-    # the largest of the step's split grouped matmuls', and the compute it adds to the step (the
-    # step waits for that shard: compute_s includes it).
+    # The busiest expert shard (``busiest``): its tokens over the mean under a stated expert load
+    # (``core.routing``), the largest of the step's split grouped matmuls', and the compute that
+    # adds over an even routing (the step waits for that shard: compute_s includes it, and counts
+    # the rows each shard's grouped kernels run, not every row the program's buffers hold).
     imbalance: float = 1.0
     imbalance_s: float = 0.0
 
@@ -158,16 +159,18 @@ def scheduled(steps: tuple[hlo.Step, ...], mesh: dict[str, int], links: dict[str
     return max([t, *pending.values()])
 
 
-def busiest(cost: StepCost, load: ExpertLoad | None) -> tuple[float, float]:
-    """(the largest busiest-shard factor, the FLOPs the busiest expert shard does beyond the
-    mean) of the step's split grouped matmuls under ``load``; (1.0, 0.0) without one."""
-    if load is None:
-        return 1.0, 0.0
-    worst, extra = 1.0, 0.0
-    for _, groups, axes, flops in cost.grouped:
-        f = routing.imbalance(load, groups, math.prod(cost.mesh.get(a, 1) for a in axes))
-        worst, extra = max(worst, f), extra + (f - 1) * flops
-    return worst, extra
+def busiest(cost: StepCost, load: ExpertLoad | None) -> tuple[float, float, float]:
+    """The step's split grouped matmuls (``StepCost.grouped``) on the busiest expert shard under
+    ``load`` (None: every expert alike): (the largest busiest-shard factor ``f``; the FLOPs its
+    kernels run beyond the program's count of them, ``sum mean x (f - n)`` over ``n`` shards: the
+    program counts every row its buffers hold, ``n`` times the mean routed to a shard; the FLOPs
+    the imbalance adds over an even routing, ``sum mean x (f - 1)``)."""
+    worst, delta, extra = 1.0, 0.0, 0.0
+    for _, groups, axes, mean in cost.grouped:
+        shards = math.prod(cost.mesh.get(a, 1) for a in axes)
+        f = routing.imbalance(load, groups, shards) if load is not None else 1.0
+        worst, delta, extra = max(worst, f), delta + (f - shards) * mean, extra + (f - 1) * mean
+    return worst, delta, extra
 
 
 def step_time(cost: StepCost, plan: Plan, chip: Chip, load: ExpertLoad | None = None) -> StepTime:
@@ -207,9 +210,9 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip, load: ExpertLoad | None = 
         latency += lat
         by_link[link] = by_link.get(link, 0.0) + lat
         (gathers if key[0] == "all-gather" else sums)[0] += lat
-    worst, extra = busiest(cost, load)
+    worst, delta, extra = busiest(cost, load)
     useful = cost.flops / chip.peak_flops
-    compute = useful + extra / chip.peak_flops  # the busiest expert shard's
+    compute = (cost.flops + delta) / chip.peak_flops  # the busiest expert shard's
     memory = cost.hbm_bytes / chip.hbm_bandwidth
     launch = cost.kernels * chip.launch_s
     comm = sum(by_link.values())

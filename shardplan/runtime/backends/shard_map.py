@@ -14,6 +14,7 @@ emitted module's ``make_gather_whole_step``, and the benchmarks' baseline.
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -143,6 +144,20 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
     # Grouped matmuls on each device's own experts: the work follows the routing where the
     # compiler's grouped matmul is a kernel over the rows routed (XLA:TPU's); where it runs every
     # row through every local group (jax's dense decomposition on XLA:CPU, XLA:GPU's), it is fixed.
+    if grouped:
+        notes.append(
+            Note(
+                "grouped-routed",
+                f"{book.name}'s grouped matmuls on each device's own experts (at "
+                + ", ".join(sorted({os.path.basename(src) for src, *_ in grouped}))
+                + ") run the rows routed to them: the step time counts a shard's share of the rows (the mean with "
+                "every expert alike, the busiest shard's under --expert-load), where the FLOPs count every row the "
+                "program's buffers hold (assumed from jax's TPU grouped kernel, megablox, which runs only its "
+                "groups' tiles; not measured on a TPU)",
+                "ragged_dot_general",
+                grouped[0][0],
+            )
+        )
     if not grouped and any(axes and forward for _, _, axes, forward, _, _ in record.grouped):
         notes.append(
             Note(
