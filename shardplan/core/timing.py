@@ -211,8 +211,8 @@ def step_time(cost: StepCost, plan: Plan, chip: Chip, load: ExpertLoad | None = 
         by_link[link] = by_link.get(link, 0.0) + lat
         (gathers if key[0] == "all-gather" else sums)[0] += lat
     worst, delta, extra = busiest(cost, load)
-    useful = cost.flops / chip.peak_flops
     compute = (cost.flops + delta) / chip.peak_flops  # the busiest expert shard's
+    useful = compute - extra / chip.peak_flops  # (MFU's: the work with every expert alike)
     memory = cost.hbm_bytes / chip.hbm_bandwidth
     launch = cost.kernels * chip.launch_s
     comm = sum(by_link.values())
