@@ -98,7 +98,10 @@ def bench_fast_vs_exact(quick: bool) -> list[dict]:
 
 
 def moe_small_dropless():
-    """moe_small with the dropless dispatch (tokens sorted by expert, grouped matmuls)."""
+    """moe_small with the dropless dispatch (tokens sorted by expert, grouped matmuls). Loaded by
+    path (exact mode's compile process too): the project root made importable first."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from flax import nnx
 
     from examples import models
