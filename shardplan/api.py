@@ -691,8 +691,8 @@ class StepCoster:
     def capacities(self, devices: int = 1) -> tuple[Any, ...]:
         """The step's capacity-style expert dispatches (``core.routing.Capacity``), read from its
         computation (``runtime.roles``): each matmul batched over stacked experts' weights against
-        a buffer of dispatched tokens, with the top-k over as many experts that routes them (none
-        found, an argmax chain say: ``k`` 0, the slots alone)."""
+        a buffer of dispatched tokens, with the top-k (or chain of argmaxes, GShard's) over as many
+        experts that routes them (none found: ``k`` 0, the slots alone)."""
         from shardplan.core.routing import Capacity
 
         r = self.roles(devices)

@@ -251,13 +251,32 @@ def test_check_prints_the_tokens_a_capacity_dispatch_drops_and_says_when_it_cann
     # 512 tokens x top-2 over 4 experts, 512 slots each; 10/13 of 1,024 choices to expert 0
     assert (row["experts"], row["k"], row["tokens"], row["slots"], row["capacity_factor"]) == (4, 2, 512, 512, 2.0)
     assert row["dropped_fraction"] == pytest.approx((10 / 13 * 1024 - 512) / 1024)
-    # a router of argmaxes (tests/fixtures/fast_models.py's routed_moe): its slots, and no guess at drops
+    # GShard's router of two argmaxes (tests/fixtures/fast_models.py's routed_moe: the second with
+    # the first choice masked out) and its capacity, by hand from its code: 2 * 32 // 4 = 16 slots
+    # per expert and group, 16 groups: 256 slots for 512 tokens' top-2 over 4 experts, factor 1
     fixture = ROOT / "tests" / "fixtures" / "fast_models.py"
     r = run_check(capsys, PLANS / "moe_ep.splan", "--model", f"{fixture}:routed_moe", "--step", f"{fixture}:moe_loss",
-                  "--batch", MOE["batch"][0], "--devices", "8", "--expert-load", "10,1,1,1")
+                  "--batch", MOE["batch"][0], "--devices", "8", "--expert-load", "10,1,1,1", "--format", "json")
     assert r.returncode == 0, r.stderr
-    assert "256 slots per expert) routed by no top-k over the experts: the tokens it drops are not estimated" in (
-        " ".join(r.stdout.split()))
+    (row,) = json.loads(r.stdout)["step_cost"]["expert_capacity"]
+    assert (row["experts"], row["k"], row["tokens"], row["slots"], row["capacity_factor"]) == (4, 2, 512, 256, 1.0)
+    assert row["dropped_fraction"] == pytest.approx((10 / 13 * 1024 - 256) / 1024)
+
+
+def test_a_router_the_step_does_not_show_gets_no_drop_estimate():
+    """Expert buffers whose routing the computation does not give (no top-k over the experts, no
+    argmaxes that divide over the layers): the slots said, no figure guessed."""
+    from rich.console import Console
+
+    from shardplan.tools import report
+
+    cost = _shard_map_cost("cpu")
+    out = Console(record=True, width=200)
+    report.print_expert_load(out, cost, None, routing.ExpertLoad(factor=1.5), [routing.Capacity(4, 0, 0, 256)])
+    assert "(4 experts, 256 slots per expert) routed by no top-k over the experts, nor argmaxes as many per layer: " \
+           "the tokens it drops are not estimated" in " ".join(out.export_text().split())
+    with pytest.raises(ValueError):
+        routing.dropped(None, routing.Capacity(4, 0, 0, 256))
 
 
 @pytest.mark.skipif(not HAS_TPU, reason="needs XLA:TPU: pip install 'shardplan[tpu]'")

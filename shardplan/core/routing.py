@@ -87,7 +87,7 @@ class Capacity:
     per step (over all groups). Tokens routed to an expert beyond its slots are dropped."""
 
     experts: int
-    k: int  # 0: no top-k over the experts routes them (an argmax chain, ...): drops not estimated
+    k: int  # 0: no router the step shows (a top-k, argmaxes as many per layer): drops not estimated
     tokens: int
     slots: int
 

@@ -83,6 +83,8 @@ class _Walk:
         self.parts: dict[int, tuple[int, ...]] = {}  # whole -> its parts (settle)
         self.routers: set[tuple[int, int, int]] = set()  # (experts, k, tokens) of each top-k
         self.slots: set[tuple[int, int]] = set()  # (experts, slots) of each matmul batched over a param's dim
+        self.argmaxes: dict[tuple[int, int], int] = {}  # (size, tokens) -> argmaxes over a dim of that size
+        self.expert_params: dict[int, set[int]] = {}  # experts -> the params batched over them
 
     def new(self, size: int) -> int:
         self.parent.append(len(self.parent))
@@ -240,6 +242,11 @@ class _Walk:
         if name == "top_k":
             shape = tuple(int(n) for n in eqn.invars[0].aval.shape)
             self.routers.add((shape[-1], int(eqn.params["k"]), math.prod(shape[:-1])))
+        if name == "argmax" and len(eqn.params["axes"]) == 1:  # one choice of a chain (GShard's top-2)
+            shape = tuple(int(n) for n in eqn.invars[0].aval.shape)
+            (axis,) = eqn.params["axes"]
+            key = (shape[axis], math.prod(shape) // shape[axis])
+            self.argmaxes[key] = self.argmaxes.get(key, 0) + 1
         if name == "dot_general":
             self.expert_buffers(eqn, f)
             for i, x in enumerate(eqn.invars):
@@ -277,6 +284,7 @@ class _Walk:
             free = [d for d, fs in enumerate(f.operands[1 - i]) if fs and role(fs) == "free"]
             experts = math.prod(int(x.aval.shape[d]) for d in batch)
             self.slots.add((experts, math.prod(int(y.aval.shape[d]) for d in free)))
+            self.expert_params.setdefault(experts, set()).add(self.views[x][0])
 
     def scan(self, eqn: Any, ins: list[list[int]]) -> list[list[int]]:
         p = eqn.params
@@ -417,6 +425,25 @@ def roles(closed: Any, paths: list[str], n_params: int, input_paths: list[str], 
         {c: w.size[c] for c in sorted(used)},
         inputs,
         tuple(sorted(prefixes)),
-        tuple(sorted(w.routers)),
+        tuple(sorted(w.routers | _argmax_routers(w, paths))),
         tuple(sorted(w.slots)),
     )
+
+
+def _argmax_routers(w: _Walk, paths: list[str]) -> set[tuple[int, int, int]]:
+    """Routers made of argmax chains (GShard's top-2: an argmax, then another with the first
+    choice masked out), as (experts, k, tokens): ``k`` the argmaxes over the experts' dim per
+    layer of experts, the layers counted as the experts' params over the distinct paths they
+    take up to list indices (``layers/0/ffn/wi`` and ``layers/1/ffn/wi``: one path, two layers;
+    a scanned layer's stacked params: one layer in the walk, as its argmaxes are). Where the
+    argmaxes do not divide evenly over the layers, none (the tokens routed unknown)."""
+    out = set()
+    for experts, held in w.expert_params.items():
+        layers, kinds = len(held), len({template(paths[i]) for i in held if i < len(paths)})
+        if not kinds or layers % kinds:
+            continue
+        layers //= kinds
+        for (size, tokens), n in w.argmaxes.items():
+            if size == experts and n % layers == 0 and not any(e == experts for e, _, _ in w.routers):
+                out.add((experts, n // layers, tokens))
+    return out

@@ -106,8 +106,8 @@ def print_expert_load(
     for cap in capacities:
         if not cap.k:
             console.print(
-                f"{said}: capacity dispatch ({cap.describe()}) routed by no top-k over the experts: the tokens "
-                "it drops are not estimated"
+                f"{said}: capacity dispatch ({cap.describe()}) routed by no top-k over the experts, nor argmaxes "
+                "as many per layer: the tokens it drops are not estimated"
             )
             continue
         fraction, busiest = routing.dropped(load, cap)
