@@ -287,3 +287,18 @@ def test_exact_mode_takes_the_busiest_shard_from_the_program_it_compiled(capsys)
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
     assert "XLA:TPU" in text and "the step waits for the busiest expert shard, 3.08x the mean tokens" in text
+
+
+def test_a_model_that_sizes_its_buffers_per_token_reads_by_choices():
+    """tests/fixtures/engine_models.py's moe (GShard's two argmaxes, its own names; batch rows as
+    groups): `cap = int(2.0 * s / 4)`, 16 slots per group of 32 tokens, 8 groups: 128 slots per
+    expert for 512 top-2 choices, a capacity factor of 1.00 per choice (its code's 2.0 is per
+    token)."""
+    import shardplan
+    from tests.helpers import FIXTURES
+
+    engine = FIXTURES / "engine_models.py"
+    batch = ["tokens=int32[8,32],labels=int32[8,32]"]
+    (cap,) = shardplan.api.expert_capacity(f"{engine}:moe", f"{engine}:moe_loss", batch)
+    assert (cap.experts, cap.k, cap.tokens, cap.slots, cap.factor) == (4, 2, 256, 128, 1.0)
+    assert "capacity factor 1.00: the slots over the 128 choices an expert is routed on average" in cap.describe()

@@ -101,7 +101,8 @@ class Capacity:
             return f"{self.experts} experts, {self.slots:,} slots per expert"
         return (
             f"{self.experts} experts, top-{self.k} of {self.tokens:,} tokens, {self.slots:,} slots per expert "
-            f"(capacity factor {self.factor:.2f})"
+            f"(capacity factor {self.factor:.2f}: the slots over the {self.tokens * self.k / self.experts:,.0f} "
+            "choices an expert is routed on average)"
         )
 
 
