@@ -137,7 +137,7 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
         for f in record.fallbacks
     ]
     book = fast.COMPILERS[compiler]
-    counted, grouped = grouped_flops(record.grouped, mesh, book.whole_ragged == "kernel")
+    counted, grouped, dense = grouped_flops(record.grouped, mesh, book.whole_ragged == "kernel")
     matmuls = dict(base.matmul_flops)
     for line, n in counted.items():
         matmuls[line] = matmuls.get(line, 0.0) + n
@@ -162,19 +162,13 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
         notes.append(
             Note(
                 "expert-load-static",
-                f"{fast.COMPILERS[compiler].name} runs each grouped matmul densely (every row through every local "
+                f"{book.name} runs each grouped matmul densely (every row through every local "
                 "expert): the step's work does not follow how tokens are routed, and a stated expert load does "
                 "not change it",
                 "ragged_dot_general",
                 record.grouped[0][0],
             )
         )
-    dense: dict[str, tuple[int, float]] = {}
-    for src, groups, axes, forward, ragged, other in record.grouped:
-        each = groups // math.prod(mesh[a] for a in axes)
-        if each > 1 and not (forward and book.whole_ragged == "kernel"):
-            g, n = dense.get(src, (each, 0.0))
-            dense[src] = (g, n + 2.0 * ragged * other * each)
     flops = base.flops + sum(counted.values())
     if dense and not book.dense_ragged:
         notes.append(fast.dense_grouped_note(book.name, dense, flops, book.whole_ragged == "kernel"))
@@ -194,24 +188,29 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
 
 def grouped_flops(
     rows: list[tuple[str, int, tuple[str, ...], bool, int, float]], mesh: dict[str, int], kernel: bool
-) -> tuple[dict[str, float], tuple[tuple[str, int, tuple[str, ...], float], ...]]:
+) -> tuple[dict[str, float], tuple[tuple[str, int, tuple[str, ...], float], ...], dict[str, tuple[int, float]]]:
     """The partitioner's grouped matmuls (``Record.grouped``) as the compiler runs them: (FLOPs
     per device per step by line, as its program counts them; the rows whose work follows the
-    routing, ``StepCost.grouped``). ``kernel``: the compiler runs a grouped matmul as a kernel
+    routing, ``StepCost.grouped``; the lines run densely over more than one local group, as
+    (groups, FLOPs), for note ``grouped-dense``). ``kernel``: the compiler runs a grouped matmul as a kernel
     that takes each row through its own group's weights (XLA:TPU: the rows whole in the program,
     each device's groups' rows, a mean share with every group routed alike, at run time); else
     every row through every local group (jax's dense decomposition on XLA:CPU, XLA:GPU's dense
     matmuls). A weight gradient (the ragged rows contracted) runs densely on every compiler."""
     counted: dict[str, float] = {}
     routed: dict[tuple[str, int, tuple[str, ...]], float] = {}
+    dense: dict[str, tuple[int, float]] = {}
     for src, groups, axes, forward, ragged, other in rows:
         shards = math.prod(mesh[a] for a in axes)
         each = 1 if forward and kernel else groups // shards
-        counted[src] = counted.get(src, 0.0) + 2.0 * ragged * other * each
+        flops = 2.0 * ragged * other * each
+        counted[src] = counted.get(src, 0.0) + flops
         if forward and kernel and axes:
             key = (src, groups, axes)
             routed[key] = routed.get(key, 0.0) + 2.0 * ragged / shards * other
-    return counted, tuple((*k, v) for k, v in sorted(routed.items(), key=lambda kv: -kv[1]))
+        if each > 1:
+            dense[src] = (each, dense.get(src, (each, 0.0))[1] + flops)
+    return counted, tuple((*k, v) for k, v in sorted(routed.items(), key=lambda kv: -kv[1])), dense
 
 
 def _dims(dims, rank: int) -> partition.Dims:
