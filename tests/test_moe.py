@@ -141,6 +141,37 @@ def test_shard_map_runs_the_dropless_path_on_each_devices_experts(plan_name):
     assert between == [], between
 
 
+def test_each_data_replica_of_an_expert_shard_runs_its_share_of_the_rows(monkeypatch):
+    """moe_ep (data = 2, expert = 4) on the dropless path: the two devices that hold the same
+    experts each run half of those experts' sorted rows (buffers of 256 of the 512 routed rows at
+    16 x 16 tokens, top-2), where each had run all of them. The ground truth is XLA:CPU's cost
+    analysis of the compiled step, against the same step with every row run on both replicas
+    (the split turned off): the FLOPs it saves are the grouped matmuls' (jax's dense decomposition,
+    its masks included) that fast mode counts for the rows no longer run (12.67 M saved against
+    13.37 M counted, 2026-12-07: the split's own bookkeeping, each replica's group sizes and its
+    result placed back among the rows, costs the rest)."""
+    from shardplan.runtime.backends.shard_map import grouped_flops
+    from shardplan.runtime.partition import ops_contract
+
+    def compiled():
+        plan = shardplan.load(PLANS / "moe_ep.splan")
+        model, optimizer, placement = shardplan.init_sharded(plan, models.moe_tiny_dropless, optax.adamw(1e-3))
+        step = shardplan.train_step(placement, example.moe_lm_loss, model, optimizer, backend="shard_map")
+        batch = _batches()[0]
+        costs = step.lower(model, optimizer, batch).compile().cost_analysis()
+        costs = costs[0] if isinstance(costs, list) else costs
+        record = step.fn.record(step.place(batch))
+        counted, _, _, masks = grouped_flops(record.grouped, placement.mesh_shape, kernel=False, masked=True)
+        return costs["flops"], {r[4] for r in record.grouped}, sum(counted.values()) + masks
+
+    split, split_rows, split_counted = compiled()
+    monkeypatch.setattr(ops_contract, "_chunk", lambda *args: ())
+    whole, whole_rows, whole_counted = compiled()
+    assert (split_rows, whole_rows) == ({256}, {512})
+    assert whole - split == pytest.approx(whole_counted - split_counted, rel=0.07)
+    assert split < 0.75 * whole
+
+
 def test_a_dropless_moe_of_our_own_trains_on_local_shards_as_on_one_device():
     """A routed layer nobody tuned the partitioner for (tests/fixtures/engine_models.py's
     sorted_experts: top-1 routing, SiLU between the grouped matmuls, its own names) under expert

@@ -104,25 +104,27 @@ def _shard_map_cost(target: str):
 
 
 def test_the_busiest_expert_shard_sets_the_step_on_xla_tpu():
-    """moe_tiny_dropless (2 MoE layers, 4 experts of d_model 32 -> 64, top-2) over `expert = 4`,
-    16 x 32 tokens: each grouped matmul's buffer holds 1,024 routed rows, a quarter of them each
-    device's. By hand, per device with every
-    expert alike: 4 grouped matmuls a layer whose work follows the rows (the two forward and
-    their input gradients; XLA:TPU runs the weight gradients over every row), each 2 x 1,024 / 4
-    rows x 32 x 64 FLOPs, 8,388,608 in all. A histogram that sends 10 of 13 tokens to the first
-    expert makes its shard 40/13 of the mean: the step waits for (40/13 - 1) x those FLOPs more."""
+    """moe_tiny_dropless (2 MoE layers, 4 experts of d_model 32 -> 64, top-2) over `data = 2,
+    expert = 4`, 16 x 32 tokens: 1,024 routed rows a grouped matmul, each of the two data replicas
+    of an expert shard running half its shard's rows (buffers of 512 rows), a quarter of them each
+    device's with every expert alike. By hand, per device: 4 grouped matmuls a layer whose work
+    follows the rows (the two forward and their input gradients; XLA:TPU runs the weight gradients
+    over every row of its buffer), each 2 x 512 / 4 rows x 32 x 64 FLOPs, 4,194,304 in all (twice
+    that before the data replicas split the rows). A histogram that sends 10 of 13 tokens to the
+    first expert makes its shard 40/13 of the mean: the step waits for (40/13 - 1) x those FLOPs
+    more."""
     cost = _shard_map_cost("tpu-v5e:2x4")
-    assert sum(n for *_, n in cost.grouped) == 2 * 4 * 2 * 1024 / 4 * 32 * 64
+    assert sum(n for *_, n in cost.grouped) == 2 * 4 * 2 * 512 / 4 * 32 * 64
     assert {(g, axes) for _, g, axes, _ in cost.grouped} == {(4, ("expert",))}
     plan = __import__("shardplan").load(PLANS / "moe_ep.splan")
     chip = chips.lookup("tpu-v5e")
     even = timing.step_time(cost, plan, chip)
     # with every expert alike a shard's kernels run a quarter of the rows the program's FLOPs count
-    assert even.compute_s == pytest.approx((cost.flops - 3 * 8_388_608) / chip.peak_flops)
+    assert even.compute_s == pytest.approx((cost.flops - 3 * 4_194_304) / chip.peak_flops)
     assert any(n.code == "grouped-routed" for n in cost.notes)
     assert timing.step_time(cost, plan, chip, routing.ExpertLoad(counts=(3, 3, 3, 3))) == even
     skewed = timing.step_time(cost, plan, chip, routing.ExpertLoad(counts=(10, 1, 1, 1)))
-    extra = (40 / 13 - 1) * 8_388_608 / chip.peak_flops
+    extra = (40 / 13 - 1) * 4_194_304 / chip.peak_flops
     assert skewed.imbalance == pytest.approx(40 / 13)
     assert skewed.imbalance_s == pytest.approx(extra)
     assert skewed.compute_s - even.compute_s == pytest.approx(extra)
@@ -187,9 +189,10 @@ def test_the_load_flag_is_checked_before_any_work(args, words):
 
 def test_a_routed_layer_of_our_own_counts_its_grouped_work_by_hand():
     """tests/fixtures/engine_models.py's sorted_experts (top-1, SiLU between two grouped matmuls,
-    its own names; 4 experts of 64 -> 96) over `expert = 4`, 8 x 16 tokens: 128 routed rows, 4
-    grouped matmuls whose work follows the rows (two forward, their input gradients), each
-    2 x 128 / 4 rows x 64 x 96 FLOPs per device."""
+    its own names; 4 experts of 64 -> 96) over `data = 2, expert = 4`, 8 x 16 tokens: 128 routed
+    rows, each data replica of an expert shard running half its shard's rows; 4 grouped matmuls
+    whose work follows the rows (two forward, their input gradients), each 2 x 128 / 2 / 4 rows x
+    64 x 96 FLOPs per device."""
     import shardplan
     from tests.helpers import FIXTURES
 
@@ -197,7 +200,7 @@ def test_a_routed_layer_of_our_own_counts_its_grouped_work_by_hand():
         FIXTURES / "experts_ep.splan", mode="fast", backend="shard_map", target="tpu-v5e:2x4", devices=8,
         model=f"{FIXTURES / 'engine_models.py'}:sorted_experts", step=f"{FIXTURES / 'engine_models.py'}:lm_loss",
         batch=["tokens=int32[8,16],labels=int32[8,16]"])
-    assert sum(n for *_, n in cost.grouped) == 4 * 2 * 128 / 4 * 64 * 96
+    assert sum(n for *_, n in cost.grouped) == 4 * 2 * 128 / 2 / 4 * 64 * 96
     assert {src.rsplit(":", 1)[1] for src, *_ in cost.grouped} == {"371", "372"}
 
 

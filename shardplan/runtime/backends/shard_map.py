@@ -137,7 +137,9 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
         for f in record.fallbacks
     ]
     book = fast.COMPILERS[compiler]
-    counted, grouped, dense = grouped_flops(record.grouped, mesh, book.whole_ragged == "kernel")
+    counted, grouped, dense, masks = grouped_flops(
+        record.grouped, mesh, book.whole_ragged == "kernel", book.dense_ragged
+    )
     matmuls = dict(base.matmul_flops)
     for line, n in counted.items():
         matmuls[line] = matmuls.get(line, 0.0) + n
@@ -158,7 +160,7 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
                 grouped[0][0],
             )
         )
-    if not grouped and any(axes and forward for _, _, axes, forward, _, _ in record.grouped):
+    if not grouped and any(axes and forward for _, _, axes, forward, *_ in record.grouped):
         notes.append(
             Note(
                 "expert-load-static",
@@ -169,7 +171,7 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
                 record.grouped[0][0],
             )
         )
-    flops = base.flops + sum(counted.values())
+    flops = base.flops + sum(counted.values()) + masks
     if dense and not book.dense_ragged:
         notes.append(fast.dense_grouped_note(book.name, dense, flops, book.whole_ragged == "kernel"))
     return replace(
@@ -187,8 +189,11 @@ def fast_cost(tracer: Any, plan: Any, mesh: dict[str, int], *, delta: bool = Tru
 
 
 def grouped_flops(
-    rows: list[tuple[str, int, tuple[str, ...], bool, int, float]], mesh: dict[str, int], kernel: bool
-) -> tuple[dict[str, float], tuple[tuple[str, int, tuple[str, ...], float], ...], dict[str, tuple[int, float]]]:
+    rows: list[tuple[str, int, tuple[str, ...], bool, int, float, float]],
+    mesh: dict[str, int],
+    kernel: bool,
+    masked: bool = False,
+) -> tuple[dict[str, float], tuple[tuple[str, int, tuple[str, ...], float], ...], dict[str, tuple[int, float]], float]:
     """The partitioner's grouped matmuls (``Record.grouped``) as the compiler runs them: (FLOPs
     per device per step by line, as its program counts them; the rows whose work follows the
     routing, ``StepCost.grouped``; the lines run densely over more than one local group, as
@@ -196,21 +201,28 @@ def grouped_flops(
     that takes each row through its own group's weights (XLA:TPU: the rows whole in the program,
     each device's groups' rows, a mean share with every group routed alike, at run time); else
     every row through every local group (jax's dense decomposition on XLA:CPU, XLA:GPU's dense
-    matmuls). A weight gradient (the ragged rows contracted) runs densely on every compiler."""
+    matmuls). A weight gradient (the ragged rows contracted) runs densely on every compiler.
+    ``masked``: jax's dense decomposition (XLA:CPU), whose masks of each group's rows add
+    elementwise FLOPs, the fourth figure: 4 per lhs element and local group forward, 4 per lhs
+    and rhs element and local group for a weight gradient (XLA:CPU's cost analysis of single
+    ``jax.lax.ragged_dot``s and their weight gradients, 256-512 rows, 1-4 groups, 2026-12-07)."""
     counted: dict[str, float] = {}
+    masks = 0.0
     routed: dict[tuple[str, int, tuple[str, ...]], float] = {}
     dense: dict[str, tuple[int, float]] = {}
-    for src, groups, axes, forward, ragged, other in rows:
+    for src, groups, axes, forward, ragged, other, mask in rows:
         shards = math.prod(mesh[a] for a in axes)
         each = 1 if forward and kernel else groups // shards
         flops = 2.0 * ragged * other * each
         counted[src] = counted.get(src, 0.0) + flops
+        if masked:
+            masks += 4.0 * ragged * (groups // shards) * mask
         if forward and kernel and axes:
             key = (src, groups, axes)
             routed[key] = routed.get(key, 0.0) + 2.0 * ragged / shards * other
         if each > 1:
             dense[src] = (each, dense.get(src, (each, 0.0))[1] + flops)
-    return counted, tuple((*k, v) for k, v in sorted(routed.items(), key=lambda kv: -kv[1])), dense
+    return counted, tuple((*k, v) for k, v in sorted(routed.items(), key=lambda kv: -kv[1])), dense, masks
 
 
 def _dims(dims, rank: int) -> partition.Dims:

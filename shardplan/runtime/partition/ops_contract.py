@@ -151,7 +151,11 @@ def op_ragged_dot_general(part: Partitioner, eqn: Any, ins: list[V]) -> list[V] 
     device's groups come out zero, so the result is a pending sum over ``G``. Weight
     gradient (the ragged rows contracted, the result's group dim split as its param wants):
     each device's groups, nothing pending. The ragged rows and the group sizes are whole
-    (the sort that made them is global); contracting dims follow the matmul's rule."""
+    (the sort that made them is global); contracting dims follow the matmul's rule. The
+    devices that hold the same groups (the mesh axes nothing else in the matmul splits: a
+    ``data`` axis beside ``expert``) each run an even share of those groups' rows, in a buffer of
+    the rows over their count (``_chunk``): a pending sum over those axes too, forward and in a
+    weight gradient, where each had run all of them."""
     lhs, rhs, sizes = ins
     nums = eqn.params["ragged_dot_dimension_numbers"]
     (lc, rc), (lb, rb) = nums.dot_dimension_numbers
@@ -168,6 +172,7 @@ def op_ragged_dot_general(part: Partitioner, eqn: Any, ins: list[V]) -> list[V] 
         rfree = [j for j in range(len(rhs.shape)) if j not in rc and j != gd]
         group = tuple(rhs.dims[gd])
         ragged_pairs: list[tuple[int, int]] = []
+        want = None
     else:  # ragged rows contracted: out (g, lhs free dims, rhs free dims)
         rfree = [j for j in range(len(rhs.shape)) if j not in rc]
         hint = part.hints.get(eqn.outvars[0])
@@ -178,8 +183,12 @@ def op_ragged_dot_general(part: Partitioner, eqn: Any, ins: list[V]) -> list[V] 
     # and what elementwise ops made of it) are read as they are: only those rows are read.
     # (zeroed elsewhere: a row no group takes must add nothing, whatever it held)
     rrow = ragged_pairs[0][1] if ragged_pairs else -1
+    hinted = {a for w in want for a in w} if want is not None else set()
+    chunk = _chunk(part, ((lhs, r), (rhs, rrow)), grouping, group, hinted)
     lhs, rhs = (
-        part.bare(part.unown(v), v.rows.axes) if v.rows and v.rows.fits(v, grouping, group, dim) else part.unown(v)
+        part.bare(part.unown(v), v.rows.axes)
+        if v.rows and v.rows.fits(v, grouping, group + chunk, dim)
+        else part.unown(v)
         for v, dim in ((lhs, r), (rhs, rrow))
     )
     if lhs.partial and rhs.partial:
@@ -250,33 +259,74 @@ def op_ragged_dot_general(part: Partitioner, eqn: Any, ins: list[V]) -> list[V] 
     l2 = part.to(lhs, lt, keep_partial=True)
     r2 = part.to(rhs, rt, keep_partial=True)
     # What it runs: the ragged rows (whole) against the other dims' local sizes on both sides.
-    other = math.prod(s // part.n(d) for i, (s, d) in enumerate(zip(lhs.shape, lt, strict=True)) if i != r)
-    other *= math.prod(rhs.shape[j] // part.n(rt[j]) for j in rfree)
-    part.record.grouped.append((part.source, g, group, forward, lhs.shape[r], float(other * part.mult)))
+    # The rows a device runs: its groups' rows, split evenly over ``chunk`` (a buffer of the
+    # rows over the chunks' count holds a chunk whatever the routing).
+    rows = -(-lhs.shape[r] // part.n(chunk))
+    lk = math.prod(s // part.n(d) for i, (s, d) in enumerate(zip(lhs.shape, lt, strict=True)) if i != r)
+    rn = math.prod(rhs.shape[j] // part.n(rt[j]) for j in rfree)
+    masked = (lk if forward else lk + rn) * part.mult  # what jax's dense decomposition masks, per row and group
+    part.record.grouped.append((part.source, g, group, forward, rows, float(lk * rn * part.mult), float(masked)))
     xs: list | None = None
     start: Any = None
     count: Any = None
     if not part.dry:
         lx, rx, local_sizes = l2.x, r2.x, sizes.x
-        if group:
+        if group or chunk:
             n = g // part.n(group)
             first = part.index(group) * n
             local_sizes = jax.lax.dynamic_slice_in_dim(sizes.x, first, n)
             start = jnp.sum(jnp.where(jnp.arange(g) < first, sizes.x, 0))
             count = jnp.sum(local_sizes)
-            lx = jnp.roll(lx, -start, axis=r)
+            if chunk:  # this replica's share of the groups' rows, and each group's rows in it
+                per = (count + part.n(chunk) - 1) // part.n(chunk)
+                lo = jnp.minimum(part.index(chunk) * per, count)
+                hi = jnp.minimum(lo + per, count)
+                begin = jnp.cumsum(local_sizes) - local_sizes
+                local_sizes = jnp.clip(jnp.minimum(hi, begin + local_sizes) - jnp.maximum(lo, begin), 0).astype(
+                    local_sizes.dtype
+                )
+                # Read through a dynamic slice (at an offset that is 0 at run time): XLA:TPU
+                # (libtpu 0.0.42) fails to compile a weight gradient's grouped matmul whose group
+                # sizes are an elementwise op's result (RET_CHECK in mask_aggregator.cc), but not
+                # sizes sliced out of an array, as the whole groups' are.
+                local_sizes = jax.lax.dynamic_slice_in_dim(
+                    jnp.concatenate([local_sizes, jnp.zeros_like(local_sizes)]), jnp.minimum(count, 0), n
+                )
+                start, count = start + lo, hi - lo
+            lx = jax.lax.slice_in_dim(jnp.roll(lx, -start, axis=r), 0, rows, axis=r)
             if not forward:
-                rx = jnp.roll(rx, -start, axis=rrow)
+                rx = jax.lax.slice_in_dim(jnp.roll(rx, -start, axis=rrow), 0, rows, axis=rrow)
         xs = part.bind(eqn, [lx, rx, local_sizes])
-        if forward and group and xs is not None:
-            xs = [jnp.roll(xs[0], start, axis=lfree.index(r))]
+        if forward and (group or chunk) and xs is not None:
+            at = lfree.index(r)
+            pad = [(0, lhs.shape[r] - rows if k == at else 0) for k in range(xs[0].ndim)]
+            xs = [jnp.roll(jnp.pad(xs[0], pad), start, axis=at)]
     out_free = [lt[i] for i in lfree] + [rt[j] for j in rfree]
     out_dims = out_free if forward else [group, *out_free]
-    partial = l2.partial | r2.partial | contract
+    partial = l2.partial | r2.partial | contract | ({*chunk} if not forward else set())
     (out,) = part.out(eqn, [out_dims], [frozenset(partial)], act=lhs.act or rhs.act, xs=xs)
-    if forward and group:  # this device's rows: its groups' tokens (zero elsewhere)
-        out = part.owned(out, Rows(grouping, group, lfree.index(r), start, count))
+    if forward and (group or chunk):  # this device's rows: its share of its groups' tokens (zero elsewhere)
+        out = part.owned(out, Rows(grouping, group + chunk, lfree.index(r), start, count))
     return [out]
+
+
+def _chunk(part: Partitioner, ops: Any, grouping: V, group: tuple[str, ...], wanted: set) -> tuple[str, ...]:
+    """The mesh axes a grouped matmul splits its rows over: those that split nothing else in it
+    (neither operand, nor a pending sum, nor the layout its result is wanted in), so that each
+    replica of a device's groups runs its share of their rows rather than all of them. An operand
+    exact on its own share of the rows (an earlier grouped matmul's result) keeps its split."""
+    used = set(group) | wanted
+    for v, _ in ops:
+        own = set(v.rows.axes) if v.rows is not None else set()
+        used |= {a for d in v.dims for a in d} | (set(v.partial) - own)
+    idle = tuple(a for a in part.mesh if a not in used and part.mesh[a] > 1)
+    for v, dim in ops:
+        rows = v.rows
+        if rows is not None and rows.sizes is grouping and rows.dim == dim and rows.axes[: len(group)] == group:
+            held = rows.axes[len(group) :]
+            if set(held) <= set(idle):
+                return held
+    return idle
 
 
 RULES.ops.update(

@@ -72,10 +72,13 @@ class Record:
     # Every grouped matmul (``ragged_dot_general``) as this device runs it: (source, groups, the
     # axes the groups are split over (this device runs its own), forward (the weights' group dim
     # kept: each row through its group's weights) or not (the ragged rows contracted: a weight
-    # gradient), the ragged rows (whole), the product of the other dims' local sizes times the
-    # runs per step). FLOPs follow from them as each compiler runs grouped matmuls
+    # gradient), the ragged rows it runs (its share of the rows: ``Rows``), the product of the
+    # other dims' local sizes times the runs per step, and the elements jax's dense decomposition
+    # masks per row and local group times the runs per step: the lhs's other dims forward, the
+    # lhs's and rhs's for a weight gradient).
+    # FLOPs follow from them as each compiler runs grouped matmuls
     # (``backends.shard_map.grouped_flops``).
-    grouped: list[tuple[str, int, tuple[str, ...], bool, int, float]] = field(default_factory=list)
+    grouped: list[tuple[str, int, tuple[str, ...], bool, int, float, float]] = field(default_factory=list)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """{kind: {"count", "bytes"}} per device per step, as ``shardplan.core.hlo.summarize``."""
