@@ -168,7 +168,7 @@ def cost(
     def propagate(
         ignore_constraints: bool, free: dict[Any, Dims] | None = None, layouts_only: bool = False
     ) -> tuple[_Ctx, Walker]:
-        ctx = _Ctx(dict(mesh), plan.batch_axes, book=book)
+        ctx = _Ctx(dict(mesh), plan.batch_axes, book=book, grouped_memory=grouped)
         names: dict[Any, str] = {}
         env: dict[Any, Val] = {}
         for var, d, role in zip(jaxpr.invars, decisions, prefixes, strict=True):

@@ -821,6 +821,14 @@ def grouped_rule(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> list[Val]
     k = math.prod(lhs.shape[i] for i in lc) / walk.ctx.split(tuple(summed))
     dense = gd and book.whole_ragged == "dense"
     walk.count_flops(2 * local * k * (groups if dense else 1), mult, "ragged_dot_general")
+    if book.whole_ragged == "dense" and groups > 1 and walk.ctx.grouped_memory:
+        # XLA:GPU's dense rewrite masks the rows once per group, (groups x rows x width), and holds
+        # that copy as long as the rows are held (the weight gradient's rewrite reads the same
+        # copy); while it runs, each group's product over every row besides
+        rows = walk.ctx.local(Val(lhs.shape, lhs.itemsize, _norm(tuple(lhs_dims), len(lhs.shape))))
+        if not hasattr(eqn.invars[0], "val"):
+            walk.copied[eqn.invars[0]] = max(walk.copied.get(eqn.invars[0], 0), groups * rows)
+        walk.peak = max(walk.peak, groups * walk.ctx.local(result) if gd else groups * walk.ctx.local(ins[1]))
     if (dense or not gd) and groups > 1:  # every row through every group (a weight gradient's, XLA:GPU's)
         where = walk.ctx.source or walk.call_source
         g, n = walk.ctx.dense_grouped.get(where, (groups, 0.0))

@@ -49,6 +49,9 @@ class _Ctx:
     grouped_flops: dict[str, float] = field(default_factory=dict)  # of those, the grouped matmuls'
     grouped_total: float = 0.0  # every flop of the grouped matmuls (jax's dense decomposition's masks too)
     dense_grouped: dict[str, tuple[int, float]] = field(default_factory=dict)  # line -> (groups, FLOPs) run densely
+    # the buffers the compiler's own grouped matmuls hold (False: the shard_map backend's cost,
+    # whose grouped matmuls are its partitioner's, run on each device's groups)
+    grouped_memory: bool = True
     transcendentals: float = 0.0
     hbm: float = 0.0  # bytes read and written in memory (XLA's fusion assumed: see Walker.traffic)
     launches: float = 0.0  # kernels launched (equations whose results are stored, collectives)

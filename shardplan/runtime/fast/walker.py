@@ -122,6 +122,9 @@ class Walker:
         self.peak = 0  # most bytes of intermediates alive at once in the jaxpr being run
         # A matmul's result held as its split contraction's float32 partials (``matmul._split_k``)
         self.widened: dict[Any, int] = {}
+        # Copies of a value a rule says the compiler holds beside it until the value's last reader
+        # (XLA:GPU's grouped matmul rows masked per group, ``grouped_rule``): var -> bytes
+        self.copied: dict[Any, int] = {}
         # A scanned body's stacked results whose pending sum the loop reduce-scatters in every
         # trip (a layer's weight gradient under FSDP) -> the layout it is scattered onto (``scan``;
         # elsewhere a gradient's own layout, ``hints``: see ``_scattered_cut``)
@@ -247,6 +250,12 @@ class Walker:
                     held[var] = max(self.ctx.held(val), wide)
                     live += held[var]
                     out_live += held[var] if var in results else 0
+            if self.copied:
+                for x, n in self.copied.items():
+                    if x in held and n > copies.get(x, 0):
+                        live += n - copies.get(x, 0)
+                        copies[x] = n
+                self.copied = {}
             for x in copying:
                 # made for its first matmul, where the weight is read in place (not gathered: then
                 # the cast is gathered around its uses, ``Compiler.gather_cse``)
