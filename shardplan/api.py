@@ -712,7 +712,36 @@ def expert_capacity(
     Raises:
         ShardPlanError: the model, step or batch cannot be loaded or traced.
     """
-    return StepCoster(model, step, batch, optimizer).capacities(devices)
+    return _coster(model, step, _batch_shapes(batch, "batch"), optimizer).capacities(devices)
+
+
+# The last StepCoster made by ``analyze`` or ``expert_capacity``, with what it was made from: a
+# command that costs several plans of one model (``check --vs``) or costs a plan and then reads its
+# experts (``check --expert-load``) builds and traces the model once.
+_LAST_COSTER: list[tuple[tuple, StepCoster]] = []
+
+
+def _coster(model: str, step: str, shapes: dict, optimizer: str) -> StepCoster:
+    """A :class:`StepCoster` for ``model``, ``step``, ``shapes`` and ``optimizer``: the last one
+    made where all four are the same and neither file has changed since, else a new one."""
+
+    def stamp(ref: str) -> int | None:
+        where = ref.rsplit(":", 1)[0]
+        return os.stat(where).st_mtime_ns if os.path.isfile(where) else None
+
+    key = (
+        model,
+        step,
+        tuple(sorted((k, tuple(s), str(d)) for k, (s, d) in shapes.items())),
+        optimizer,
+        stamp(model),
+        stamp(step),
+    )
+    if _LAST_COSTER and _LAST_COSTER[0][0] == key:
+        return _LAST_COSTER[0][1]
+    coster = StepCoster(model, step, shapes, optimizer)
+    _LAST_COSTER[:] = [(key, coster)]
+    return coster
 
 
 PROPAGATIONS = ("auto", "shardplan", "xla")  # whose layouts fast mode partitions (``StepCoster.cost``)
@@ -862,7 +891,7 @@ def _step_cost(
     # Fail early, in this process, on what needs no devices: the batch must divide over its axes.
     resolve_inputs(p, sizes, [Leaf(k, tuple(s), d, ITEMSIZE[d]) for k, (s, d) in shapes.items()])
     if mode == "fast":
-        coster = StepCoster(model, step, shapes, optimizer)
+        coster = _coster(model, step, shapes, optimizer)
         cost = coster.cost(p, mesh=None, devices=devices, backend=name, compiler=aim.book, propagation=propagation)
         # named for the target ("XLA:TPU tpu-v5e:2x4"): the report sets its peak against the chip's memory
         return dataclasses.replace(cost, compiler=f"{cost.compiler} {aim.name}") if aim.platform != "cpu" else cost

@@ -1000,3 +1000,57 @@ def test_fsdp_on_a_weights_inner_dim_costs_the_copies_the_compiler_makes(target,
         assert traffic["fast"] == traffic["exact"] > 0
     else:  # XLA:GPU also moves some activations' transposes (not counted): at least these copies
         assert 0 < traffic["fast"] <= traffic["exact"]
+
+
+_COUNTED_MODEL = '''
+import pathlib
+
+import jax.numpy as jnp
+from flax import nnx
+
+WIDTH = {width}
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(64, WIDTH, rngs=rngs)
+        self.out = nnx.Linear(WIDTH, 64, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.out(jnp.tanh(self.embed(tokens)))
+
+
+def make():
+    with open(pathlib.Path(__file__).with_suffix(".builds"), "a") as f:
+        f.write("built\\n")
+    return Net(nnx.Rngs(0))
+'''
+
+
+def test_check_costs_several_plans_of_one_model_on_one_build_and_rebuilds_an_edited_model(tmp_path, capsys):
+    """`check --vs` costs each plan in fast mode on one build of the model (its factory called
+    once, the step traced once per distinct tracing), where each plan had built and traced it
+    anew (Mixtral-8x7B shapes, two expert plans on 64 v5p chips: 10.5 s -> 7.5 s, 2026-12-07); a
+    model file edited since is built again."""
+    from shardplan.tools import cli
+
+    model = tmp_path / "net.py"
+    model.write_text(_COUNTED_MODEL.format(width=32))
+    builds = tmp_path / "net.builds"
+    args = ["check", str(PLANS / "dp.splan"), "--vs", str(PLANS / "fsdp.splan"), "--model", f"{model}:make",
+            "--step", f"{ROOT / 'examples' / 'train.py'}:lm_loss", "--batch",
+            "tokens=int32[8,16],labels=int32[8,16]", "--devices", "8", "--format", "json"]
+    assert cli.main(args) == 0
+    first = json.loads(capsys.readouterr().out)["plans"]
+    factory_calls = len(builds.read_text().splitlines())
+    assert len(first) == 2 and factory_calls >= 1
+    assert cli.main(args) == 0  # the same model again: nothing built
+    capsys.readouterr()
+    assert len(builds.read_text().splitlines()) == factory_calls
+    model.write_text(_COUNTED_MODEL.format(width=48))
+    os.utime(model, ns=(os.stat(model).st_atime_ns, os.stat(model).st_mtime_ns + 1_000_000))
+    assert cli.main(args) == 0
+    wider = json.loads(capsys.readouterr().out)["plans"]
+    assert len(builds.read_text().splitlines()) > factory_calls
+    params = [r["step_cost"]["memory_per_device"]["params"] for r in (first[0], wider[0])]  # dp: whole
+    assert params == [4 * (2 * 64 * 32 + 64), 4 * (2 * 64 * 48 + 64)]

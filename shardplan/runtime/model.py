@@ -88,11 +88,15 @@ def load_factory(spec: str, what: str = "--model") -> Callable[..., Any]:
                 sys.path.insert(0, str(file.parent))
             mod_name = f"_shardplan_model_{abs(hash(str(file)))}"
             loaded = sys.modules.get(mod_name)
-            if loaded is not None:  # the model and the step from one file: one module
+            stamp = file.stat().st_mtime_ns
+            if loaded is not None and getattr(loaded, "__shardplan_mtime__", None) == stamp:
+                # the model and the step from one file: one module (loaded again once edited: a
+                # long-lived process, the language server's, reads the file as it is now)
                 return _attribute(loaded, target, name, what)
             loader_spec = importlib.util.spec_from_file_location(mod_name, file)
             assert loader_spec is not None and loader_spec.loader is not None  # a .py file always has one
             module = importlib.util.module_from_spec(loader_spec)
+            module.__shardplan_mtime__ = stamp  # type: ignore[attr-defined]
             sys.modules[mod_name] = module
             loader_spec.loader.exec_module(module)
         else:
