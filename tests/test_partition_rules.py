@@ -212,10 +212,15 @@ SIZES = jnp.asarray([3, 5, 0, 6], jnp.int32)  # 14 of 16 rows grouped (the rest:
 
 
 def test_grouped_matmul_with_its_groups_split_runs_each_devices_groups_and_leaves_a_pending_sum():
-    """The experts' weights split over ``data`` by group: each device multiplies the rows of its
-    own groups (zero elsewhere), a pending sum over ``data``; nothing moves for the matmul."""
+    """The experts' weights split over ``data`` by group (``model`` idle): each device multiplies
+    its share of the rows of its own groups, the two devices that hold the same groups (``model``)
+    half each (zero elsewhere): a pending sum over ``data`` and ``model``; nothing moves for the
+    matmul. With ``model`` splitting the weights' output dim there is no axis to share the rows."""
     layouts, _ = check(jax.lax.ragged_dot, [f32(16, 6), f32(4, 6, 5), SIZES],
                        [((), ()), (("data",), (), ()), ((),)], dims=((), ()))
+    assert layouts[0][1] == frozenset({"data", "model"})
+    layouts, _ = check(jax.lax.ragged_dot, [f32(16, 6), f32(4, 6, 10), SIZES],
+                       [((), ()), (("data",), (), ("model",)), ((),)], dims=((), ("model",)))
     assert layouts[0][1] == frozenset({"data"})
 
 
