@@ -85,6 +85,8 @@ def bench_fast_vs_exact(quick: bool) -> list[dict]:
     if not quick:
         cases += [(plan, "moe_small_dropless", "shard_map", "cpu") for plan in plans]
         cases += [("moe_ep.splan", "moe_small_dropless", "shard_map", t) for t in ("tpu-v5e:2x4", "h100:8")]
+        # the dropless path on the auto backend: each compiler's own grouped matmul
+        cases += [(plan, "moe_small_dropless", "auto", t) for plan in plans for t in ("cpu", "tpu-v5e:2x4", "h100:8")]
     for plan, model, backend, target in cases:
         kw = dict(model=f"{ROOT / 'benchmarks' / 'moe.py'}:{model}" if model.endswith("_dropless") else
                   f"{ROOT / 'examples' / 'models.py'}:{model}",

@@ -64,7 +64,15 @@ def gather(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
     if clash:
         lookup_indices(walk, eqn.invars[1], idx, clash, rows if masked else (), mult)
     if masked:
-        return filled(walk, eqn, replace(out, partial=frozenset(rows)), valid, mult)
+        looked = filled(walk, eqn, replace(out, partial=frozenset(rows)), valid, mult)
+        if set(rows) <= set(walk.ctx.batch_axes) and not idx.axes:
+            # Activations looked up by indices whole on the batch axes that split them (a dropless
+            # MoE's tokens and routing weights in its global sort's order, and in the backward
+            # pass the combine's cotangent): the lookup's sum is all-reduced where it is made, not
+            # scattered onto the batch rows nor carried into what is made of it (measured on
+            # XLA:CPU, XLA:TPU and XLA:GPU: each lookup all-reduced over (data, expert))
+            return resolve(walk, eqn.outvars[0], looked, looked.dims, mult, "gather")
+        return looked
     if rows:
         regrouped = regroup_table(walk, eqn, table, out, rows, batch_out, mult)
         if regrouped is not None:
