@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -715,33 +716,24 @@ def expert_capacity(
     return _coster(model, step, _batch_shapes(batch, "batch"), optimizer).capacities(devices)
 
 
-# The last StepCoster made by ``analyze`` or ``expert_capacity``, with what it was made from: a
-# command that costs several plans of one model (``check --vs``) or costs a plan and then reads its
-# experts (``check --expert-load``) builds and traces the model once.
-_LAST_COSTER: list[tuple[tuple, StepCoster]] = []
-
-
 def _coster(model: str, step: str, shapes: dict, optimizer: str) -> StepCoster:
     """A :class:`StepCoster` for ``model``, ``step``, ``shapes`` and ``optimizer``: the last one
-    made where all four are the same and neither file has changed since, else a new one."""
+    made (by ``analyze`` or ``expert_capacity``) where all four are the same and neither file has
+    changed since, else a new one: a command that costs several plans of one model (``check
+    --vs``) or costs a plan and then reads its experts (``check --expert-load``) builds and traces
+    the model once."""
 
     def stamp(ref: str) -> int | None:
         where = ref.rsplit(":", 1)[0]
         return os.stat(where).st_mtime_ns if os.path.isfile(where) else None
 
-    key = (
-        model,
-        step,
-        tuple(sorted((k, tuple(s), str(d)) for k, (s, d) in shapes.items())),
-        optimizer,
-        stamp(model),
-        stamp(step),
-    )
-    if _LAST_COSTER and _LAST_COSTER[0][0] == key:
-        return _LAST_COSTER[0][1]
-    coster = StepCoster(model, step, shapes, optimizer)
-    _LAST_COSTER[:] = [(key, coster)]
-    return coster
+    key = tuple((k, tuple(s), d) for k, (s, d) in shapes.items())
+    return _last_coster(model, step, key, optimizer, stamp(model), stamp(step))
+
+
+@functools.lru_cache(maxsize=1)
+def _last_coster(model: str, step: str, shapes: tuple, optimizer: str, *stamps: int | None) -> StepCoster:
+    return StepCoster(model, step, {k: (s, d) for k, s, d in shapes}, optimizer)
 
 
 PROPAGATIONS = ("auto", "shardplan", "xla")  # whose layouts fast mode partitions (``StepCoster.cost``)
