@@ -7,6 +7,7 @@ inside the functions that need devices or models, never at module import.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import functools
@@ -572,6 +573,9 @@ def _fast_cost(name: str) -> Callable[..., StepCost]:
     return getattr(importlib.import_module(module), function)
 
 
+COST_MEMO = 1024  # plans' costs a StepCoster keeps (a StepCost pickles to 3-8 KiB: tens of MiB at most)
+
+
 class StepCoster:
     """One model, step and batch, costed under many plans in fast mode, on either backend: each
     plan resolved once per costing and the step traced once per distinct set of what tracing
@@ -594,6 +598,10 @@ class StepCoster:
         self.factory = model_mod.load_factory(model)
         self.loss_fn = model_mod.load_factory(step, what="--step")
         self.tracer = Tracer(self.factory, self.loss_fn, shapes, optimizer)  # the model built abstractly
+        # the costs made so far, by plan, mesh and how it was costed (a search, or a second search
+        # under another budget, asks for the same plan again): the last COST_MEMO kept
+        self._costs: collections.OrderedDict[tuple, StepCost] = collections.OrderedDict()
+        self.memo_hits = 0
 
     @property
     def built(self) -> tuple[Any, Any]:
@@ -657,6 +665,24 @@ class StepCoster:
             )
         if propagation == "auto" and name != "auto":
             propagation = "shardplan"  # Shardy lays out the auto backend's step, not the partitioner's
+        from shardplan.runtime.fast import COMPILERS
+
+        # (the compiler's rules themselves in the key: a book replaced since is another costing)
+        key = (p, tuple(sizes.items()), delta, name, compiler, COMPILERS.get(compiler), propagation)
+        hit = self._costs.get(key)
+        if hit is not None:
+            self._costs.move_to_end(key)
+            self.memo_hits += 1
+            return hit
+        got = self._cost(run, p, sizes, delta, compiler, propagation)
+        self._costs[key] = got
+        if len(self._costs) > COST_MEMO:
+            self._costs.popitem(last=False)
+        return got
+
+    def _cost(
+        self, run: Callable, p: Plan, sizes: dict[str, int], delta: bool, compiler: str, propagation: str
+    ) -> StepCost:
         if propagation == "shardplan":
             return with_pipeline(run(self.tracer, p, sizes, delta=delta, compiler=compiler), p)
         from shardplan.runtime import shardy

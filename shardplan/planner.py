@@ -305,7 +305,10 @@ def suggest(
     backends.lookup(backend, "--backend")
     budget = device_memory if device_memory is not None else int(hw.hbm_bytes)
     t0 = time.perf_counter()
-    coster = api.step_coster(model, step, batch, optimizer)
+    # the last model's coster again where model, step, batch and optimizer are the same and their
+    # files unchanged (a second search, under another budget or device count, re-costs nothing it costed)
+    coster = api._coster(model, step, api._batch_shapes(batch, "batch"), optimizer)
+    traces0 = coster.traces
     space = replace(search_space(coster, devices), backend=backend)
 
     def score(text: str) -> tuple | None:
@@ -466,7 +469,7 @@ def suggest(
         devices,
         budget,
         s.costed,
-        coster.traces,
+        coster.traces - traces0,
         search_s,
         confirm_s,
         tuple(notes),
@@ -695,7 +698,7 @@ def improve(
     n = math.prod(sizes.values())
     original = read_file(Path(plan_path))
     base_dir = str(Path(plan_path).resolve().parent)
-    coster = api.step_coster(model, step, batch, optimizer)
+    coster = api._coster(model, step, api._batch_shapes(batch, "batch"), optimizer)
     roles = coster.roles(n)
     fams = families(roles)
     space = search.Space(fams, dict(roles.sizes), ())

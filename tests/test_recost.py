@@ -75,3 +75,17 @@ def test_bad_arguments_are_located():
     assert info.value.errors[0].path == "batch"
     with pytest.raises(shardplan.ShardPlanError):
         api.step_coster(MODEL, STEP, BATCH).cost(PLANS / "gpt_tp.splan", devices=3)
+
+
+def test_a_plan_costed_again_is_read_back_not_costed_again():
+    """The same plan (parsed again: equal, not the same object) on the same mesh, costed the same
+    way, is the figure already made (a second search under another budget re-costs nothing);
+    costed another way (with the constraints' delta, another compiler's rules) it is costed anew."""
+    coster = api.step_coster(MODEL, STEP, BATCH)
+    first = coster.cost(shardplan.load(PLANS / "gpt_tp.splan", mesh={"data": 4, "model": 2}), delta=False)
+    again = coster.cost(shardplan.load(PLANS / "gpt_tp.splan", mesh={"data": 4, "model": 2}), delta=False)
+    assert again is first and coster.memo_hits == 1
+    tpu = coster.cost(PLANS / "gpt_tp.splan", mesh={"data": 4, "model": 2}, delta=False, compiler="tpu")
+    assert tpu is not first and coster.memo_hits == 1
+    other_mesh = coster.cost(PLANS / "gpt_tp.splan", mesh={"data": 2, "model": 4}, delta=False)
+    assert other_mesh.bytes_by_kind() != first.bytes_by_kind()
