@@ -131,6 +131,13 @@ CASES = [
      (S(32, 16, 32), S(8, 32, 1, 32)), (P(("data", "model")), P("model", "data")), None),
     ("dot/batch split partly taken by the other side's free axis", lambda y, e: jnp.einsum("gsd,egcd->gsec", y, e),
      (S(32, 16, 64), S(8, 32, 4, 64)), (P(("data", "model")), P("model")), None),
+    # a result wanted through the transpose that orders its dims (a step output's layout): the
+    # matmul's pending sum reduce-scattered straight onto it (16 / 32 KiB), not onto the matmul's own
+    # first dims and moved after (32 / 64 KiB before 2026-12-07)
+    ("dot/wanted through a transpose", lambda x, w: (x @ w).T, (S(64, 128), S(128, 256)), (P(None, "data"), P("data")),
+     P("data", "model")),
+    ("dot/batched, wanted through a transpose", lambda a, b: jnp.einsum("bij,bjk->kbi", a, b),
+     (S(8, 32, 64), S(8, 64, 32)), (P(None, None, "data"), P(None, "data")), P("model", None, "data")),
     ("dot/contracting-split (dp gradient)", lambda x, g: x.T @ g, (S(B, D), S(B, F)), (P("data"), P("data")), P()),
     ("dot/contracting-split onto a split", lambda x, g: x.T @ g, (S(B, D), S(B, F)), (P("data"), P("data")), P("data")),
     (

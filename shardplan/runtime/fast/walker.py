@@ -440,6 +440,16 @@ class Walker:
         if not self.ignore_constraints:
             self._claims(jaxpr)
         for eqn in reversed(jaxpr.eqns):
+            if eqn.primitive.name == "transpose":
+                # (a matmul's result transposed into a layout wanted: the matmul wants it permuted)
+                out = self.hints.get(eqn.outvars[0])
+                x = eqn.invars[0]
+                if out is not None and not hasattr(x, "val") and len(out) == len(eqn.params["permutation"]):
+                    back: list[tuple[str, ...]] = [()] * len(out)
+                    for k, src in enumerate(eqn.params["permutation"]):
+                        back[src] = tuple(out[k])
+                    self.hints.setdefault(x, tuple(back))
+                continue
             if eqn.primitive.name not in ELEMENTWISE:
                 continue
             out = self.hints.get(eqn.outvars[0])
