@@ -138,6 +138,11 @@ CASES = [
      P("data", "model")),
     ("dot/batched, wanted through a transpose", lambda a, b: jnp.einsum("bij,bjk->kbi", a, b),
      (S(8, 32, 64), S(8, 64, 32)), (P(None, None, "data"), P(None, "data")), P("model", None, "data")),
+    # ... and through a reshape that keeps its leading dims (32 / 64 KiB all-reduced, not 64 / 128)
+    ("dot/wanted through a reshape", lambda x, w: (x @ w).reshape(64, 16, 16), (S(64, 128), S(128, 256)),
+     (P(None, "data"), P("data")), P("model")),
+    ("dot/weight gradient wanted through a reshape", lambda x, g: jnp.einsum("bd,bf->df", x, g).reshape(128, 4, 64),
+     (S(64, 128), S(64, 256)), (P("data"), P("data")), P("model", None, None)),
     ("dot/contracting-split (dp gradient)", lambda x, g: x.T @ g, (S(B, D), S(B, F)), (P("data"), P("data")), P()),
     ("dot/contracting-split onto a split", lambda x, g: x.T @ g, (S(B, D), S(B, F)), (P("data"), P("data")), P("data")),
     (

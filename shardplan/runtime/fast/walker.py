@@ -35,7 +35,7 @@ from shardplan.runtime.gather_reuse import Share
 from shardplan.runtime.kernels import FUSED_ATTENTION
 from shardplan.runtime.primitives import ELEMENTWISE, TRANSCENDENTAL, itemsize, ragged_dense
 from shardplan.runtime.primitives import subjaxpr as _subjaxpr
-from shardplan.runtime.sharding import constraint_target
+from shardplan.runtime.sharding import constraint_target, permuted
 from shardplan.runtime.sources import eqn_source
 
 # rule(walker, eqn, operands' layouts, multiplicity) -> results' layouts (None: not modelled here)
@@ -445,10 +445,22 @@ class Walker:
                 out = self.hints.get(eqn.outvars[0])
                 x = eqn.invars[0]
                 if out is not None and not hasattr(x, "val") and len(out) == len(eqn.params["permutation"]):
-                    back: list[tuple[str, ...]] = [()] * len(out)
-                    for k, src in enumerate(eqn.params["permutation"]):
-                        back[src] = tuple(out[k])
-                    self.hints.setdefault(x, tuple(back))
+                    self.hints.setdefault(x, permuted(out, eqn.params["permutation"]))
+                continue
+            if eqn.primitive.name in ("reshape", "squeeze", "expand_dims"):
+                # (the leading dims both shapes share keep their wanted axes)
+                out = self.hints.get(eqn.outvars[0])
+                x = eqn.invars[0]
+                if out is None or hasattr(x, "val"):
+                    continue
+                xs, shape = tuple(x.aval.shape), tuple(eqn.outvars[0].aval.shape)
+                dims: list[tuple[str, ...]] = [()] * len(xs)
+                for i in range(min(len(xs), len(shape))):
+                    if xs[i] != shape[i]:
+                        break
+                    dims[i] = tuple(out[i])
+                if any(dims):
+                    self.hints.setdefault(x, tuple(dims))
                 continue
             if eqn.primitive.name not in ELEMENTWISE:
                 continue
