@@ -573,7 +573,8 @@ def _fast_cost(name: str) -> Callable[..., StepCost]:
     return getattr(importlib.import_module(module), function)
 
 
-COST_MEMO = 1024  # plans' costs a StepCoster keeps (a StepCost pickles to 3-8 KiB: tens of MiB at most)
+COST_MEMO = 512  # plans' costs a StepCoster keeps (a StepCost pickles to 3-8 KiB; a search costs up to ~250)
+COSTERS = 4  # StepCosters kept (the last models, steps and batches costed): at most tens of MiB with their costs
 
 
 class StepCoster:
@@ -743,11 +744,11 @@ def expert_capacity(
 
 
 def _coster(model: str, step: str, shapes: dict, optimizer: str) -> StepCoster:
-    """A :class:`StepCoster` for ``model``, ``step``, ``shapes`` and ``optimizer``: the last one
-    made (by ``analyze`` or ``expert_capacity``) where all four are the same and neither file has
-    changed since, else a new one: a command that costs several plans of one model (``check
-    --vs``) or costs a plan and then reads its experts (``check --expert-load``) builds and traces
-    the model once."""
+    """A :class:`StepCoster` for ``model``, ``step``, ``shapes`` and ``optimizer``: one of the last
+    :data:`COSTERS` made (by ``analyze``, ``expert_capacity``, ``suggest``) where all four are the
+    same and neither file has changed since, else a new one: a command that costs several plans of
+    one model (``check --vs``), costs a plan and then reads its experts (``check --expert-load``),
+    or a process that searches again builds and traces the model once."""
 
     def stamp(ref: str) -> int | None:
         where = ref.rsplit(":", 1)[0]
@@ -757,7 +758,7 @@ def _coster(model: str, step: str, shapes: dict, optimizer: str) -> StepCoster:
     return _last_coster(model, step, key, optimizer, stamp(model), stamp(step))
 
 
-@functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=COSTERS)
 def _last_coster(model: str, step: str, shapes: tuple, optimizer: str, *stamps: int | None) -> StepCoster:
     return StepCoster(model, step, {k: (s, d) for k, s, d in shapes}, optimizer)
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import optax
@@ -198,11 +200,22 @@ default replicated
 """
 
 
-def test_from_an_existing_plan_the_fewest_changes_that_pay(tmp_path):
+def _bad_plan() -> Path:
+    """BAD, written once per run where every test of it reads it: one path, so the costs the
+    first ``--from`` makes are read back by the next in the same process (``StepCoster``'s memo
+    keys on the plan, its file included)."""
+    path = Path(os.environ["SHARDPLAN_TEST_RUN"]) / "bad.splan"
+    if not path.exists() or path.read_text() != BAD:
+        tmp = path.with_name(f"bad.{os.getpid()}.splan")
+        tmp.write_text(BAD)
+        tmp.replace(path)
+    return path
+
+
+def test_from_an_existing_plan_the_fewest_changes_that_pay():
     from shardplan import planner
 
-    path = tmp_path / "bad.splan"
-    path.write_text(BAD)
+    path = _bad_plan()
     got = planner.improve(str(path), model=f"{RENAMED}:tower", step=f"{RENAMED}:loss", batch=BATCH, rounds=2)
     assert len(got.changes) == 2 and got.gain > 0.05
     steps = [got.step_s] + [c.step_s for c in got.changes]
@@ -222,8 +235,7 @@ def test_from_an_existing_plan_the_fewest_changes_that_pay(tmp_path):
 
 
 def test_from_on_the_command_line(tmp_path, capsys):
-    path = tmp_path / "bad.splan"
-    path.write_text(BAD)
+    path = _bad_plan()
     rc = cli.main(["suggest", "--from", str(path), "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss",
                    "--batch", BATCH[0], "--format", "json", "-o", str(tmp_path / "better.splan")])
     doc = json.loads(capsys.readouterr().out)
