@@ -15,6 +15,17 @@ from shardplan.runtime.primitives import subjaxpr as _subjaxpr
 from shardplan.runtime.sharding import constraint_target, permuted
 
 
+def reshaped_back(xs: tuple[int, ...], shape: tuple[int, ...], out: Dims) -> Dims:
+    """The layout of a reshape's operand (shape ``xs``) that its result (``shape``) wanted as
+    ``out`` asks for: the leading dims both shapes share keep their axes, the rest whole."""
+    dims: list[tuple[str, ...]] = [()] * len(xs)
+    for i in range(min(len(xs), len(shape))):
+        if xs[i] != shape[i]:
+            break
+        dims[i] = tuple(out[i])
+    return tuple(dims)
+
+
 def _spread(jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None:
     """Wanted splits (``table``: var -> per-dim axes) carried from values back to the values they
     are computed from, through elementwise, layout and reduction ops and matmuls. ``constraints``:
@@ -45,13 +56,7 @@ def _spread(jaxpr: Any, table: dict[Any, Dims], constraints: str | None) -> None
         elif name == "transpose":
             want(eqn.invars[0], permuted(out, eqn.params["permutation"]))
         elif name in ("reshape", "squeeze", "expand_dims"):
-            xs = tuple(eqn.invars[0].aval.shape)
-            dims: list[tuple[str, ...]] = [()] * len(xs)
-            for i in range(min(len(xs), len(shape))):  # the leading dims both shapes share
-                if xs[i] != shape[i]:
-                    break
-                dims[i] = out[i]
-            want(eqn.invars[0], tuple(dims))
+            want(eqn.invars[0], reshaped_back(tuple(eqn.invars[0].aval.shape), shape, out))
         elif name in ("reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin"):
             axes = tuple(eqn.params.get("axes", ()))
             xs = tuple(eqn.invars[0].aval.shape)

@@ -12,7 +12,7 @@ from typing import Any
 from shardplan.core.stepcost import Constrained
 from shardplan.core.timing import COMBINE_BYTES
 from shardplan.runtime import splitk
-from shardplan.runtime.fast.claims import _claims_back, _spread
+from shardplan.runtime.fast.claims import _claims_back, _spread, reshaped_back
 from shardplan.runtime.fast.memory import _fused_outputs, _kernels, _last_wide_readers, _readers, _recomputed
 from shardplan.runtime.fast.opsets import _IN_PLACE, _VIEWS
 from shardplan.runtime.fast.priority import early_values
@@ -453,14 +453,9 @@ class Walker:
                 x = eqn.invars[0]
                 if out is None or hasattr(x, "val"):
                     continue
-                xs, shape = tuple(x.aval.shape), tuple(eqn.outvars[0].aval.shape)
-                dims: list[tuple[str, ...]] = [()] * len(xs)
-                for i in range(min(len(xs), len(shape))):
-                    if xs[i] != shape[i]:
-                        break
-                    dims[i] = tuple(out[i])
-                if any(dims):
-                    self.hints.setdefault(x, tuple(dims))
+                back = reshaped_back(tuple(x.aval.shape), tuple(eqn.outvars[0].aval.shape), out)
+                if any(back):
+                    self.hints.setdefault(x, back)
                 continue
             if eqn.primitive.name not in ELEMENTWISE:
                 continue
