@@ -98,6 +98,14 @@ class Compiler:
       sequence parallelism) sums its result once per such dim, one all-reduce over each dim's axes
       after the other (XLA:CPU, measured on single matmuls "bsd,bsf->df": two all-reduces of the
       whole result; XLA:TPU and XLA:GPU fold them into one over all the axes).
+    - ``scatters_one_dim``: a pending sum wanted split over its summed axes on two dims or more
+      (and on those dims over nothing else) is all-reduced whole and each device's block sliced,
+      not reduce-scattered; XLA:CPU all-reduces once per such dim's axes (as ``sums_per_dim``),
+      XLA:GPU once over them all, and a summed axis the layout leaves out is all-reduced after, on
+      the block. Measured on single weight-gradient matmuls ``x.T @ g`` (tokens over the summed
+      axes, 2026-12-07, tests/test_fast_rules.py): the result wanted ``(expert, data)``, ``(a, (b,
+      c))`` or ``(a, b)`` with ``c`` summed too; XLA:TPU reduce-scatters onto the dims (None of
+      this: the default).
     - ``scatters_early``: a pending sum larger than the combine threshold (``COMBINE_BYTES``: a
       layer's weight gradient) whose layout splits a dim over an axis it sums (FSDP) is held whole
       only at the op that makes it: the compiler reduce-scatters it there, not where its reader
@@ -154,6 +162,7 @@ class Compiler:
     gathers_reduce: int | None = None
     scatters_whole: bool = False
     sums_per_dim: bool = False
+    scatters_one_dim: bool = False
     scatters_early: bool = False
     transposes_in_place: bool = False
     minor_gather: frozenset[str] = frozenset()
@@ -170,6 +179,7 @@ COMPILERS = {
         whole_top_k=True,
         scatters_whole=True,
         sums_per_dim=True,
+        scatters_one_dim=True,
         minor_gather=frozenset({"shard", "whole"}),
     ),
     "cuda": Compiler(  # H100 (and H200: the same SMs) unless a chip's book says otherwise
@@ -177,6 +187,7 @@ COMPILERS = {
         sums=_REASSOCIATES,
         recomputes=True,
         scatters_early=True,
+        scatters_one_dim=True,
         transposes_in_place=True,
         minor_gather=frozenset({"shard"}),
         minor_scatter=True,

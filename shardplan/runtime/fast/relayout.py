@@ -49,6 +49,13 @@ def resolve(walk, var: Any, v: Val, target: Dims | None, mult: int, why: str, co
     moves = walk.updates.get(var) or walk.updates.get(walk.root(var), "")  # a gradient: its param
     label = moves or walk.labels.get(var) or walk.labels.get(walk.root(var), "")
     only = bool(label) and not moves  # named for the ledger alone
+    # (a plain matmul's: a batched one's, a scatter-add's sum is reduce-scattered onto both dims)
+    plain = origin is not None and origin[0] == "dot_general" and not batch
+    whole = _summed_whole(walk, v, target, dims, scatter) if plain else []
+    if whole:  # all-reduced whole, then each device's block sliced (``Compiler.scatters_one_dim``)
+        for part in whole:
+            walk.ctx.add("all-reduce", part, walk.ctx.local(v), mult, why, label, only, v.itemsize)
+        scatter = []
     if scatter:
         n = walk.ctx.split(tuple(scatter))
         windowed = walk.ctx.book.windowed
@@ -71,6 +78,21 @@ def resolve(walk, var: Any, v: Val, target: Dims | None, mult: int, why: str, co
     walk.ctx.source = reader_source
     walk.ctx.cache[key] = out
     return out
+
+
+def _summed_whole(walk: Walker, v: Val, target: Dims, dims: list[list[str]], scatter: list[str]) -> list[tuple]:
+    """The all-reduces of the whole where ``scatter`` puts a matmul's summed axes on two dims or
+    more of ``target`` that hold nothing else (``Compiler.scatters_one_dim``: one per dim's axes
+    where the compiler sums per dim, else one over them all); [] where the sum is reduce-scattered
+    (a scatter-add's, an embedding's gradient: XLA reduce-scatters it onto both dims)."""
+    if not scatter or not walk.ctx.book.scatters_one_dim:
+        return []
+    onto = [i for i, d in enumerate(dims) if set(d) & set(scatter)]
+    wanted = _norm(target, len(v.shape))
+    if len(onto) < 2 or any(not set(wanted[i]) <= v.partial | set(v.dims[i]) for i in onto):
+        return []
+    groups = [tuple(a for a in dims[i] if a in scatter) for i in onto]
+    return groups if walk.ctx.book.sums_per_dim else [tuple(a for g in groups for a in g)]
 
 
 def _with_sum_wants(walk: Walker, var: Any, v: Val, target: Dims | None) -> Dims | None:
