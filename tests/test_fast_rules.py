@@ -1527,13 +1527,15 @@ def test_an_activation_gathered_for_a_matmul_is_held_while_it_runs(rows):
     (P(("expert", "data")), P("data", "expert"), {"expert": 4, "data": 2}),
     (P(("a", "b", "c")), P("a", ("b", "c")), {"a": 2, "b": 2, "c": 2}),
     (P(("a", "b", "c")), P("a", "b"), {"a": 2, "b": 2, "c": 2}),  # c summed, left out of the layout
+    (P(("a", "b")), P("a", "b"), {"a": 2, "b": 2, "c": 2}),  # c idle: it stands in for no summed axis
 ])
 def test_a_sum_wanted_split_over_its_axes_on_two_dims_is_all_reduced_whole_then_sliced(tokens, wanted, mesh):
     """A weight gradient ``x.T @ g`` with the tokens over several axes, wanted split over those axes
     on both its dims (an FSDP x TP rule such as ``(expert, data)`` under a batch over
     ``(data, expert)``): XLA:CPU all-reduces the whole once per dim's axes and slices each device's
     block (2 x 128 KiB here), no reduce-scatter; an axis summed but left out of the layout is
-    all-reduced after, on the block. Fast mode reduce-scattered it (128 KiB) until 2026-12-07.
+    all-reduced after, on the block. Fast mode reduce-scattered it (128 KiB) until 2026-12-07, and
+    with an idle axis computed it split over that axis, all-reduced a quarter and permuted it.
     (Offline, XLA:GPU all-reduces once over all the axes and XLA:TPU reduce-scatters onto both
     dims: ``Compiler.scatters_one_dim``.)"""
     xla, predicted = by_kind(lambda x, g: x.T @ g, (S(64, 128), S(64, 256)), (tokens, tokens), wanted, mesh=mesh)

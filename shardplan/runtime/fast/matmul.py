@@ -381,7 +381,12 @@ def _idle_split(
     over the summed one and permuted into place (measured: the result wanted over ``(data,
     expert)``, summed over ``expert``, ``model`` idle: an all-reduce and a collective-permute of
     the quarter, where a reduce-scatter of the half was predicted). Updates ``ldims`` /
-    ``rdims`` in place; returns the stand-ins (idle axis -> summed axis)."""
+    ``rdims`` in place; returns the stand-ins (idle axis -> summed axis). Where the readers want
+    summed axes on two dims or more, no axis stands in: the sum is reduced onto them (all-reduced
+    whole on XLA:CPU and XLA:GPU, reduce-scattered on XLA:TPU: ``Compiler.scatters_one_dim``;
+    measured on ``x.T @ g`` over ``(a, b)`` wanted ``(a, b)``, ``c`` idle)."""
+    if sum(1 for w in want if set(w) & partial) > 1:
+        return {}
     used = {a for d in (*ldims, *rdims) for a in d} | partial
     named = {a for d in want for a in d}
     dims: list[tuple[list[str], ...]] = [(ldims[i], rdims[j]) for i, j in zip(lb, rb, strict=True)]
