@@ -385,12 +385,20 @@ def _idle_split(
     summed axes on two dims or more, no axis stands in: the sum is reduced onto them (all-reduced
     whole on XLA:CPU and XLA:GPU, reduce-scattered on XLA:TPU: ``Compiler.scatters_one_dim``;
     measured on ``x.T @ g`` over ``(a, b)`` wanted ``(a, b)``, ``c`` idle)."""
-    if sum(1 for w in want if set(w) & partial) > 1:
-        return {}
     used = {a for d in (*ldims, *rdims) for a in d} | partial
+    if sum(1 for w in want if set(w) & partial) > 1:
+        # (the axes no side uses and nothing sums still split the result where it is computed:
+        # ``x.T @ g`` over (a, b) wanted ((a, c), b) is computed over c, reduce-scattered over
+        # (a, b) and permuted into place, as XLA does on every compiler)
+        for p, d in enumerate(_sides(ldims, rdims, lb, rb, lfree, rfree)):
+            extra = [a for a in want[p] if a not in used and walk.ctx.mesh.get(a, 1) > 1][:1]
+            if extra and not d[0] and shape[p] % walk.ctx.split(tuple(extra)) == 0:
+                for side in d:
+                    side.extend(extra)
+                used.update(extra)
+        return {}
     named = {a for d in want for a in d}
-    dims: list[tuple[list[str], ...]] = [(ldims[i], rdims[j]) for i, j in zip(lb, rb, strict=True)]
-    dims += [(ldims[i],) for i in lfree] + [(rdims[j],) for j in rfree]
+    dims = _sides(ldims, rdims, lb, rb, lfree, rfree)
     stand_ins: dict[str, str] = {}
     for p, sides in enumerate(dims):
         cur, w = sides[0], list(want[p])
@@ -417,6 +425,19 @@ def _idle_split(
             side.extend(extra)
         used.update(extra)
     return stand_ins
+
+
+def _sides(
+    ldims: list[list[str]],
+    rdims: list[list[str]],
+    lb: Sequence[int],
+    rb: Sequence[int],
+    lfree: list[int],
+    rfree: list[int],
+) -> list[tuple[list[str], ...]]:
+    """Per result dim of a matmul, the operand dims that make it (a batch dim's two, a free dim's one)."""
+    dims: list[tuple[list[str], ...]] = [(ldims[i], rdims[j]) for i, j in zip(lb, rb, strict=True)]
+    return dims + [(ldims[i],) for i in lfree] + [(rdims[j],) for j in rfree]
 
 
 def _split_k(walk: Walker, eqn: Any, lhs: Val, rhs: Val, out: Val, mult: int) -> None:

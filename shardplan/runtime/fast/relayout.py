@@ -82,14 +82,15 @@ def resolve(walk, var: Any, v: Val, target: Dims | None, mult: int, why: str, co
 
 def _summed_whole(walk: Walker, v: Val, target: Dims, dims: list[list[str]], scatter: list[str]) -> list[tuple]:
     """The all-reduces of the whole where ``scatter`` puts a matmul's summed axes on two dims or
-    more of ``target`` that hold nothing else (``Compiler.scatters_one_dim``: one per dim's axes
-    where the compiler sums per dim, else one over them all); [] where the sum is reduce-scattered
-    (a scatter-add's, an embedding's gradient: XLA reduce-scatters it onto both dims)."""
+    more of ``target`` that hold nothing else and the matmul leaves whole
+    (``Compiler.scatters_one_dim``: one per dim's axes where the compiler sums per dim, else one
+    over them all); [] where the sum is reduce-scattered (a scatter-add's, an embedding's
+    gradient: XLA reduce-scatters it onto both dims)."""
     if not scatter or not walk.ctx.book.scatters_one_dim:
         return []
     onto = [i for i, d in enumerate(dims) if set(d) & set(scatter)]
     wanted = _norm(target, len(v.shape))
-    if len(onto) < 2 or any(not set(wanted[i]) <= v.partial | set(v.dims[i]) for i in onto):
+    if len(onto) < 2 or any(v.dims[i] or not set(wanted[i]) <= v.partial for i in onto):
         return []
     groups = [tuple(a for a in dims[i] if a in scatter) for i in onto]
     return groups if walk.ctx.book.sums_per_dim else [tuple(a for g in groups for a in g)]
