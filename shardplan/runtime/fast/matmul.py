@@ -391,11 +391,11 @@ def _idle_split(
         # ``x.T @ g`` over (a, b) wanted ((a, c), b) is computed over c, reduce-scattered over
         # (a, b) and permuted into place, as XLA does on every compiler)
         for p, d in enumerate(_sides(ldims, rdims, lb, rb, lfree, rfree)):
-            extra = [a for a in want[p] if a not in used and walk.ctx.mesh.get(a, 1) > 1][:1]
-            if extra and not d[0] and shape[p] % walk.ctx.split(tuple(extra)) == 0:
+            spare = [a for a in want[p] if a not in used and walk.ctx.mesh.get(a, 1) > 1][:1]
+            if spare and not d[0] and shape[p] % walk.ctx.split(tuple(spare)) == 0:
                 for side in d:
-                    side.extend(extra)
-                used.update(extra)
+                    side.extend(spare)
+                used.update(spare)
         return {}
     named = {a for d in want for a in d}
     dims = _sides(ldims, rdims, lb, rb, lfree, rfree)
