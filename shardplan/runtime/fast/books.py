@@ -104,8 +104,8 @@ class Compiler:
       XLA:GPU once over them all, and a summed axis the layout leaves out is all-reduced after, on
       the block. Measured on single weight-gradient matmuls ``x.T @ g`` (tokens over the summed
       axes, 2026-12-07, tests/test_fast_rules.py): the result wanted ``(expert, data)``, ``(a, (b,
-      c))`` or ``(a, b)`` with ``c`` summed too; XLA:TPU reduce-scatters onto the dims (None of
-      this: the default).
+      c))`` or ``(a, b)`` with ``c`` summed too; XLA:TPU reduce-scatters onto the dims (False).
+      A matmul's result that a spare axis splits on such a dim is reduce-scattered on every compiler.
     - ``scatters_early``: a pending sum larger than the combine threshold (``COMBINE_BYTES``: a
       layer's weight gradient) whose layout splits a dim over an axis it sums (FSDP) is held whole
       only at the op that makes it: the compiler reduce-scatters it there, not where its reader

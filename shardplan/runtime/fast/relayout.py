@@ -72,7 +72,7 @@ def resolve(walk, var: Any, v: Val, target: Dims | None, mult: int, why: str, co
     out = Val(v.shape, v.itemsize, tuple(tuple(d) for d in dims))
     for part in _per_dim(rest, origin[3] if origin is not None else ()):
         walk.ctx.add("all-reduce", part, walk.ctx.local(out), mult, why, label, only, out.itemsize)
-    if moves and mult == 1 and (scatter or rest) and walk.depth == 1:
+    if moves and mult == 1 and (scatter or rest or whole) and walk.depth == 1:
         walk.ctx.reduced += walk.ctx.local(out)
         walk.ctx.reducing = True
     walk.ctx.source = reader_source
