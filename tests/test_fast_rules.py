@@ -172,12 +172,11 @@ CASES = [
         mm,
         (S(B, D), S(D, F)),
         (P("data", "model"), P()),
+        # XLA gathers the states (8,192 B) rather than sum the larger result (16,384 B): a whole
+        # side that is one of the step's inputs (its layout fixed) is weighed; one the step
+        # computes (a scanned layer's weight slice) is sliced whatever the bytes (an xfail until
+        # 2026-12-07: weighing both had put the FLOPs median of 30 random pairs from 15% to 28% off)
         P("data"),
-        marks=xfail(
-            "XLA gathers the states (8,192 B) rather than sum the larger result (16,384 B); fast mode "
-            "keeps the contraction split where the other side is whole: weighing the two as here put "
-            "its FLOPs median on 30 random pairs from 15% to 28% off (XLA keeps it split in whole steps)"
-        ),
     ),
     # elementwise with broadcasting
     ("elementwise/same layout", jnp.multiply, (S(B, D), S(B, D)), (P("data"), P("data")), P("data")),
@@ -1405,16 +1404,13 @@ def test_experts_weights_or_their_tokens_move_whichever_is_smaller(rows, cols, p
 
 
 
-@pytest.mark.xfail(strict=True, reason="not modelled: a matmul's sum carried on to its readers on XLA's layouts")
 def test_on_xlas_layouts_a_matmuls_sum_is_scattered_where_xla_lays_its_result_out():
     """gpt_tiny with its batch over `model` and its sequence over `seq`, nothing else split, on XLA's
     own layouts: the attention's key and value gradients sum over queries split over `seq` and are
-    laid out over `seq` on the keys; XLA reduce-scatters them there. Fast mode carries the sum on to
-    the projections' backward matmuls, which then run on whole sequences (their FLOPs 2x, the step's
-    +13.8%); the collectives are XLA's. Reduce-scattering every matmul's sum onto XLA's layout of
-    its result where that splits a summed axis fixes this step but, over the 200 random pairs of
-    seed 0 (2026-12-06), moved the all-reduce p90 18.2 -> 20.7% and the peak's 23.9 -> 25.1%: not
-    landed."""
+    laid out over `seq` on the keys; XLA reduce-scatters them there. Fast mode carried the sum on to
+    the projections' backward matmuls, which then ran on whole sequences (their FLOPs 2x, the step's
+    +13.8%) until the rule that a matmul whose result its readers compute split is computed in that
+    split (``matmul.dot``, ``Walker.free``; an xfail until 2026-12-07)."""
     plan = _plan("model = 2, seq = 4", "(model, seq)", "")
     kw = dict(model=f"{ROOT / 'examples' / 'models.py'}:gpt_tiny", step=f"{ROOT / 'examples' / 'train.py'}:lm_loss",
               batch=["tokens=int32[8,16],labels=int32[8,16]"], devices=8)
@@ -1553,3 +1549,51 @@ def test_a_sum_wanted_over_its_axes_and_an_idle_one_is_computed_over_the_idle_on
                              mesh=mesh)
     assert xla["reduce-scatter"] == 128 * 256 * 4 // 2 and xla["collective-permute"] > 0
     assert predicted == xla, (predicted, xla)
+
+
+@pytest.mark.parametrize("x_spec, b_spec, d, n, share", [
+    (P(None, None, ("model", "data")), P("data"), 48, 144, 2),
+    (P(None, None, ("model", "data")), P("model"), 48, 144, 4),
+    (P(None, None, ("model", "data")), P(("data", "model")), 48, 144, 8),
+    (P(None, None, "model"), P("data"), 64, 128, 2),
+], ids=["bias over data", "bias over model", "bias over both", "x over model, bias over data"])
+def test_a_matmul_whose_readers_split_its_result_computes_only_their_split(x_spec, b_spec, d, n, share):
+    """``x @ w + b``: x split on its width (the contraction), w whole, the bias split on the
+    result's columns. XLA gathers x whole (its bytes are fewer than the result's), then computes
+    only the columns the bias add keeps on each device: w's columns sliced for free, 1/share of the
+    FLOPs. Fast mode computed the whole result and sliced it at the add (2x to 8x the FLOPs). The
+    same FLOPs from XLA:CPU, and offline from XLA:TPU v5e (2x4) and XLA:GPU H100 (8), 2026-12-07:
+    893,955 / 894,723 / 893,955 with the bias over data, 446,979 / 447,747 / 446,979 over model."""
+    mesh = {"model": 4, "data": 2}
+    fn = lambda x, w, b: x @ w + b  # noqa: E731
+    avals, specs = (S(8, 16, d), S(d, n), S(n)), (x_spec, P(), b_spec)
+    xla, predicted = by_kind(fn, avals, specs, None, mesh)
+    assert predicted == xla and xla["all-gather"] == 8 * 16 * d * 4  # x gathered whole
+    flops, fast_flops = flops_of(fn, avals, specs, mesh)
+    assert fast_flops == pytest.approx(flops, rel=0.02)
+    assert flops < 1.05 * 2 * 8 * 16 * d * n / share
+
+
+@pytest.mark.parametrize("idx_spec, table_spec, laid", [
+    (P(("data", "expert")), P("expert", "data"), P(None, None, "data")),
+    (P(("expert", "data")), P("expert", "data"), P("expert", None, "data")),
+    (P(("data", "expert")), P(None, "data"), P(None, None, "data")),
+    (P(("expert", "data")), P(None, "data"), P("expert", None, "data")),
+], ids=["batch (data, expert)", "batch (expert, data)", "whole rows, (data, expert)", "whole rows, (expert, data)"])
+def test_a_lookup_whose_width_clashes_with_its_batch_keeps_the_batch_axes_before_the_clash(idx_spec, table_spec, laid):
+    """Tokens split over two axes looked up in a table whose width is split over one of them: XLA's
+    propagation lays the result out with the batch axes before the first that clashes (a dim's axes
+    are major to minor, and it keeps the longest prefix that does not conflict): over (data,
+    expert) the batch is whole, over (expert, data) it keeps `expert`. The lookup is computed over
+    the axes that do not clash either way, so over (data, expert) XLA all-gathers its output over
+    `expert` (6,144 B); fast mode had left it split there (XLA:CPU, 2026-12-07)."""
+    mesh = {"data": 4, "expert": 2}
+    fn = lambda table, idx: table[idx]  # noqa: E731
+    avals, specs = (S(112, 48), S(8, 16, dtype=jnp.int32)), (table_spec, idx_spec)
+    m = jax.make_mesh((4, 2), ("data", "expert"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
+    with jax.set_mesh(m):
+        compiled = jax.jit(fn, in_shardings=tuple(NamedSharding(m, s) for s in specs)).lower(*avals).compile()
+    assert compiled.output_shardings.spec == laid
+    xla, predicted = by_kind(fn, avals, specs, None, mesh)
+    assert predicted == xla
+    assert (xla["all-gather"] >= 8 * 16 * 48 * 4 // 4) == (idx_spec[0][0] == "data")

@@ -455,30 +455,40 @@ def propagate_function(
 
     closed = jax.make_jaxpr(fn)(*avals)
     jaxpr = closed.jaxpr
-    ctx = _Ctx(dict(mesh))
-    env = {
-        var: Val(tuple(var.aval.shape), itemsize(var.aval), _norm(d, len(var.aval.shape)))
-        for var, d in zip(jaxpr.invars, in_dims, strict=True)
-    }
-    for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
-        env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
-    prop = Walker(RULE_BOOK, ctx, {})
     targets = list(out_dims or (None,) * len(jaxpr.outvars))
+    laid_out = None
     if propagation == "xla":
         given = [_norm(d, len(v.aval.shape)) for v, d in zip(jaxpr.invars, in_dims, strict=True)]
         wanted = [None if d is None else _norm(d, len(v.aval.shape)) for v, d in zip(jaxpr.outvars, targets)]
         laid_out = shardy.Propagator(closed, abstract_mesh(dict(mesh))).layouts(given, wanted)
-        prop.xla_claims = True
-        prop.claimed.update(shardy.claims(jaxpr, laid_out))
-    for var, d in zip(jaxpr.outvars, targets, strict=True):
-        if d is not None and not hasattr(var, "val"):
-            prop.hints[var] = _norm(d, len(var.aval.shape))
-    outs = prop.run(jaxpr, env, 1)
-    for var, v, d in zip(jaxpr.outvars, outs, targets, strict=True):
-        target = _norm(d, len(v.shape)) if d is not None else None
-        done = resolve(prop, var, v, target if target is not None else v.dims, 1, "out_shardings")
-        if target is not None:
-            reshard(prop, var, done, target, 1, "out_shardings")
+
+    def run(free: dict[Any, Dims] | None) -> tuple[_Ctx, Walker]:
+        ctx = _Ctx(dict(mesh))
+        env = {
+            var: Val(tuple(var.aval.shape), itemsize(var.aval), _norm(d, len(var.aval.shape)))
+            for var, d in zip(jaxpr.invars, in_dims, strict=True)
+        }
+        for var, c in zip(jaxpr.constvars, closed.consts, strict=True):
+            env[var] = _replicated(jax.ShapeDtypeStruct(np.shape(c), np.result_type(c)))
+        prop = Walker(RULE_BOOK, ctx, {}, free=free)
+        if laid_out is not None:
+            prop.xla_claims = True
+            prop.claimed.update(shardy.claims(jaxpr, laid_out))
+        for var, d in zip(jaxpr.outvars, targets, strict=True):
+            if d is not None and not hasattr(var, "val"):
+                prop.hints[var] = _norm(d, len(var.aval.shape))
+        outs = prop.run(jaxpr, env, 1)
+        for var, v, d in zip(jaxpr.outvars, outs, targets, strict=True):
+            target = _norm(d, len(v.shape)) if d is not None else None
+            done = resolve(prop, var, v, target if target is not None else v.dims, 1, "out_shardings")
+            if target is not None:
+                reshard(prop, var, done, target, 1, "out_shardings")
+        return ctx, prop
+
+    # whole values that met split ones are computed split on a second pass, as :func:`cost` does
+    ctx, prop = run(None)
+    if prop.slices:
+        ctx, prop = run(prop.slices)
     return Ledger(
         merged(ctx.comm), ctx.flops, ctx.hbm, prop.peak, tuple(sorted(ctx.unmodeled)), tuple(sorted(set(ctx.loops)))
     )
