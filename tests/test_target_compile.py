@@ -566,3 +566,59 @@ def test_a_70b_token_tables_lookup_on_64_v5p_chips_changes_way_past_the_tables_b
     assert (exact["all-to-all"] > 0) == (sequences == 512)
     for kind, nbytes in exact.items():
         assert fast[kind] == pytest.approx(nbytes, rel=0.01, abs=2**20), kind
+
+
+def _single_op(target: str, fn, avals, specs, mesh: dict[str, int]) -> tuple[dict[str, int], float, dict[str, int], float]:
+    """``fn`` compiled by the target's compiler on its abstract devices (offline), beside fast mode
+    told that target: per collective kind the bytes per device, and the FLOPs (read from the HLO,
+    as exact mode reads them: XLA:GPU gives no cost analysis)."""
+    import jax
+    from jax.sharding import AxisType, NamedSharding
+
+    from shardplan.core.hlo.flops import program_flops
+    from shardplan.runtime import exact
+    from shardplan.runtime.fast import costing
+    from tests.test_fast_rules import _dims
+
+    aim = targets.parse(target)
+    devices = exact._topology_devices(aim)
+    m = jax.make_mesh(tuple(mesh.values()), tuple(mesh), axis_types=(AxisType.Auto,) * len(mesh),
+                      devices=devices)
+    with jax.set_mesh(m):
+        text = jax.jit(fn, in_shardings=tuple(NamedSharding(m, s) for s in specs)).lower(*avals).compile().as_text()
+    compiled: dict[str, int] = {}
+    for op in hlo.with_axes(hlo.parse(text, len(devices)), mesh):
+        kind = "reduce-scatter" if op.as_reduce_scatter else op.kind
+        compiled[kind] = compiled.get(kind, 0) + op.bytes_per_step
+    ledger = costing.propagate_function(fn, avals, tuple(_dims(s, len(a.shape)) for s, a in zip(specs, avals)),
+                                        mesh, None, compiler=aim.book)
+    predicted = {k: ledger.bytes_of(k) for k in compiled}
+    return compiled, program_flops(text), predicted, ledger.flops
+
+
+@pytest.mark.parametrize("target", [
+    pytest.param("tpu-v5e:2x4", marks=pytest.mark.skipif(not HAS_TPU, reason="needs 'shardplan[tpu]'")),
+    pytest.param("h100:8", marks=pytest.mark.skipif(not HAS_GPU, reason="needs 'shardplan[gpu]'")),
+])
+@pytest.mark.parametrize("case", ["x @ w, x over model x seq", "x @ w + b, b over data"])
+def test_the_target_compilers_take_the_matmul_layouts_fast_mode_predicts(target, case):
+    """Two matmul rules of 2026-12-07 checked on the compilers users run, one op at a time:
+    x (8, 16, 48) over `model` on its batch and `seq` on its width times a whole (48, 144) weight:
+    x gathered over `seq` (in bf16 on XLA:TPU, 6,144 B; XLA:GPU 12,288 B), not the result summed;
+    x over (model, data) on its width, the bias split over `data` on the result's columns: x
+    gathered whole and only the bias's half of the columns computed (893,952 FLOPs, not 1.77M)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    S = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    if case.startswith("x @ w,"):
+        mesh = {"model": 2, "seq": 4}
+        fn, avals, specs = (lambda x, w: x @ w), (S(8, 16, 48), S(48, 144)), (P("model", None, "seq"), P())
+    else:
+        mesh = {"model": 4, "data": 2}
+        fn = lambda x, w, b: x @ w + b  # noqa: E731
+        avals, specs = (S(8, 16, 48), S(48, 144), S(144)), (P(None, None, ("model", "data")), P(), P("data"))
+    compiled, flops, predicted, fast_flops = _single_op(target, fn, avals, specs, mesh)
+    assert predicted == compiled and compiled.get("all-reduce", 0) == 0 and compiled["all-gather"] > 0
+    assert fast_flops == pytest.approx(flops, rel=0.02)

@@ -441,12 +441,14 @@ def propagate_function(
     mesh: dict[str, int],
     out_dims: tuple[Dims | None, ...] | None = None,
     propagation: str = "shardplan",
+    compiler: str = "cpu",
 ) -> Ledger:
     """Fast mode's rules on ``fn(*avals)`` (abstract inputs split as ``in_dims``: per input, per dim
     the mesh axes), its outputs set to ``out_dims`` (None: where the rules leave them), as
     ``jax.jit(fn, in_shardings=..., out_shardings=...)`` would compile it. For testing a rule
     against XLA one or two ops at a time (tests/test_fast_rules.py). ``propagation="xla"``: every
-    value laid out by Shardy's propagation first (as :func:`cost`'s)."""
+    value laid out by Shardy's propagation first (as :func:`cost`'s). ``compiler``: the book of
+    the compiler whose program is predicted (``cpu``, ``tpu``, ``cuda``: :data:`COMPILERS`)."""
     import jax
     import numpy as np
 
@@ -463,7 +465,7 @@ def propagate_function(
         laid_out = shardy.Propagator(closed, abstract_mesh(dict(mesh))).layouts(given, wanted)
 
     def run(free: dict[Any, Dims] | None) -> tuple[_Ctx, Walker]:
-        ctx = _Ctx(dict(mesh))
+        ctx = _Ctx(dict(mesh), book=COMPILERS[compiler])
         env = {
             var: Val(tuple(var.aval.shape), itemsize(var.aval), _norm(d, len(var.aval.shape)))
             for var, d in zip(jaxpr.invars, in_dims, strict=True)
