@@ -1622,3 +1622,23 @@ def test_a_weight_split_on_its_columns_over_the_batchs_axis_and_another_keeps_wh
     assert predicted == xla
     flops, fast_flops = flops_of(fn, avals, specs, mesh)
     assert fast_flops == pytest.approx(flops, rel=0.02)
+
+
+@pytest.mark.parametrize("x_spec, w_spec, b_spec", [
+    (P(None, None, ("data", "model")), P(None, "model"), P(("model", "data"))),
+    (P(None, None, ("model", "data")), P(None, "model"), P(("model", "data"))),
+    (P(None, None, None), P("model", "data"), P(("data", "model"))),
+], ids=["x gathered, w over model", "x gathered over (model, data)", "w moved onto its columns"])
+def test_a_matmul_split_over_a_prefix_of_what_its_readers_split_is_split_further(x_spec, w_spec, b_spec):
+    """``x @ w + b`` with the bias split over two axes on the columns and w over the first of them
+    (or over both, the second on its rows): XLA computes only the bias's eighth of the columns, w
+    sliced further (or moved onto its columns by an all-to-all, 1,536 B); fast mode had computed
+    the columns w's own split gave (2x or 4x XLA's FLOPs; XLA:CPU, 2026-12-07)."""
+    mesh = {"data": 2, "model": 4}
+    fn = lambda x, w, b: x @ w + b  # noqa: E731
+    avals, specs = (S(8, 16, 48), S(48, 64), S(64)), (x_spec, w_spec, b_spec)
+    xla, predicted = by_kind(fn, avals, specs, None, mesh)
+    assert predicted == xla
+    flops, fast_flops = flops_of(fn, avals, specs, mesh)
+    assert fast_flops == pytest.approx(flops, rel=0.02)
+    assert flops < 1.05 * 2 * 8 * 16 * 48 * 64 / 8

@@ -767,18 +767,28 @@ def _slice_to(
     rfree: Sequence[int],
 ) -> None:
     """Lay a matmul's operands out so that it computes only ``tile`` of its result: each batch and
-    free dim whole on its side(s) takes the tile's axes where neither operand splits any dim over
-    them: a slice of what the device holds. In place."""
+    free dim whole on its side(s), or split over a prefix of the tile's axes there, takes the
+    tile's axes where neither operand splits any dim over the rest: a slice of what the device
+    holds. In place."""
     spots: list[tuple[tuple[list[list[str]], int], ...]] = [
         ((ldims, i), (rdims, j)) for i, j in zip(lb, rb, strict=True)
     ]
     spots += [((ldims, i),) for i in lfree] + [((rdims, j),) for j in rfree]
     taken = {x for d in (*ldims, *rdims) for x in d}
     for want, sides in zip(tile, spots, strict=True):
-        if want and not set(want) & taken and all(not dims[k] for dims, k in sides):
+        have = sides[0][0][sides[0][1]]
+        more = set(want[len(have) :])
+        # whole there, or split over a prefix of the tile's axes and the rest free: sliced further
+        if (
+            want
+            and len(want) > len(have)
+            and tuple(have) == tuple(want[: len(have)])
+            and not more & taken
+            and all(dims[k] == have for dims, k in sides)
+        ):
             for dims, k in sides:
                 dims[k] = list(want)
-            taken |= set(want)
+            taken |= more
 
 
 def _cast_gather(walk: Walker, eqn: Any, x: Any, v: Val, target: Dims, mult: int, narrow: int) -> Val:
