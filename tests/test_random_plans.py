@@ -147,7 +147,7 @@ def test_quick_benchmark_reports_each_target_honestly():
 
 
 # p90 over the quick run's two pairs (both llama_tiny since the pool gained gpt2 and parallel),
-# measured 2026-12-07: all-reduce 13.9%, all-gather 34.2%, all-to-all 2.4%, peak 31.9%, FLOPs 16.7%
+# measured 2026-12-07: all-reduce 13.9%, all-gather 34.2%, all-to-all 2.4%, peak 31.9%, FLOPs 16.4%
 # (targets 10%, 10%, 10%, 15%, 2%); bounds a little above. Until the two matmul rules of 2026-12-07
 # (a result its readers split computed split; a whole weight that is a step input weighed against
 # gathering the other side) the all-reduces were 32.1% and the FLOPs 4.3%: the second pair's MLP
