@@ -601,7 +601,7 @@ def _single_op(target: str, fn, avals, specs, mesh: dict[str, int]) -> tuple[dic
     pytest.param("h100:8", marks=pytest.mark.skipif(not HAS_GPU, reason="needs 'shardplan[gpu]'")),
 ])
 @pytest.mark.parametrize("case", ["x @ w, x over model x seq", "x @ w + b, b over data"])
-def test_the_target_compilers_take_the_matmul_layouts_fast_mode_predicts(target, case):
+def test_the_target_compilers_take_the_matmul_layouts_fast_mode_predicts(monkeypatch, target, case):
     """Two matmul rules of 2026-12-07 checked on the compilers users run, one op at a time:
     x (8, 16, 48) over `model` on its batch and `seq` on its width times a whole (48, 144) weight:
     x gathered over `seq` (in bf16 on XLA:TPU, 6,144 B; XLA:GPU 12,288 B), not the result summed;
@@ -611,6 +611,8 @@ def test_the_target_compilers_take_the_matmul_layouts_fast_mode_predicts(target,
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
+    # compile-only, in this process: libtpu's one-process lock (another worker's compile) does not apply
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     S = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     if case.startswith("x @ w,"):
         mesh = {"model": 2, "seq": 4}
