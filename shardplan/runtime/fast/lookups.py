@@ -27,21 +27,33 @@ def gather(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
     outvar = eqn.outvars[0]
     if out.partial or outvar in walk.claimed or outvar in walk.wants or outvar in walk.back:
         return out
-    table, idx = ins[0], ins[1]
-    dn = eqn.params["dimension_numbers"]
-    offset = tuple(dn.offset_dims)
-    kept = [i for i in range(len(table.shape)) if i not in tuple(dn.collapsed_slice_dims)]
-    width = {a for k, i in zip(offset, kept, strict=False) if table.shape[i] == out.shape[k] for a in table.dims[i]}
-    batch_out = [k for k in range(len(out.shape)) if k not in offset]
+    batch_out, indexed, kept, whole = _indexed(eqn, ins[0], ins[1], out.shape)
+    offset = tuple(eqn.params["dimension_numbers"].offset_dims)
+    width = {a for k, i in zip(offset, kept, strict=False) if k in whole for a in ins[0].dims[i]}
     laid = list(out.dims)
-    for k, b in zip(batch_out, range(len(idx.shape)), strict=False):
-        axes = idx.dims[b] if b < len(idx.dims) else ()
-        if width & set(axes):
-            prefix = tuple(itertools.takewhile(lambda a: a not in width, axes))
+    for k in batch_out:
+        if width & set(indexed[k]):
+            prefix = tuple(itertools.takewhile(lambda a: a not in width, indexed[k]))
             laid[k] = tuple(a for a in laid[k] if a in prefix)
     if tuple(laid) == out.dims:
         return out
     return reshard(walk, outvar, out, tuple(laid), mult, "gather")
+
+
+def _indexed(
+    eqn: Any, table: Val, idx: Val, shape: tuple[int, ...]
+) -> tuple[list[int], list[tuple[str, ...]], list[int], list[int]]:
+    """A lookup's output dims: those that follow the indices (the batch), each split as its index
+    dim; the table's kept dims; and the output dims that hold a kept dim whole (an embedding's width)."""
+    dn = eqn.params["dimension_numbers"]
+    offset = tuple(dn.offset_dims)
+    batch_out = [k for k in range(len(shape)) if k not in offset]
+    dims: list[tuple[str, ...]] = [()] * len(shape)
+    for k, b in zip(batch_out, range(len(idx.shape)), strict=False):
+        dims[k] = idx.dims[b] if b < len(idx.dims) else ()
+    kept = [i for i in range(len(table.shape)) if i not in tuple(dn.collapsed_slice_dims)]
+    whole = [k for k, i in zip(offset, kept, strict=False) if table.shape[i] == shape[k]]
+    return batch_out, dims, kept, whole
 
 
 def _lookup(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
@@ -52,13 +64,8 @@ def _lookup(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
     collapsed = tuple(dn.collapsed_slice_dims)
     shape = tuple(out_aval.shape)
     # Batch dims of the output follow the indices; offset dims follow the table's kept dims.
-    batch_out = [k for k in range(len(shape)) if k not in offset]
-    dims: list[tuple[str, ...]] = [()] * len(shape)
-    for k, b in zip(batch_out, range(len(idx.shape)), strict=False):
-        dims[k] = idx.dims[b] if b < len(idx.dims) else ()
+    batch_out, dims, kept, whole = _indexed(eqn, table, idx, shape)
     indexed = Val(shape, itemsize(out_aval), tuple(dims))  # split as the indices, the width whole
-    kept = [i for i in range(len(table.shape)) if i not in collapsed]
-    whole = [k for k, i in zip(offset, kept, strict=False) if table.shape[i] == shape[k]]
     # An axis that splits both a kept dim of the table (an embedding's width) and the
     # indices (the batch): GSPMD keeps the table in place, gathers the indices over that
     # axis and looks up the table's slice for every index (measured, with the lookup's

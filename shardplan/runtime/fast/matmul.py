@@ -770,13 +770,9 @@ def _slice_to(
     free dim whole on its side(s), or split over a prefix of the tile's axes there, takes the
     tile's axes where neither operand splits any dim over the rest: a slice of what the device
     holds. In place."""
-    spots: list[tuple[tuple[list[list[str]], int], ...]] = [
-        ((ldims, i), (rdims, j)) for i, j in zip(lb, rb, strict=True)
-    ]
-    spots += [((ldims, i),) for i in lfree] + [((rdims, j),) for j in rfree]
     taken = {x for d in (*ldims, *rdims) for x in d}
-    for want, sides in zip(tile, spots, strict=True):
-        have = sides[0][0][sides[0][1]]
+    for want, sides in zip(tile, _sides(ldims, rdims, lb, rb, list(lfree), list(rfree)), strict=True):
+        have = list(sides[0])
         more = set(want[len(have) :])
         # whole there, or split over a prefix of the tile's axes and the rest free: sliced further
         if (
@@ -784,10 +780,10 @@ def _slice_to(
             and len(want) > len(have)
             and tuple(have) == tuple(want[: len(have)])
             and not more & taken
-            and all(dims[k] == have for dims, k in sides)
+            and all(side == have for side in sides)
         ):
-            for dims, k in sides:
-                dims[k] = list(want)
+            for side in sides:
+                side[:] = want
             taken |= more
 
 
