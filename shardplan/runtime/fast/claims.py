@@ -197,3 +197,28 @@ def _claims_back(jaxpr: Any, claimed: dict[Any, Dims], split: Callable[[Dims], i
     for x in jaxpr.invars:
         settle(x)
     return out
+
+
+def passed_layouts(jaxpr: Any, seeds: dict[Any, Dims]) -> dict[Any, Dims]:
+    """Shardy's first phase of propagation (``OpPriorityPropagation``: elementwise ops first, in
+    both directions, before any matmul's): the layouts the step's split inputs give the values an
+    unbroken chain of elementwise ops of one shape links them to (the first seed reaching a value
+    wins)."""
+    table = dict(seeds)
+    eqns = [e for e in jaxpr.eqns if e.primitive.name in ELEMENTWISE and e.outvars]
+    for _ in range(3):
+        grew = False
+        for eqn in (*eqns, *reversed(eqns)):
+            shape = tuple(eqn.outvars[0].aval.shape)
+            links = (*eqn.invars, eqn.outvars[0])
+            members = [x for x in links if not hasattr(x, "val") and tuple(x.aval.shape) == shape]
+            known = next((table[x] for x in members if x in table), None)
+            if known is None:
+                continue
+            for x in members:
+                if x not in table:
+                    table[x] = known
+                    grew = True
+        if not grew:
+            break
+    return {x: d for x, d in table.items() if x not in seeds}

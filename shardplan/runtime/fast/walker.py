@@ -12,7 +12,7 @@ from typing import Any
 from shardplan.core.stepcost import Constrained
 from shardplan.core.timing import COMBINE_BYTES
 from shardplan.runtime import splitk
-from shardplan.runtime.fast.claims import _claims_back, _spread, reshaped_back
+from shardplan.runtime.fast.claims import _claims_back, _spread, passed_layouts, reshaped_back
 from shardplan.runtime.fast.memory import _fused_outputs, _kernels, _last_wide_readers, _readers, _recomputed
 from shardplan.runtime.fast.opsets import _IN_PLACE, _VIEWS
 from shardplan.runtime.fast.priority import early_values
@@ -98,6 +98,9 @@ class Walker:
         # and the transposes that alone read them: whole by XLA's choice, never a ``slices`` entry
         self.kept_whole: set[Any] = set()
         self.free: dict[Any, Dims] = dict(free or {})
+        # Values Shardy's first propagation phase lays out (elementwise ops only, both ways, from
+        # the step's split inputs): a matmul computing one computes in that layout (``claims.passed_layouts``)
+        self.passed: dict[Any, Dims] = {}
         self.constant: set[Any] = set()  # values computed from literals alone (XLA keeps them whole)
         # A broadcast's result -> (its operand, the operand's layout, broadcast_dimensions): where an
         # elementwise op moves it, XLA moves the operand at its own size.
@@ -204,6 +207,11 @@ class Walker:
             if hit is None or hit[0] is not jaxpr:
                 hit = self.memo[("early", id(jaxpr))] = (jaxpr, early_values(jaxpr))
             self.early, self.late = hit[1]
+            seeds = frozenset((x, env[x].dims) for x in jaxpr.invars if x in env and any(env[x].dims))
+            hit = self.memo.get(("passed", id(jaxpr), seeds))
+            if hit is None or hit[0] is not jaxpr:
+                hit = self.memo[("passed", id(jaxpr), seeds)] = (jaxpr, passed_layouts(jaxpr, dict(seeds)))
+            self.passed = hit[1]
         self.depth += 1
         last, uses, keep, fused, (fused_v, soft, shared) = self._structure(jaxpr, boundary)
         live = peak = peak_ex = out_live = 0
