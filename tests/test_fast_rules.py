@@ -36,12 +36,19 @@ def _dims(spec, rank):
 
 def by_kind(fn, avals, in_specs, out_spec, mesh=MESH, propagation="shardplan"):
     """Per collective kind, the bytes per device XLA compiles and fast mode predicts (on its own
-    propagation's layouts, or on Shardy's: ``propagation="xla"``)."""
+    propagation's layouts, or on Shardy's: ``propagation="xla"``). ``out_spec``: the output's
+    sharding, a list of them for several outputs, or None (XLA's choice)."""
     auto = (AxisType.Auto,) * len(mesh)
     m = jax.make_mesh(tuple(mesh.values()), tuple(mesh), axis_types=auto, devices=jax.devices()[:8])
+    several = isinstance(out_spec, list)
     with jax.set_mesh(m):
         outs = jax.eval_shape(fn, *avals)
-        kw = {} if out_spec is None else {"out_shardings": NamedSharding(m, out_spec)}
+        shapes = [o.shape for o in outs] if several else [outs.shape]
+        specs = out_spec if several else [out_spec]
+        kw = {}
+        if out_spec is not None:
+            shardings = tuple(NamedSharding(m, s) for s in specs)
+            kw = {"out_shardings": shardings if several else shardings[0]}
         jitted = jax.jit(fn, in_shardings=tuple(NamedSharding(m, s) for s in in_specs), **kw)
         text = jitted.lower(*avals).compile().as_text()
         ledger = fast.propagate_function(
@@ -49,7 +56,7 @@ def by_kind(fn, avals, in_specs, out_spec, mesh=MESH, propagation="shardplan"):
             avals,
             tuple(_dims(s, len(a.shape)) for s, a in zip(in_specs, avals, strict=True)),
             mesh,
-            None if out_spec is None else (_dims(out_spec, len(outs.shape)),),
+            None if out_spec is None else tuple(_dims(s, len(o)) for s, o in zip(specs, shapes, strict=True)),
             propagation,
         )
     xla = dict.fromkeys(KINDS, 0)
@@ -1667,3 +1674,26 @@ def test_a_matmul_whose_result_meets_a_split_input_elementwise_is_computed_in_th
     assert predicted == xla, (predicted, xla)
     flops, fast_flops = flops_of(fn, avals, specs, mesh)
     assert fast_flops == pytest.approx(flops, rel=0.02)
+
+
+@pytest.mark.parametrize("propagation", ["shardplan", "xla"])
+def test_an_update_computed_split_moves_each_output_to_its_layout(propagation):
+    """An Adam-style update of a replicated weight whose gradient comes out split (x over `model`
+    on the tokens and `expert` on its width, the cotangent over `data` on its width: the gradient
+    over (expert, data)): XLA computes the update split and gathers each of its three outputs
+    (weight, mu, nu: 3 x (18,432 + 36,864) B). On XLA's own layouts fast mode let the outputs'
+    whole layout win over XLA's and gathered the gradient once (55,296 B) until 2026-12-07; 80
+    random pairs of seed 7 on XLA's layouts: all-gather p90 28.5 -> 24.3% (median 11.6 -> 5.2%)."""
+    mesh = {"model": 2, "expert": 2, "data": 2}
+
+    def fn(x, dy, w, mu, nu):
+        g = jnp.einsum("btd,btf->df", x, dy)
+        mu2 = 0.9 * mu + 0.1 * g
+        nu2 = 0.99 * nu + 0.01 * g**2
+        return w - 1e-3 * mu2 / (jnp.sqrt(nu2) + 1e-8), mu2, nu2
+
+    avals = (S(8, 16, 48), S(8, 16, 192), S(48, 192), S(48, 192), S(48, 192))
+    specs = (P("model", None, "expert"), P("model", None, "data"), P(), P(), P())
+    xla, predicted = by_kind(fn, avals, specs, [P(), P(), P()], mesh, propagation=propagation)
+    assert xla["all-gather"] == 3 * (24 * 192 + 48 * 192) * 4
+    assert predicted == xla, (predicted, xla)

@@ -182,6 +182,11 @@ def elementwise(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
         return out
     hint = walk.hints.get(outvar)
     claim = walk.claimed.get(outvar)
+    if walk.xla_claims and claim is not None and hint is not None and hint != claim:
+        # On XLA's layouts the value's own is XLA's, not the output's it leads to: the chain is
+        # computed there and each output moved at its end (an Adam update of a replicated weight
+        # whose gradient XLA lays out split: three gathers, one per output; measured)
+        hint = claim
     if hint is None and claim is not None and len({v.dims for _, v in full}) > 1:
         # Computed in a constrained layout its operands do not share: XLA moves each operand to
         # it (a select's mask and values gathered apart, its constant fill whole already);
