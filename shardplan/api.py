@@ -604,6 +604,11 @@ class StepCoster:
         self._costs: collections.OrderedDict[tuple, StepCost] = collections.OrderedDict()
         self.memo_hits = 0
 
+    def forget(self) -> None:
+        """Drop the costs kept so far (the trace stays): the next cost of each plan is computed
+        again, as a search's first look at a plan is (what ``benchmarks.recost`` times)."""
+        self._costs.clear()
+
     @property
     def built(self) -> tuple[Any, Any]:
         return self.tracer.built

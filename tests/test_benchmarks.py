@@ -147,6 +147,7 @@ def test_benchmarks_quick_recost(tmp_path):
     assert case["traces"] >= 1 and len(case["rows"]) == 3
     assert all(r["equal"] for r in case["rows"]), "a re-cost differs from the full analysis"
     assert all(0 < r["recost_s"] and 0 < r["full_s"] for r in case["rows"])
+    assert all(r["looked_up"] == 0 for r in case["rows"]), "a timed re-cost was a memo hit"
     assert [c["met"] for c in checks if not c["timing"] and c["measurement"].startswith("re-cost")] == ["yes"]
 
 
