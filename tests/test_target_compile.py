@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import shardplan
 from shardplan.core import hlo, targets
@@ -624,3 +625,40 @@ def test_the_target_compilers_take_the_matmul_layouts_fast_mode_predicts(monkeyp
     compiled, flops, predicted, fast_flops = _single_op(target, fn, avals, specs, mesh)
     assert predicted == compiled and compiled.get("all-reduce", 0) == 0 and compiled["all-gather"] > 0
     assert fast_flops == pytest.approx(flops, rel=0.02)
+
+
+@pytest.mark.skipif(not HAS_TPU, reason="needs 'shardplan[tpu]'")
+@pytest.mark.parametrize("spec, out, gathered", [
+    (P("expert", "data"), P(), 48 * 192 * 4),
+    (P(("expert", "model"), "data"), P(), 48 * 192 * 4),
+    (P("expert", None, "data"), P(), 8 * 16 * 192 * 4),
+    (P("expert", "data"), P("expert"), 48 * 192 * 4 // 2),
+], ids=["two dims", "two dims, two axes on one", "first and last of three", "one dim kept"])
+def test_xla_tpu_gathers_a_value_whole_on_several_dims_at_once(monkeypatch, spec, out, gathered):
+    """XLA:TPU (v5e, offline) gathers a value split on several dims with one all-gather over all
+    their axes (the whole result's bytes); XLA:CPU and XLA:GPU gather one dim after the other
+    (18,432 + 36,864 B for the first case). Fast mode told the TPU target predicts that
+    (``Compiler.gathers_at_once``); it had predicted the per-dim gathers until 2026-12-07."""
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+
+    from shardplan.runtime import exact
+    from shardplan.runtime.fast import costing
+    from tests.test_fast_rules import _dims
+
+    mesh = {"model": 2, "expert": 2, "data": 2}
+    shape = (48, 192) if len(spec) == 2 else (8, 16, 192)
+    aval = jax.ShapeDtypeStruct(shape, jnp.float32)
+    aim = targets.parse("tpu-v5e:2x4")
+    m = jax.make_mesh((2, 2, 2), tuple(mesh), axis_types=(AxisType.Auto,) * 3, devices=exact._topology_devices(aim))
+    fn = lambda x: x * 2.0  # noqa: E731
+    with jax.set_mesh(m):
+        text = jax.jit(fn, in_shardings=NamedSharding(m, spec), out_shardings=NamedSharding(m, out)).lower(
+            aval).compile().as_text()
+    compiled = sum(op.bytes_per_step for op in hlo.with_axes(hlo.parse(text, 8), mesh) if op.kind == "all-gather")
+    ledger = costing.propagate_function(fn, (aval,), (_dims(spec, len(shape)),), mesh, (_dims(out, len(shape)),),
+                                        compiler=aim.book)
+    assert compiled == gathered
+    assert ledger.bytes_of("all-gather") == compiled

@@ -140,6 +140,11 @@ class Compiler:
       state likewise, and each of them is copied back into the param's layout: a kernel per
       updated array, of the shard's bytes (XLA:GPU, the same llama_small steps: 87 copies for 29
       weights under Adam, 3 arrays each).
+    - ``gathers_at_once``: a value gathered whole on several dims is gathered by one all-gather
+      over all their axes (the whole result's bytes), not one per dim, the last dim first (XLA:TPU
+      v5e, measured offline on single reshards over model=2, expert=2, data=2, 2026-12-07: (48,
+      192) over (expert, data) made whole, 36,864 B, where XLA:CPU and XLA:GPU gather 18,432 B then
+      36,864 B; an Adam update of a replicated weight whose gradient is laid out so, 3 x 36,864 B).
     - ``split_k``: the GPU a matmul's contraction is split for (``runtime/splitk.py``: XLA:GPU cuts
       the contraction of a matmul with few output tiles into chunks, computes their partial results
       in float32 side by side and adds them up: a workspace of the result times the chunks is alive
@@ -167,6 +172,7 @@ class Compiler:
     transposes_in_place: bool = False
     minor_gather: frozenset[str] = frozenset()
     minor_scatter: bool = False
+    gathers_at_once: bool = False
 
 
 _REASSOCIATES = splitk.ADDS  # the ops XLA:GPU and XLA:TPU add partial sums with before reducing them
@@ -207,6 +213,7 @@ COMPILERS = {
         scatters_early=True,
         transposes_in_place=True,
         whole_ragged="kernel",
+        gathers_at_once=True,
     ),
 }
 

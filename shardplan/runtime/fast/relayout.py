@@ -307,13 +307,21 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
                 dims[i].append(a)
     # Axes the target leaves out: all-gather (the gathered result's bytes), the last dim first
     # (measured: (data, model) made whole gathers `model` on the small buffer, then `data`).
+    carried: list[str] = []  # axes gathered with a dim further left, in one collective (``gathers_at_once``)
     for i, cur in reversed(list(enumerate(list(dims)))):
         drop = [a for a in cur if a not in target[i]]
         if drop:
             kept = [a for a in cur if a in target[i]]
             fresh = [a for a in target[i] if all(a not in d for d in dims)]
             coarser = bool(not kept and fresh and walk.ctx.split(tuple(cur)) % walk.ctx.split(tuple(fresh)) == 0)
-            if kept != cur[: len(kept)] or coarser:
+            simple = kept == cur[: len(kept)] and not coarser
+            if simple and walk.ctx.book.gathers_at_once and any(a not in target[j] for j in range(i) for a in dims[j]):
+                dims[i] = kept
+                carried += drop
+                continue
+            drop = [a for a in walk.ctx.mesh if a in drop or a in carried] if carried else drop
+            carried = []
+            if not simple:
                 # A kept axis after a dropped one, or the dim coarser over other axes: the blocks
                 # are permuted first, then gathered in groups (measured on single reshards over
                 # data=4, model=2: (model, data) to data, and data to model on a dim).
