@@ -19,7 +19,7 @@ from typing import Any
 
 from shardplan import api
 from shardplan.core import backends, chips, optimizers, search, targets, timing
-from shardplan.core.format import fmt_bytes
+from shardplan.core.format import fmt_bytes, fmt_count
 from shardplan.core.notes import Note
 from shardplan.core.stepcost import StepCost
 from shardplan.errors import ShardPlanError, as_error, error
@@ -498,8 +498,8 @@ def render(
     ``status``: why the winner was not confirmed by a compiler ('' when it was)."""
     t = winner.time
     head = [
-        f"Written by shardplan suggest: {searched} plans costed in {seconds:.1f} s for {devices} devices on "
-        f"{hw.name}, at most {fmt_bytes(budget)} per device"
+        f"Written by shardplan suggest: {fmt_count(searched, 'plan')} costed in {seconds:.1f} s for "
+        f"{fmt_count(devices, 'device')} on {hw.name}, at most {fmt_bytes(budget)} per device"
         + (f", ranked by the {space.backend} backend's step." if space.backend != "auto" else "."),
         f"This plan: {best.description}.",
         f"Fast mode{'' if compiler == 'XLA:CPU' else f' ({compiler} rules)'} predicts a step of "
@@ -714,7 +714,7 @@ def improve(
             except ShardPlanError:
                 seen[text] = None
             if progress:
-                progress(f"{len(seen)} plans costed")
+                progress(f"{fmt_count(len(seen), 'plan')} costed")
         return seen[text]
 
     start = score(original)

@@ -487,6 +487,20 @@ def test_a_device_count_nothing_divides_says_so_in_the_header():
     plan = shardplan.loads(got.text, "suggested.splan")
     assert not plan.params and "FSDP" not in got.best.description, got.text
     assert "nothing split" in got.best.description and "16 rows" in got.best.description, got.best.description
+    assert got.searched == 1 and "suggest: 1 plan costed in" in got.text, got.text
+
+
+def test_the_cli_summary_counts_in_words_on_one_line(tmp_path, capsys):
+    """The closing line a user reads: one plan is "1 plan", one trace "1 trace", and the line is not
+    wrapped at the terminal's width (it had ended "...; " with the output path on the next line)."""
+    out = tmp_path / "p.splan"
+    rc = cli.main(["suggest", "--model", f"{RENAMED}:tower", "--step", f"{RENAMED}:loss", "--batch", BATCH[0],
+                   "--devices", "7", "--no-compile", "-o", str(out)])
+    (last,) = [line for line in capsys.readouterr().err.splitlines() if "costed in" in line]
+    traces = int(last.split("(")[1].split(" ")[0])  # 0 where this process traced the model already
+    assert rc == 0 and last.startswith("1 plan costed in "), last
+    assert f"({traces} trace)" in last if traces == 1 else f"({traces} traces)" in last, last
+    assert last.endswith(f"; written to {out}"), last
 
 
 def test_a_batch_no_mesh_splits_says_so_and_what_would():

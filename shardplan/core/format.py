@@ -15,6 +15,11 @@ def fmt_shape(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
+def fmt_count(n: int, noun: str) -> str:
+    """``1 plan``, ``23 plans``: a count and its noun, plural unless the count is one."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def fmt_bytes(n: float) -> str:
     """``512 B``, ``4.00 MiB``, ``1.50 GiB`` (binary units)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

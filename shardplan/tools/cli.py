@@ -19,7 +19,7 @@ from rich.console import Console
 
 from shardplan import api
 from shardplan.core import backends, callables, chips, lock, optimizers, routing, targets, timing
-from shardplan.core.format import fmt_bytes, parse_bytes
+from shardplan.core.format import fmt_bytes, fmt_count, parse_bytes
 from shardplan.core.meshes import parse_links_arg, parse_mesh_arg, with_links
 from shardplan.core.resolve import DEFAULT_REPLICATED_THRESHOLD
 from shardplan.core.shapes import ITEMSIZE, parse_batch_arg
@@ -691,7 +691,7 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
 
             def progress(line: str) -> None:
                 count[0] += 1
-                bar.update(task, description=f"{count[0]} plans costed; {line}")
+                bar.update(task, description=f"{fmt_count(count[0], 'plan')} costed; {line}")
 
             result = planner.suggest(**kw, progress=progress)
     else:
@@ -707,11 +707,13 @@ def cmd_suggest(args, out: Console, err: Console) -> int:
     for note in result.notes:
         err.print(f"note: {note}", markup=False, highlight=False)
     err.print(
-        f"{result.searched} plans costed in {result.search_s:.1f} s ({result.traces} traces)"
+        f"{fmt_count(result.searched, 'plan')} costed in {result.search_s:.1f} s "
+        f"({fmt_count(result.traces, 'trace')})"
         + (f", the best confirmed in exact mode in {result.confirm_s:.1f} s" if result.best.exact_step_s else "")
         + (f"; written to {args.output}" if args.output else ""),
         markup=False,
         highlight=False,
+        soft_wrap=True,
     )
     return EXIT_OK
 
@@ -729,7 +731,7 @@ def _improve(args, out: Console, err: Console, common: dict) -> int:
         err.print(
             f"{args.start}: no single rule change saves {planner.MIN_GAIN:.0%} of its predicted step "
             f"({result.step_s * 1e3:,.3f} ms on {result.chip}); "
-            f"{result.searched} plans costed in {result.search_s:.1f} s",
+            f"{fmt_count(result.searched, 'plan')} costed in {result.search_s:.1f} s",
             markup=False,
             highlight=False,
             soft_wrap=True,
@@ -750,7 +752,7 @@ def _improve(args, out: Console, err: Console, common: dict) -> int:
     err.print(
         f"{len(result.changes)} change(s): predicted step {result.step_s * 1e3:,.3f} -> "
         f"{result.changes[-1].step_s * 1e3:,.3f} ms on {result.chip} ({-result.gain:+.1%}); "
-        f"{result.searched} plans costed in {result.search_s:.1f} s"
+        f"{fmt_count(result.searched, 'plan')} costed in {result.search_s:.1f} s"
         + (f"; written to {args.output}" if args.output else ""),
         markup=False,
         highlight=False,
