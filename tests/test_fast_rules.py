@@ -1722,3 +1722,48 @@ def test_a_split_whose_pieces_are_wanted_whole_on_the_cut_dim_gathers_it(propaga
     xla, predicted = by_kind(fn, avals, specs, P(("expert", "data")), mesh, propagation=propagation)
     assert xla == {**dict.fromkeys(KINDS, 0), "all-gather": 8 * 16 * 144 * 4}
     assert predicted == xla, (predicted, xla)
+
+
+BMM = ("bij,bjk->bik", (jax.ShapeDtypeStruct((16, 64, 32), jnp.float32), jax.ShapeDtypeStruct((16, 32, 48), jnp.float32)))
+SMALL_RHS = (jax.ShapeDtypeStruct((16, 64, 32), jnp.float32), jax.ShapeDtypeStruct((16, 32, 8), jnp.float32))
+
+
+@pytest.mark.parametrize("lhs_spec, rhs_spec, out_spec, avals, permuted, propagations", [
+    # the rhs gathered off its batch dim over expert, the lhs keeping expert on i: all three permuted
+    (P("data", "expert"), P(("data", "expert")), P("data", "expert"), BMM[1], 32_768 + 24_576 + 49_152,
+     ("shardplan", "xla")),
+    # the same with a small rhs (gathered, no larger than the lhs): the rhs alone, before and after its gather
+    (P("data", "expert"), P(("data", "expert")), P("data", "expert"), SMALL_RHS, 4_096 + 8_192, ("shardplan", "xla")),
+    # the rhs gathered off its columns, or off its contraction: the rhs alone permuted
+    (P("data", "expert"), P("data", None, "expert"), P("data", "expert"), BMM[1], 24_576, ("shardplan", "xla")),
+    (P("data", "expert"), P("data", "expert"), P("data", "expert"), BMM[1], 24_576, ("shardplan", "xla")),
+    # mirrored: the lhs gathered off its batch dim, the rhs keeping expert on k
+    (P(("data", "expert")), P("data", None, "expert"), P("data", None, "expert"), BMM[1], 32_768 + 24_576 + 49_152,
+     ("xla",)),
+    # the lhs takes expert on i by a slice (it kept nothing): gathered, nothing permuted
+    (P("data"), P(("data", "expert")), P("data", "expert"), BMM[1], 0, ("xla",)),
+], ids=["off the batch dim", "off the batch dim, small rhs", "off its columns", "off its contraction", "mirrored",
+        "kept by a slice"])
+def test_a_matmul_gathering_an_axis_the_other_side_keeps_beside_an_idle_axis_permutes_blocks(
+        lhs_spec, rhs_spec, out_spec, avals, permuted, propagations):
+    """Over data=2, expert=2, model=2 (model split by nothing in the matmul), an operand gathered
+    over expert while the other keeps expert on a free dim: XLA:CPU permutes the gathered operand's
+    blocks before gathering them, and where expert leaves a batch dim also the other operand's and
+    the result's (the matmul computed in another device order), unless the gathered operand is
+    no larger than the other: then it is permuted again after its gather. Fast mode had only the
+    gather (``matmul._reordered``)."""
+    spec = BMM[0]
+    for propagation in propagations:
+        xla, fast_mode = by_kind(lambda a, b: jnp.einsum(spec, a, b), avals, (lhs_spec, rhs_spec), out_spec,
+                                 mesh={"data": 2, "expert": 2, "model": 2}, propagation=propagation)
+        assert xla["collective-permute"] == permuted, xla
+        assert fast_mode == xla, (propagation, xla, fast_mode)
+
+
+def test_a_matmul_on_two_axes_gathers_without_permuting():
+    """The same first case over data=2, expert=4 (no idle axis): the gather alone, as fast mode says."""
+    spec, avals = BMM
+    xla, fast_mode = by_kind(lambda a, b: jnp.einsum(spec, a, b), avals,
+                             (P("data", "expert"), P(("data", "expert"))), P("data", "expert"),
+                             mesh={"data": 2, "expert": 4})
+    assert xla["collective-permute"] == 0 and xla["all-gather"] > 0 and fast_mode == xla, (xla, fast_mode)

@@ -662,3 +662,39 @@ def test_xla_tpu_gathers_a_value_whole_on_several_dims_at_once(monkeypatch, spec
                                         compiler=aim.book)
     assert compiled == gathered
     assert ledger.bytes_of("all-gather") == compiled
+
+
+@pytest.mark.skipif(not HAS_TPU, reason="needs 'shardplan[tpu]'")
+@pytest.mark.parametrize("rhs_spec, permuted", [
+    (P(("data", "expert")), 16_384 + 12_288 + 49_152),  # both operands in bf16, the f32 result
+    (P("data", None, "expert"), 12_288),  # the rhs alone, in bf16
+], ids=["off the batch dim", "off a free dim"])
+def test_xla_tpu_permutes_a_matmul_operand_gathered_beside_an_idle_axis(monkeypatch, rhs_spec, permuted):
+    """``bij,bjk->bik`` over data=2, expert=2, model=2, the lhs over (data, expert) on (b, i) as the
+    result is, the rhs gathered over expert: XLA:TPU v5e permutes the blocks as XLA:CPU does (the
+    operands in their bf16 copies), and fast mode told the TPU target says so (both kinds equal)."""
+    monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding
+
+    from shardplan.runtime import exact
+    from shardplan.runtime.fast import costing
+    from tests.test_fast_rules import _dims
+
+    mesh = {"data": 2, "expert": 2, "model": 2}
+    avals = (jax.ShapeDtypeStruct((16, 64, 32), jnp.float32), jax.ShapeDtypeStruct((16, 32, 48), jnp.float32))
+    specs, out = (P("data", "expert"), rhs_spec), P("data", "expert")
+    aim = targets.parse("tpu-v5e:2x4")
+    m = jax.make_mesh((2, 2, 2), tuple(mesh), axis_types=(AxisType.Auto,) * 3, devices=exact._topology_devices(aim))
+    fn = lambda a, b: jnp.einsum("bij,bjk->bik", a, b)  # noqa: E731
+    with jax.set_mesh(m):
+        text = jax.jit(fn, in_shardings=tuple(NamedSharding(m, s) for s in specs),
+                       out_shardings=NamedSharding(m, out)).lower(*avals).compile().as_text()
+    compiled: dict[str, int] = {}
+    for op in hlo.with_axes(hlo.parse(text, 8), mesh):
+        compiled[op.kind] = compiled.get(op.kind, 0) + op.bytes_per_step
+    ledger = costing.propagate_function(fn, avals, tuple(_dims(s, 3) for s in specs), mesh, (_dims(out, 3),),
+                                        compiler=aim.book)
+    assert compiled["collective-permute"] == permuted, compiled
+    assert {k: ledger.bytes_of(k) for k in compiled} == compiled
