@@ -1767,3 +1767,22 @@ def test_a_matmul_on_two_axes_gathers_without_permuting():
                              (P("data", "expert"), P(("data", "expert"))), P("data", "expert"),
                              mesh={"data": 2, "expert": 4})
     assert xla["collective-permute"] == 0 and xla["all-gather"] > 0 and fast_mode == xla, (xla, fast_mode)
+
+
+@pytest.mark.parametrize("lhs_spec, rhs_spec, avals, moved", [
+    (P("data", "expert"), P(("data", "expert")), BMM[1], 32_768),  # the lhs, expert off i
+    (P("data", None, "expert"), P(("data", "expert")), BMM[1], 32_768),  # the lhs, expert off its contraction
+    (P(("data", "expert")), P("data", None, "expert"), BMM[1], 24_576),  # the rhs, expert off k
+    (P("data", "expert"), P(("data", "expert")), SMALL_RHS, 32_768),
+], ids=["lhs off i", "lhs off j", "rhs off k", "small rhs"])
+def test_an_operand_moved_onto_the_others_batch_split_beside_an_idle_axis_goes_through_it(
+        lhs_spec, rhs_spec, avals, moved):
+    """``bij,bjk->bik`` over data=2, expert=2, model=2, the result over (data, expert) on b, one
+    operand over data on b and expert on another dim, the other over (data, expert) on b: XLA:CPU
+    slices the first's batch over the idle `model`, permutes the half blocks so `model` stands where
+    `expert` was, and gathers over `model` (half the operand's local bytes permuted, its bytes
+    gathered), not the all-to-all of the operand alone that fast mode had predicted."""
+    xla, fast_mode = by_kind(lambda a, b: jnp.einsum(BMM[0], a, b), avals, (lhs_spec, rhs_spec),
+                             P(("data", "expert")), mesh={"data": 2, "expert": 2, "model": 2}, propagation="xla")
+    assert xla["all-to-all"] == 0 and xla["collective-permute"] == moved // 2 and xla["all-gather"] == moved, xla
+    assert fast_mode == xla, (xla, fast_mode)
