@@ -277,19 +277,13 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             whole = _whole_where_split_further(further, ldims, rdims, lfree, rfree, partial, rsplit, lsplit)
     lt, rt = _tuple(ldims), _tuple(rdims)
     narrow = walk.ctx.book.matmul_itemsize
-    used = pending | partial | lhs.axes | rhs.axes | {a for d in (*lt, *rt) for a in d}
-    # (the operands as they came: a contraction gathered above was gathered by the partitioner here)
-    firsts = tuple(o if not o.partial else v for o, v in zip(ins, (lhs, rhs), strict=True))
-    used |= firsts[0].axes | firsts[1].axes
-    reordered, result_moved = _reordered(walk, (firsts[0], firsts[1]), (lt, rt), (lb, rb), (lfree, rfree), used)
+    # The operands as they came (a contraction gathered above is gathered by the partitioner here).
+    l0, r0 = (o if not o.partial else v for o, v in zip(ins, (lhs, rhs), strict=True))
+    used = pending | partial | lhs.axes | rhs.axes | l0.axes | r0.axes | {a for d in (*lt, *rt) for a in d}
+    reordered, result_moved = _reordered(walk, (l0, r0), (lt, rt), (lb, rb), (lfree, rfree), used)
     for v, times in reordered:
-        cast = narrow if narrow and _reads_narrow(eqn) and v.itemsize == 4 else v.itemsize
         walk.ctx.add(
-            "collective-permute",
-            _permuted_over(walk, v, used),
-            walk.ctx.local(replace(v, itemsize=cast)) * times,
-            mult,
-            "dot_general",
+            "collective-permute", _permuted_over(walk, v, used), _moved_bytes(walk, eqn, v) * times, mult, "dot_general"
         )
     sides = []
     for x, v, t, o, bs, obs in ((lx, lhs, lt, rhs, lb, rb), (rx, rhs, rt, lhs, rb, lb)):
@@ -297,9 +291,8 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
         if through is not None:
             # onto the other side's batch split by a slice over the idle axis, a permute and a
             # gather over it (``_through_idle``), not an all-to-all
-            cast = narrow if narrow and _reads_narrow(eqn) and v.itemsize == 4 else v.itemsize
-            local = walk.ctx.local(replace(v, itemsize=cast))
             shifted, over = through
+            local = _moved_bytes(walk, eqn, v)
             walk.ctx.add(
                 "collective-permute",
                 _permuted_over(walk, v, used),
@@ -443,6 +436,14 @@ def _through_idle(
         return None  # the other side takes the split too (then XLA moves this one by all-to-all)
     idle = [a for a, n in walk.ctx.mesh.items() if n == walk.ctx.mesh[moved] and a not in used]
     return ((moved,), (idle[0],)) if idle else None
+
+
+def _moved_bytes(walk: Walker, eqn: Any, v: Val) -> int:
+    """The local bytes of a matmul operand as the compiler moves it: in the narrow type where it
+    casts float32 operands first (``Compiler.matmul_itemsize``)."""
+    narrow = walk.ctx.book.matmul_itemsize
+    cast = narrow if narrow and _reads_narrow(eqn) and v.itemsize == 4 else v.itemsize
+    return walk.ctx.local(replace(v, itemsize=cast))
 
 
 def _permuted_over(walk: Walker, v: Val, used: set[str]) -> tuple[str, ...]:
