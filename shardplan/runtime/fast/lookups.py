@@ -9,7 +9,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from shardplan.runtime.fast.relayout import reshard, resolve, to_layout
+from shardplan.runtime.fast.relayout import reshard, reshard_key, resolve, to_layout
 from shardplan.runtime.fast.values import Dims, Val, _fits, _norm, _size, _tuple, _without
 from shardplan.runtime.fast.walker import Walker
 from shardplan.runtime.primitives import itemsize
@@ -270,7 +270,7 @@ def lookup_indices(walk: Walker, var: Any, idx: Val, clash: set[str], rows: tupl
     target = _without(idx.dims, clash)
     held = walk.ctx.split(tuple(a for a in idx.axes if a in clash))
     groups = walk.ctx.split(tuple(a for a in rows if a not in idx.axes))
-    key = ("reshard", walk.key(var), target, None)
+    key = reshard_key(walk, var, target)
     if groups == 1 or held < groups or held % groups or key in walk.ctx.cache:
         return reshard(walk, var, idx, target, mult, "gather")
     axes = tuple(a for a in walk.ctx.mesh if a in clash and a in idx.axes)

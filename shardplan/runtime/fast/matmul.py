@@ -12,7 +12,7 @@ from typing import Any
 
 from shardplan.runtime import splitk
 from shardplan.runtime.fast.calls import inline
-from shardplan.runtime.fast.relayout import reshard, resolve, to_layout
+from shardplan.runtime.fast.relayout import reshard, reshard_key, resolve, to_layout
 from shardplan.runtime.fast.values import Dims, Val, _is_float, _local_shape, _norm, _reads_narrow, _tuple
 from shardplan.runtime.fast.walker import Walker
 from shardplan.runtime.primitives import itemsize
@@ -302,7 +302,7 @@ def dot(walk: Walker, eqn: Any, ins: list[Val], mult: int) -> Val:
             )
             walk.ctx.add("all-gather", over, local, mult, "dot_general")
             v = replace(v, dims=t)
-            walk.ctx.cache[("reshard", walk.key(x), t, None)] = v
+            walk.ctx.cache[reshard_key(walk, x, t)] = v
         sides.append(v)
     lhs, rhs = sides
     if narrow and _reads_narrow(eqn):
@@ -357,26 +357,22 @@ def _reordered(
     free: tuple[Sequence[int], Sequence[int]],
     used: set[str],
 ) -> tuple[tuple[tuple[Val, int], ...], bool]:
-    """What XLA's dot partitioner permutes besides the moves to ``targets`` in a matmul whose
-    batch dims are split alike on both sides and a mesh axis is idle (``used``: the axes an
-    operand, the result or a pending sum uses), where an operand is gathered over an axis the other
-    operand keeps on a free dim: that operand's blocks are permuted first (its local block, before
-    it is gathered); where the gathered axis leaves its batch dim (a split the other side's batch
-    dim extends no further), the other operand's and the result's too (the matmul computed in the
+    """What XLA's dot partitioner permutes besides the moves to ``targets``, in a matmul whose
+    batch dims are split alike on both sides beside an idle mesh axis (``used``: the axes an
+    operand, the result or a pending sum uses), where an operand is gathered over an axis the
+    other operand keeps on a free dim: the gathered operand's local block, before its gather.
+    Where that axis leaves its batch dim, both operands and the result (the matmul computed in the
     gathered operand's device order), unless the gathered operand, gathered, is no larger than the
-    other: then it alone is permuted, before and after its gather (the other's order kept; measured
-    on 14 shapes of ``bij,bjk->bik`` and ``gsec,gsd->egcd``: the rhs's 4,096 B permuted and its
-    gathered 8,192 B beside an lhs of 32,768 B; at three quarters of the lhs all three). Returns the
-    operands to permute (each with how many of its local blocks) and whether the result is
-    permuted. Measured on XLA:CPU over data=2, expert=2, model=2, ``bij,bjk->bik`` with b over
-    data (2026-12-08): the result and the lhs over (data, expert) on (b, i), the rhs over (data,
-    expert) on b: 106,496 B permuted (lhs 32,768 + rhs 24,576 + result 49,152) beside the rhs's
-    all-gather; the rhs over expert on k or j instead: 24,576 B (the rhs alone); XLA:TPU v5e the
-    same in its narrow copies (77,824 and 12,288 B); an MoE's dispatch ``gsec,gsd->egcd`` under
-    expert x tensor parallelism the same (786,432 B). None where the kept split is one the other
-    operand only acquires (a slice, an all-to-all), where every axis is used, nor (random pairs)
-    where the batch dims are whole or one side takes its batch split by a slice: those
-    measured otherwise, and matmuls with no batch dims not alike (some permute less)."""
+    other: then it alone, before and after its gather. Returns the operands to permute (each with
+    how many of its local blocks) and whether the result is permuted.
+
+    Measured on XLA:CPU over data=2, expert=2, model=2 (2026-12-08), ``bij,bjk->bik`` with b over
+    data, the result and the lhs over (data, expert) on (b, i): the rhs over (data, expert) on b
+    permutes 106,496 B (lhs 32,768 + rhs 24,576 + result 49,152) beside its gather; a rhs of 4,096 B
+    permutes 4,096 + 8,192 B; the rhs over expert on k or j, 24,576 B (the rhs alone). 14 shapes of
+    ``bij,bjk->bik`` and the MoE dispatch ``gsec,gsd->egcd`` alike; XLA:TPU v5e the same in its bf16
+    copies. Not applied (measured otherwise on random pairs): whole batch dims, a batch split one
+    side takes by a slice, matmuls with no batch dims, a kept split the other side only acquires."""
     if not any(targets[0][b] for b in batch[0]) or not any(n > 1 and a not in used for a, n in walk.ctx.mesh.items()):
         return (), False  # (no batch split, or no idle axis)
     gathered: list[tuple[Val, int]] = []

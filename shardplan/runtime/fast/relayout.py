@@ -112,6 +112,12 @@ def _with_sum_wants(walk: Walker, var: Any, v: Val, target: Dims | None) -> Dims
     return target if dims == [list(d) for d in base] else _tuple(dims)
 
 
+def reshard_key(walk: Walker, var: Any, target: Dims, tag: Any = None) -> tuple:
+    """What a move of ``var`` to ``target`` is remembered under in ``_Ctx.cache`` (its root and the
+    run that defined it, the layout, ``tag``): a later move of it there costs nothing."""
+    return ("reshard", walk.key(var), target, tag)
+
+
 def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, tag: Any = None) -> Val:
     """``v`` (no pending sums) laid out as ``target``: gathers, slices, all-to-alls. ``tag``:
     what else tells this reshard from another of the same value to the same layout (a matmul
@@ -119,7 +125,7 @@ def reshard(walk: Walker, var: Any, v: Val, target: Dims, mult: int, why: str, t
     target = _norm(target, len(v.shape))
     if v.dims == target:
         return v
-    key = ("reshard", walk.key(var), target, tag)
+    key = reshard_key(walk, var, target, tag)
     hit = walk.ctx.cache.get(key)
     if hit is not None:
         return hit
